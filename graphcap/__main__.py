@@ -1,0 +1,7 @@
+"""`python -m graphcap` is the `graphcap` command."""
+
+import sys
+
+from graphcap.cli import main
+
+sys.exit(main())

@@ -1,0 +1,331 @@
+"""`PersistentBuffers`: the static inputs every graph reads, and the one path that fills them.
+
+Dummy runs (capture) and real steps both go through `PersistentBuffers.stage`, so there
+is no second place to forget a padded tail. The buffers are allocated once at the maxima
+and never reallocated: a captured graph keeps reading the addresses it was captured with.
+
+Layout: all int32 metadata lives in one packed array, so with CUDA the host staging is one
+pinned array and the upload is one copy. On CPU the tensors *are* the host arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from graphcap.batch import GraphKey, StepBatch
+from graphcap.config import PAD_SLOT_ID, PadRules
+
+__all__ = ["PAD_SLOT_ID", "ForwardInputs", "HostView", "PadRules", "PersistentBuffers", "StagingLimits"]
+
+# Poisoned buffers hold this before each staging: any padded row the pad rules forgot
+# stays at it, an absurd value that invariants and kernels trip over at once.
+POISON = np.int32(-0x41414142)
+_MAX_CACHED_VIEWS = 1024
+_FIELDS = ("query_start_loc", "seq_lens", "input_ids", "positions", "slot_mapping", "block_table")
+
+
+class HostView(NamedTuple):
+    """Numpy views of the staged rows on the host (the rows `ForwardInputs` exposes)."""
+
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    query_start_loc: np.ndarray  # [R+1]
+    seq_lens: np.ndarray  # [R]
+    block_table: np.ndarray  # [R, B]
+
+
+@dataclass(frozen=True, slots=True)
+class StagingLimits:
+    """Bounds the staged values must respect (None: unknown, not checked)."""
+
+    block_size: int
+    max_blocks_per_req: int
+    num_blocks: int | None
+    vocab_size: int | None
+    max_model_len: int | None
+    pad: PadRules
+
+    @property
+    def num_slots(self) -> int | None:
+        return None if self.num_blocks is None else self.num_blocks * self.block_size
+
+
+@dataclass(slots=True)
+class ForwardInputs:
+    """What `model.forward` receives: views of the persistent tensors for one key.
+
+    Tensor rows cover the padded shape (`T = key.num_tokens`, `R = key.num_reqs`); only the
+    first `num_tokens` tokens and `num_reqs` requests are real. The views alias persistent
+    storage: they stay valid, and keep their addresses, for the life of the buffers, and the
+    next `stage` overwrites them. A model must not resize or replace them.
+    """
+
+    input_ids: torch.Tensor  # [T] int32
+    positions: torch.Tensor  # [T] int32
+    slot_mapping: torch.Tensor  # [T] int32, PAD_SLOT_ID for tokens that must not write the cache
+    query_start_loc: torch.Tensor  # [R+1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [R] int32, total lengths including this step
+    block_table: torch.Tensor  # [R, max_blocks_per_req] int32
+    num_tokens: int
+    num_reqs: int
+    key: GraphKey
+    host: HostView
+    limits: StagingLimits
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The static input tensors by name (what a graph records addresses of)."""
+        return {name: getattr(self, name) for name in _FIELDS}
+
+
+class PersistentBuffers:
+    """Static input buffers allocated once at the maxima; `stage()` fills them for a step.
+
+    Does not decide keys (the manager's registry does) and does not run the model. Not
+    thread-safe: one staging at a time (the manager holds a lock around stage + replay).
+    """
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_num_tokens: int,
+        max_blocks_per_req: int,
+        device: torch.device | str = "cpu",
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        vocab_size: int | None = None,
+        max_model_len: int | None = None,
+        pad_rules: PadRules | None = None,
+        poison: bool = False,
+    ) -> None:
+        for name, value in (
+            ("max_num_reqs", max_num_reqs),
+            ("max_num_tokens", max_num_tokens),
+            ("max_blocks_per_req", max_blocks_per_req),
+            ("block_size", block_size),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PersistentBuffers: {name} must be an integer >= 1; got {value!r}")
+        self.max_num_reqs = max_num_reqs
+        self.max_num_tokens = max_num_tokens
+        self.max_blocks_per_req = max_blocks_per_req
+        self.device = torch.device(device)
+        self.limits = StagingLimits(
+            block_size, max_blocks_per_req, num_blocks, vocab_size, max_model_len, pad_rules or PadRules()
+        )
+        self.poison = poison
+        R, T, B = max_num_reqs, max_num_tokens, max_blocks_per_req
+        sizes = {
+            "query_start_loc": R + 1,
+            "seq_lens": R,
+            "input_ids": T,
+            "positions": T,
+            "slot_mapping": T,
+            "block_table": R * B,
+        }
+        self._offsets: dict[str, int] = {}
+        total = 0
+        for name in _FIELDS:
+            self._offsets[name] = total
+            total += sizes[name]
+        on_cuda = self.device.type == "cuda"
+        # Pinned host staging lets the upload run asynchronously with one copy.
+        host = torch.zeros(total, dtype=torch.int32, pin_memory=on_cuda)
+        self._host_tensor = host
+        self._host = host.numpy()
+        self._device_tensor = host.to(self.device) if on_cuda else host
+        self._copy_done = None  # CUDA event of the last upload; host writes wait for it
+        self._arange = np.arange(max(T, R) + 1, dtype=np.int32)
+        o = self._offsets
+        self._h_qsl = self._host[o["query_start_loc"] : o["query_start_loc"] + R + 1]
+        self._h_seq = self._host[o["seq_lens"] : o["seq_lens"] + R]
+        self._h_ids = self._host[o["input_ids"] : o["input_ids"] + T]
+        self._h_pos = self._host[o["positions"] : o["positions"] + T]
+        self._h_slot = self._host[o["slot_mapping"] : o["slot_mapping"] + T]
+        self._h_bt = self._host[o["block_table"] :].reshape(R, B)
+        self._views: dict[tuple[int, int], tuple] = {}
+        self._fill_padding(GraphKey(T, R, False), 0, 0)
+
+    @classmethod
+    def from_config(cls, config, device: torch.device | str | None = None) -> PersistentBuffers:
+        """Buffers sized from a `CaptureConfig` (batching maxima, KV cache, pad rules)."""
+        kv = config.kv_cache
+        return cls(
+            config.batching.max_num_seqs,
+            config.batching.max_num_tokens,
+            kv.max_blocks_per_req,
+            device if device is not None else "cpu",
+            block_size=kv.block_size,
+            num_blocks=kv.num_blocks,
+            vocab_size=config.model.vocab_size,
+            max_model_len=kv.max_model_len,
+            pad_rules=config.padding,
+            poison=config.checks.poison_padding,
+        )
+
+    # -- staging ---------------------------------------------------------------------------
+
+    def stage(self, batch: StepBatch, key: GraphKey) -> ForwardInputs:
+        """Fill the buffers for `batch` padded to `key` and return the views for `key`.
+
+        Real rows come from the batch; padded rows follow `limits.pad`. Every check runs
+        before the first write: a refused batch (`ValueError` naming the field and request)
+        leaves the buffers byte-identical.
+        """
+        self._check_fits(batch, key)
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the last upload still reads the pinned staging
+        if self.poison:
+            self._host.fill(POISON)
+        n, r = batch.num_tokens, batch.num_reqs
+        q, s = batch.query_lens, batch.seq_lens
+        bs = self.limits.block_size
+        qsl = self._h_qsl
+        qsl[0] = 0
+        np.cumsum(q, out=qsl[1 : r + 1])
+        self._h_seq[:r] = s
+        if batch.input_ids is None:
+            self._h_ids[:n] = 0
+        else:
+            self._h_ids[:n] = batch.input_ids
+        pos = self._h_pos[:n]
+        if batch.max_query_len == 1:  # pure decode: token i is request i's last position
+            np.subtract(s, 1, out=pos)
+            req = self._arange[:r]
+        else:
+            req = np.repeat(self._arange[:r], q)
+            np.add(np.repeat(s - q - qsl[:r], q), self._arange[:n], out=pos)
+        bt = batch.block_table
+        slot = self._h_slot[:n]
+        if bt is None:
+            np.remainder(pos, bs, out=slot)  # the null block 0
+            self._h_bt[:r] = 0
+        else:
+            np.add(bt[req, pos // bs] * bs, pos % bs, out=slot, casting="unsafe")
+            width = bt.shape[1]
+            self._h_bt[:r, :width] = bt
+            self._h_bt[:r, width:] = self.limits.pad.block_id
+        self._fill_padding(key, n, r)
+        views = self._views_for(key)
+        if self._device_tensor is not self._host_tensor:
+            self._upload(key)
+        return ForwardInputs(*views[:6], n, r, key, views[6], self.limits)
+
+    def _fill_padding(self, key: GraphKey, n: int, r: int) -> None:
+        """Write every padded row `[real : padded]` from the pad rules (the only place)."""
+        pad = self.limits.pad
+        T, R = key.num_tokens, key.num_reqs
+        tail = self._h_qsl[r + 1 : R + 1]
+        if pad.query_len == 0 or n == T:
+            tail[:] = n  # padded requests are empty: offsets repeat the last real one
+        else:
+            np.minimum(n + pad.query_len * self._arange[1 : R - r + 1], T, out=tail)
+        self._h_seq[r:R] = pad.seq_len
+        self._h_ids[n:T] = pad.token_id
+        self._h_pos[n:T] = pad.position
+        self._h_slot[n:T] = pad.slot
+        self._h_bt[r:R] = pad.block_id
+
+    def _check_fits(self, batch: StepBatch, key: GraphKey) -> None:
+        T, R = key.num_tokens, key.num_reqs
+        lim = self.limits
+        if self.max_num_tokens < T or self.max_num_reqs < R or T < 0 or R < 0:
+            raise ValueError(
+                f"{key} exceeds the buffers (max_num_tokens {self.max_num_tokens}, max_num_reqs {self.max_num_reqs})"
+            )
+        if batch.num_tokens > T:
+            raise ValueError(f"batch has {batch.num_tokens} tokens but {key} holds {T}")
+        if batch.num_reqs > R:
+            raise ValueError(f"batch has {batch.num_reqs} requests but {key} holds {R}")
+        if key.uniform and R and not batch.is_uniform(T // R):
+            raise ValueError(
+                f"{key} needs every request to have {T // R} tokens; the batch has query_lens "
+                f"from {batch.min_query_len} to {batch.max_query_len}: stage it with a mixed key"
+            )
+        if lim.max_model_len is not None and batch.max_seq_len > lim.max_model_len:
+            i = int(np.argmax(batch.seq_lens > lim.max_model_len))
+            raise ValueError(
+                f"seq_lens[{i}] is {int(batch.seq_lens[i])}, above max_model_len "
+                f"{lim.max_model_len} (kv_cache.max_model_len); finish or truncate the request"
+            )
+        ids = batch.input_ids
+        if ids is not None and lim.vocab_size is not None and batch.num_tokens and int(ids.max()) >= lim.vocab_size:
+            t = int(np.argmax(ids >= lim.vocab_size))
+            req = int(np.searchsorted(np.cumsum(batch.query_lens), t, side="right"))
+            raise ValueError(
+                f"input_ids[{t}] (request {req}) is {int(ids[t])}, outside the vocabulary "
+                f"[0, {lim.vocab_size}) (model.vocab_size)"
+            )
+        bt = batch.block_table
+        if bt is not None and batch.num_reqs:
+            width = bt.shape[1]
+            if width > self.max_blocks_per_req:
+                raise ValueError(
+                    f"block_table has {width} columns; the buffers hold {self.max_blocks_per_req} "
+                    f"per request (kv_cache.max_model_len / block_size)"
+                )
+            if lim.num_blocks is not None and int(bt.max()) >= lim.num_blocks:
+                i, j = np.argwhere(bt >= lim.num_blocks)[0]
+                raise ValueError(
+                    f"block_table[{i}, {j}] is {int(bt[i, j])}, outside the KV cache "
+                    f"[0, {lim.num_blocks}) (kv_cache.num_blocks)"
+                )
+            if batch.max_seq_len > width * lim.block_size:
+                need = -(-batch.seq_lens // lim.block_size)
+                i = int(np.argmax(need > width))
+                raise ValueError(
+                    f"request {i} has seq_len {int(batch.seq_lens[i])}, which needs {int(need[i])} "
+                    f"blocks of {lim.block_size}, but block_table has {width} columns"
+                )
+
+    # -- views and upload ------------------------------------------------------------------
+
+    def _views_for(self, key: GraphKey) -> tuple:
+        views = self._views.get((key.num_tokens, key.num_reqs))
+        if views is None:
+            if len(self._views) >= _MAX_CACHED_VIEWS:
+                self._views.pop(next(iter(self._views)))
+            T, R = key.num_tokens, key.num_reqs
+            o, dev = self._offsets, self._device_tensor
+            B = self.max_blocks_per_req
+            tensors = (
+                dev[o["input_ids"] : o["input_ids"] + T],
+                dev[o["positions"] : o["positions"] + T],
+                dev[o["slot_mapping"] : o["slot_mapping"] + T],
+                dev[o["query_start_loc"] : o["query_start_loc"] + R + 1],
+                dev[o["seq_lens"] : o["seq_lens"] + R],
+                dev[o["block_table"] : o["block_table"] + R * B].view(R, B),
+            )
+            host = HostView(
+                self._h_ids[:T],
+                self._h_pos[:T],
+                self._h_slot[:T],
+                self._h_qsl[: R + 1],
+                self._h_seq[:R],
+                self._h_bt[:R],
+            )
+            views = (*tensors, host)
+            self._views[(key.num_tokens, key.num_reqs)] = views
+        return views
+
+    def _upload(self, key: GraphKey) -> None:
+        # One copy covers every staged row: the block table is last in the layout.
+        end = self._offsets["block_table"] + key.num_reqs * self.max_blocks_per_req
+        self._device_tensor[:end].copy_(self._host_tensor[:end], non_blocking=True)
+        if self._copy_done is None:
+            self._copy_done = torch.cuda.Event()
+        self._copy_done.record()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The persistent device tensors (whole, at the maxima) by name."""
+        return {"packed": self._device_tensor}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed metadata (each of host and device on CUDA)."""
+        return self._host.nbytes

@@ -1,0 +1,87 @@
+"""Options and plumbing shared by the subcommands: config loading, `--set`, logging."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+from types import ModuleType
+
+from graphcap._yaml import YamlSyntaxError, parse_scalar
+from graphcap.config import CaptureConfig, load_config
+
+log = logging.getLogger("graphcap")
+
+
+class UserError(Exception):
+    """A mistake in what the user typed or pointed at; printed as one line, exit code 2."""
+
+
+def version() -> str:
+    from graphcap import __version__
+
+    return __version__
+
+
+def command_module(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(f"graphcap.cli.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"graphcap.cli.{name}":
+            return None
+        raise
+
+
+def add_common(parser: argparse.ArgumentParser, *, config: bool = True, device: bool = True) -> None:
+    """`--config`, `--set`, `--device`, `-v/-q`, `--debug` (the options most commands share)."""
+    if config:
+        parser.add_argument("--config", metavar="PATH", help="YAML config (default: the embedded default)")
+        parser.add_argument(
+            "--set",
+            metavar="KEY=VALUE",
+            action="append",
+            default=[],
+            dest="overrides",
+            help="override one key, e.g. --set capture.max_size=16 (value read as YAML; repeatable)",
+        )
+    if device:
+        parser.add_argument("--device", metavar="DEVICE", help="auto | cpu | cuda | cuda:N (overrides the config)")
+    add_logging(parser)
+
+
+def add_logging(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (repeatable)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    level = logging.WARNING if getattr(args, "quiet", False) else logging.INFO
+    if getattr(args, "verbose", 0):
+        level = logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", force=True)
+
+
+def parse_overrides(items: list[str]) -> dict[str, object]:
+    """`["capture.max_size=16"]` -> `{"capture.max_size": 16}`; values parse as YAML 1.2 scalars."""
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. --set capture.max_size=16")
+        try:
+            out[key.strip()] = parse_scalar(text.strip())
+        except YamlSyntaxError as exc:
+            raise UserError(f"--set {item!r}: value is not YAML: {exc.message}") from None
+    return out
+
+
+def config_from_args(args: argparse.Namespace) -> CaptureConfig:
+    """The config named by `--config` (or the default) with `--set` and `--device` applied."""
+    overrides = parse_overrides(getattr(args, "overrides", []))
+    if getattr(args, "device", None):
+        overrides["device"] = args.device
+    try:
+        return load_config(args.config, overrides)
+    except FileNotFoundError as exc:
+        raise UserError(str(exc)) from None

@@ -1,0 +1,109 @@
+"""`graphcap sizes`: the capture schedule, the padding table, the keys, the expected waste."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from graphcap.cli._common import UserError, add_common, config_from_args
+from graphcap.dispatch import KeyRegistry
+from graphcap.sizes import CaptureSizes, default_capture_sizes
+
+EPILOG = """examples:
+  graphcap sizes                                   # the embedded default config
+  graphcap sizes --config capture_configs/spec-decode.yaml
+  graphcap sizes --max-size 512 --uniform-query-len 4
+  graphcap sizes --config my.yaml --histogram batch_sizes.txt
+
+A histogram file holds one observed token count per line, or `TOKENS COUNT` pairs
+(whitespace or comma separated); `#` starts a comment.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "sizes",
+        help="show the capture schedule, padding table and padded-token waste",
+        description="Show the capture sizes of a config (or of --max-size), the padding table, the graph keys, "
+        "and the expected fraction of padded tokens.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_common(parser, device=False)
+    parser.add_argument("--max-size", type=int, metavar="N", help="show default_capture_sizes(N) instead of a config's")
+    parser.add_argument(
+        "--uniform-query-len", type=int, default=1, metavar="Q", help="with --max-size: tokens per uniform request"
+    )
+    parser.add_argument("--histogram", metavar="FILE", help="observed batch token counts, for the expected waste")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_size is not None:
+        if args.config or args.overrides:
+            raise UserError("give either --max-size or --config/--set, not both")
+        try:
+            sizes = CaptureSizes(default_capture_sizes(args.max_size, args.uniform_query_len), args.max_size)
+        except ValueError as exc:
+            raise UserError(f"--max-size/--uniform-query-len: {exc}") from None
+        registry = None
+        source = f"default_capture_sizes({args.max_size}, uniform_query_len={args.uniform_query_len})"
+    else:
+        config = config_from_args(args)
+        sizes = config.capture_sizes
+        registry = KeyRegistry.from_config(config)
+        source = f"{args.config or 'embedded default config'} (capture.mode {config.capture.mode})"
+    histogram = _read_histogram(args.histogram) if args.histogram else None
+    print(f"capture sizes from {source}")
+    print(f"  {len(sizes)} sizes: {', '.join(map(str, sizes.sizes))}")
+    print()
+    print(f"  {'tokens':>13}  {'pads to':>7}  {'waste at worst':>14}")
+    for first, last, padded in sizes.padding_table():
+        span = f"{first}" if first == last else f"{first}-{last}"
+        print(f"  {span:>13}  {padded:>7}  {(padded - first) / padded:>13.1%}")
+    print(f"  {'>' + str(sizes.max_size):>13}  {'eager':>7}")
+    if registry is not None:
+        uniform = [k for k in registry.planned if k.uniform]
+        mixed = [k for k in registry.planned if not k.uniform]
+        print()
+        print(f"  graph keys: {len(registry.planned)} ({len(uniform)} uniform, {len(mixed)} mixed)")
+        if uniform:
+            print(f"    uniform (tokens/reqs): {' '.join(f'{k.num_tokens}/{k.num_reqs}' for k in uniform)}")
+        if mixed:
+            print(f"    mixed   (tokens/reqs): {' '.join(f'{k.num_tokens}/{k.num_reqs}' for k in mixed)}")
+    print()
+    what = (
+        f"over the histogram in {args.histogram}"
+        if histogram
+        else f"with token counts 1..{sizes.max_size} equally likely"
+    )
+    print(f"  expected padded-token waste {what}: {sizes.expected_waste(histogram):.1%}")
+    if histogram:
+        above = sum(w for n, w in histogram.items() if n > sizes.max_size)
+        total = sum(histogram.values())
+        print(f"  steps above the max size (eager): {above / total:.1%}")
+    return 0
+
+
+def _read_histogram(path: str) -> dict[int, float]:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise UserError(f"--histogram {path}: cannot read: {exc.strerror or exc}") from None
+    counts: dict[int, float] = {}
+    for number, line in enumerate(lines, 1):
+        text = line.split("#", 1)[0].replace(",", " ").split()
+        if not text:
+            continue
+        try:
+            values = [float(v) for v in text]
+        except ValueError:
+            raise UserError(f"{path}:{number}: expected TOKENS or TOKENS COUNT; got {line.strip()!r}") from None
+        if len(values) > 2 or values[0] != int(values[0]) or values[0] < 1 or (len(values) == 2 and values[1] < 0):
+            raise UserError(
+                f"{path}:{number}: expected a token count >= 1 and an optional count >= 0; got {line.strip()!r}"
+            )
+        counts[int(values[0])] = counts.get(int(values[0]), 0.0) + (values[1] if len(values) == 2 else 1.0)
+    if not counts or sum(counts.values()) <= 0:
+        raise UserError(f"{path}: no batch sizes in the histogram")
+    return counts

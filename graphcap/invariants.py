@@ -1,0 +1,204 @@
+"""`check_invariants`: prove the staged metadata right before a graph reads it.
+
+Checks run on the host staging arrays (`ForwardInputs.host`), vectorized, before the
+upload is consumed. Level `basic` is O(requests) plus the padded token tail, cheap enough
+for every production step; `full` adds the O(tokens) checks on real rows.
+
+| rule | level | why it matters |
+|---|---|---|
+| `query_start_loc[0] == 0` | basic | offsets are relative to the batch start |
+| `query_start_loc` non-decreasing over all R+1 entries | basic | query lengths are its differences: a drop is a negative length (the founding bug) |
+| `query_start_loc[num_reqs] == num_tokens`, `query_start_loc[R] <= T` | basic | real requests own exactly the real tokens; no offset past the buffer |
+| padded `query_start_loc` rows follow the pad rule | basic | a stale tail is the founding bug |
+| `seq_lens >= 0`, real `seq_lens >= query_len`, padded rows per rule | basic | attention reads `seq_len` keys including this step's |
+| padded `slot_mapping` rows are the pad slot (negative) | basic | a padded token must never write a live request's KV cache |
+| uniform key: every real request has `T / R` tokens | basic | uniform kernels assume it |
+| `num_tokens <= T`, `num_reqs <= R` | basic | real rows fit the key |
+| real `slot_mapping` in `[0, num_slots)` | full | an out-of-range slot is an illegal memory access |
+| real `positions == seq_len - query_len + offset` | full | rotary and cache slots are computed from them |
+| padded `positions`, `input_ids` per rule; real `input_ids` in `[0, vocab_size)` | full | embedding/rotary lookups stay in range |
+| `block_table` in `[0, num_blocks)`; padded rows per rule | full | an out-of-range block is an illegal memory access |
+
+Address checks (a static input replaced after capture) live with the graphs (`backends`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+
+from graphcap.buffers import ForwardInputs
+
+__all__ = ["LEVELS", "InvariantViolation", "check_invariants"]
+
+LEVELS = ("off", "basic", "full")
+
+
+class InvariantViolation(RuntimeError):
+    """Staged metadata broke a rule. `.field`, `.index`, `.expected`, `.actual` say where."""
+
+    def __init__(self, field: str, index: Any, expected: Any, actual: Any, why: str, key: Any = None) -> None:
+        self.field, self.index, self.expected, self.actual = field, index, expected, actual
+        where = f"{field}[{index}]" if index is not None else field
+        suffix = f" (key {key})" if key is not None else ""
+        super().__init__(f"{where} is {actual}, expected {expected}: {why}{suffix}")
+
+
+def check_invariants(inputs: ForwardInputs, level: Literal["off", "basic", "full"] = "basic") -> None:
+    """Raise `InvariantViolation` for the first broken rule in `inputs` (see the module table).
+
+    Reads only `inputs.host`; never touches the device, so it is safe while a previous
+    graph still runs.
+    """
+    if level == "off":
+        return
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {', '.join(LEVELS)}; got {level!r}")
+    host, key, pad = inputs.host, inputs.key, inputs.limits.pad
+    n, r = inputs.num_tokens, inputs.num_reqs
+    T, R = key.num_tokens, key.num_reqs
+    if n > T or n < 0:
+        _fail("num_tokens", None, f"0..{T}", n, "the real tokens must fit the key", key)
+    if r > R or r < 0:
+        _fail("num_reqs", None, f"0..{R}", r, "the real requests must fit the key", key)
+    qsl = host.query_start_loc
+    if qsl[0] != 0:
+        _fail("query_start_loc", 0, 0, int(qsl[0]), "offsets start at 0", key)
+    lens = np.diff(qsl)
+    if lens.min(initial=0) < 0:
+        i = int(np.argmax(lens < 0)) + 1
+        _fail(
+            "query_start_loc", i, f">= {int(qsl[i - 1])}", int(qsl[i]),
+            "offsets must never decrease; a padded tail must repeat the last real offset, "
+            "or query lengths go negative (repeat_interleave asserts 'repeat >= 0')", key,
+        )  # fmt: skip
+    if qsl[r] != n:
+        _fail("query_start_loc", r, n, int(qsl[r]), f"the {r} real requests own exactly the {n} real tokens", key)
+    if qsl[R] > T:
+        _fail("query_start_loc", R, f"<= {T}", int(qsl[R]), "no offset may point past the padded tokens", key)
+    expected_tail = _qsl_tail(n, r, T, R, pad.query_len)
+    bad = np.flatnonzero(qsl[r + 1 :] != expected_tail)
+    if bad.size:
+        i = r + 1 + int(bad[0])
+        _fail(
+            "query_start_loc",
+            i,
+            int(expected_tail[bad[0]]),
+            int(qsl[i]),
+            "padded rows follow the pad rule (padding.query_len)",
+            key,
+        )
+    if key.uniform and r:
+        q = T // R
+        if lens[:r].min() != q or lens[:r].max() != q:
+            i = int(np.argmax(lens[:r] != q))
+            _fail(
+                "query_start_loc",
+                i + 1,
+                int(qsl[i]) + q,
+                int(qsl[i + 1]),
+                f"every real request of a uniform key has {q} tokens",
+                key,
+            )
+    seq = host.seq_lens
+    short = seq[:r] < lens[:r]
+    if short.any():
+        i = int(np.argmax(short))
+        _fail(
+            "seq_lens", i, f">= {int(lens[i])}", int(seq[i]), "a request attends to at least its own query tokens", key
+        )
+    bad = np.flatnonzero(seq[r:] != pad.seq_len)
+    if bad.size:
+        i = r + int(bad[0])
+        _fail("seq_lens", i, pad.seq_len, int(seq[i]), "padded requests follow the pad rule (padding.seq_len)", key)
+    if r and seq[:r].min() < 0:
+        i = int(np.argmax(seq[:r] < 0))
+        _fail("seq_lens", i, ">= 0", int(seq[i]), "lengths are never negative", key)
+    slots = host.slot_mapping
+    bad = np.flatnonzero(slots[n:] != pad.slot)
+    if bad.size:
+        i = n + int(bad[0])
+        _fail(
+            "slot_mapping",
+            i,
+            pad.slot,
+            int(slots[i]),
+            "a padded token must never write the KV cache (PAD_SLOT_ID)",
+            key,
+        )
+    if level == "full":
+        _check_full(inputs, lens)
+
+
+def _check_full(inputs: ForwardInputs, lens: np.ndarray) -> None:
+    host, key, lim = inputs.host, inputs.key, inputs.limits
+    pad = lim.pad
+    n, r = inputs.num_tokens, inputs.num_reqs
+    slots = host.slot_mapping[:n]
+    num_slots = lim.num_slots
+    if n and (slots.min() < 0 or (num_slots is not None and slots.max() >= num_slots)):
+        t = int(np.argmax((slots < 0) | (slots >= (num_slots or np.iinfo(np.int32).max))))
+        _fail("slot_mapping", t, f"in [0, {num_slots})", int(slots[t]), "a real token writes a real KV-cache slot", key)
+    starts = host.query_start_loc[:r]
+    context = host.seq_lens[:r] - lens[:r]
+    expected = np.arange(n) + np.repeat(context - starts, lens[:r])
+    bad = np.flatnonzero(host.positions[:n] != expected)
+    if bad.size:
+        t = int(bad[0])
+        _fail(
+            "positions",
+            t,
+            int(expected[t]),
+            int(host.positions[t]),
+            "positions are seq_len - query_len + offset within the request",
+            key,
+        )
+    for name, value in (("positions", pad.position), ("input_ids", pad.token_id)):
+        tail = getattr(host, name)[n:]
+        bad = np.flatnonzero(tail != value)
+        if bad.size:
+            t = n + int(bad[0])
+            _fail(
+                name,
+                t,
+                value,
+                int(tail[bad[0]]),
+                f"padded tokens follow the pad rule (padding.{'position' if name == 'positions' else 'token_id'})",
+                key,
+            )
+    ids = host.input_ids[:n]
+    if n and (ids.min() < 0 or (lim.vocab_size is not None and ids.max() >= lim.vocab_size)):
+        t = int(np.argmax((ids < 0) | (ids >= (lim.vocab_size or np.iinfo(np.int32).max))))
+        _fail("input_ids", t, f"in [0, {lim.vocab_size})", int(ids[t]), "token ids index the embedding", key)
+    table = host.block_table
+    if table.size and (table.min() < 0 or (lim.num_blocks is not None and table.max() >= lim.num_blocks)):
+        i, j = np.argwhere((table < 0) | (table >= (lim.num_blocks or np.iinfo(np.int32).max)))[0]
+        _fail(
+            "block_table",
+            f"{i}, {j}",
+            f"in [0, {lim.num_blocks})",
+            int(table[i, j]),
+            "block ids index the KV cache",
+            key,
+        )
+    bad = np.argwhere(table[r:] != pad.block_id)
+    if bad.size:
+        i, j = bad[0]
+        _fail(
+            "block_table",
+            f"{r + i}, {j}",
+            pad.block_id,
+            int(table[r + i, j]),
+            "padded requests point at the pad block (padding.block_id)",
+            key,
+        )
+
+
+def _qsl_tail(n: int, r: int, T: int, R: int, pad_query_len: int) -> np.ndarray:
+    steps = np.arange(1, R - r + 1)
+    return np.minimum(n + pad_query_len * steps, T) if pad_query_len else np.full(R - r, n)
+
+
+def _fail(field: str, index: Any, expected: Any, actual: Any, why: str, key: Any) -> None:
+    raise InvariantViolation(field, index, expected, actual, why, key)
