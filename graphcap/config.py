@@ -33,6 +33,7 @@ __all__ = [
     "PadRules",
     "ReportConfig",
     "load_config",
+    "resolve_device",
 ]
 
 PAD_SLOT_ID = -1
@@ -457,6 +458,38 @@ class CaptureConfig(_Section):
                 value = {g.name: _plain(getattr(value, g.name)) for g in fields(value)}
             out[f.name] = value
         return out
+
+
+def resolve_device(config: CaptureConfig):
+    """`config.device` as a `torch.device`: `auto` is cuda when available, else cpu.
+
+    Raises `ConfigError` on key `device` when CUDA is asked for but not available.
+    """
+    import torch
+
+    name = config.device
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "device",
+                        f"{name!r} asked for, but CUDA is not available here (torch {torch.__version__}); use device: cpu or auto",
+                    )
+                ]
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "device", f"{name!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist"
+                    )
+                ]
+            )
+    return device
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> CaptureConfig:

@@ -104,12 +104,15 @@ class KeyRegistry:
             return key, ""
         return None, self._state(key)
 
-    def padded_key(self, num_tokens: int, uniform: bool) -> GraphKey | None:
-        """The planned key a step of `num_tokens` pads to (captured or not); None above the max."""
-        size = self.sizes.pad(num_tokens)
-        if size is None:
+    def captured_key(self, size: int, uniform: bool) -> GraphKey | None:
+        """The captured key for a padded `size`: uniform when asked and captured, else mixed."""
+        if size > self.sizes.max_size:
             return None
-        return (self._uniform[size] if uniform else None) or self._mixed[size]
+        key = self._uniform[size] if uniform else None
+        if key is not None and key in self.captured:
+            return key
+        key = self._mixed[size]
+        return key if key is not None and key in self.captured else None
 
     def _state(self, key: GraphKey) -> str:
         return "skipped" if key in self.skipped else "not_captured"

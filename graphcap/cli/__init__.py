@@ -12,7 +12,9 @@ import sys
 from collections.abc import Sequence
 
 from graphcap.cli import _common
+from graphcap.backends import CaptureError
 from graphcap.config import ConfigError
+from graphcap.invariants import InvariantViolation
 
 __all__ = ["main"]
 
@@ -47,6 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"graphcap {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except (CaptureError, InvariantViolation) as exc:
+        if args.debug:
+            raise
+        print(f"graphcap {args.command}: failed: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"graphcap {args.command}: interrupted", file=sys.stderr)
         return 130

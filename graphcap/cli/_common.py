@@ -46,6 +46,7 @@ def add_common(parser: argparse.ArgumentParser, *, config: bool = True, device: 
         )
     if device:
         parser.add_argument("--device", metavar="DEVICE", help="auto | cpu | cuda | cuda:N (overrides the config)")
+        add_backend(parser)
     add_logging(parser)
 
 
@@ -76,12 +77,38 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
     return out
 
 
-def config_from_args(args: argparse.Namespace) -> CaptureConfig:
-    """The config named by `--config` (or the default) with `--set` and `--device` applied."""
+def config_from_args(args: argparse.Namespace, **extra: object) -> CaptureConfig:
+    """The config named by `--config` (or the default) with `--set`, `--device` and `extra` applied."""
     overrides = parse_overrides(getattr(args, "overrides", []))
+    overrides.update({k.replace("__", "."): v for k, v in extra.items() if v is not None})
     if getattr(args, "device", None):
         overrides["device"] = args.device
     try:
         return load_config(args.config, overrides)
     except FileNotFoundError as exc:
         raise UserError(str(exc)) from None
+
+
+def add_backend(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend", choices=("auto", "cuda", "emulated"), default="auto", help="graph backend (default: auto)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def build_manager(args: argparse.Namespace, *, report_path: str | None = None):
+    """Config, model and `CaptureManager` from the common options; says which backend it uses."""
+    from graphcap.manager import CaptureManager
+    from graphcap.models import build_model
+
+    config = config_from_args(args, report__path=report_path)
+    model = build_model(config)
+    manager = CaptureManager(model, config, backend=args.backend, progress=False if args.no_progress else None)
+    model_name = config.model.name or config.model.factory
+    note = (
+        " (no CUDA here: the emulated backend reproduces CUDA-graph semantics on the CPU)"
+        if manager.backend.name == "emulated"
+        else ""
+    )
+    log.info("model %s on %s, %s backend%s", model_name, manager.device, manager.backend.name, note)
+    return manager

@@ -1,0 +1,349 @@
+"""`CaptureManager`: capture every planned key, then dispatch, stage, check and replay each step.
+
+Capture walks the keys largest first. For each key a dummy batch goes through the same
+`PersistentBuffers.stage` as real steps, its invariants are checked, the model runs
+`num_warmups` times eagerly, the backend captures, and (with `checks.verify_replay`) one
+replay is compared with an eager run on the same inputs. A pass is all or nothing under
+`capture.on_error: raise`; under `skip` a failing key is recorded and runs eagerly.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from graphcap.backends import CaptureError, CapturedGraph, GraphBackend, get_backend
+from graphcap.batch import GraphKey, StepBatch, dummy_batch
+from graphcap.buffers import ForwardInputs, PersistentBuffers
+from graphcap.config import CaptureConfig, resolve_device
+from graphcap.dispatch import EAGER_REASONS, KeyRegistry
+from graphcap.distributed import DataParallelSync
+from graphcap.invariants import check_invariants
+from graphcap.report import CaptureReport, GraphRecord, format_bytes
+
+__all__ = ["CaptureManager", "StepStats"]
+
+log = logging.getLogger("graphcap")
+
+_OOM_HINT = (
+    "the GPU ran out of memory while capturing; capture fewer sizes (capture.sizes), "
+    "lower capture.max_size, or set capture.on_error: skip to run this size eagerly"
+)
+
+
+@dataclass
+class StepStats:
+    """Counters of executed steps (graph hits per key, eager fallbacks by reason, waste)."""
+
+    graph_hits: Counter = field(default_factory=Counter)
+    """Replays per `GraphKey`."""
+    eager: Counter = field(default_factory=Counter)
+    """Eager steps per reason (keys of `graphcap.dispatch.EAGER_REASONS`)."""
+    real_tokens: int = 0
+    """Real tokens of replayed steps."""
+    padded_tokens: int = 0
+    """Tokens the replayed graphs computed (real + padding)."""
+
+    @property
+    def padded_token_waste(self) -> float:
+        """Fraction of replayed tokens that were padding."""
+        return 0.0 if not self.padded_tokens else 1.0 - self.real_tokens / self.padded_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "graph_hits": {str(k): v for k, v in sorted(self.graph_hits.items())},
+            "eager": dict(self.eager),
+            "steps": sum(self.graph_hits.values()) + sum(self.eager.values()),
+            "padded_token_waste": self.padded_token_waste,
+        }
+
+
+class CaptureManager:
+    """Owns the persistent buffers, the key registry and the graphs of one model.
+
+    Thread-safe: `execute`, `eager` and `capture` hold one lock, so two threads never
+    interleave staging and replay. The tensor `execute` returns is a view of the graph's
+    static output: valid until the next step (clone it to keep it), as on every engine.
+    Does not schedule, sample or manage KV blocks: the engine owns those.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        config: CaptureConfig,
+        backend: str | GraphBackend = "auto",
+        group: Any = None,
+        *,
+        progress: bool | None = None,
+        dp_timeout: float = 300.0,
+    ) -> None:
+        if not callable(getattr(model, "forward", None)):
+            raise TypeError(f"model must have a callable forward(inputs); got {type(model).__name__}")
+        self.model = model
+        self.config = config
+        self.device = resolve_device(config)
+        self.buffers = PersistentBuffers.from_config(config, self.device)
+        self.registry = KeyRegistry.from_config(config)
+        self.backend = backend if isinstance(backend, GraphBackend) else get_backend(backend, self.device)
+        self.graphs: dict[GraphKey, CapturedGraph] = {}
+        self.stats = StepStats()
+        self.progress = progress
+        self._level = config.checks.invariants
+        self._forward: Callable[[ForwardInputs], torch.Tensor] = model.forward
+        self._prepare = getattr(model, "prepare", None)
+        self._lock = threading.RLock()
+        self._sync = DataParallelSync(group, timeout=dp_timeout) if group is not None else None
+
+    # -- capture -------------------------------------------------------------------------
+
+    def capture(self) -> CaptureReport:
+        """Capture every planned key (largest first) and return the report.
+
+        Replaces graphs from an earlier pass. `capture.on_error: raise`: the first failure
+        releases every graph of this pass and raises `CaptureError` naming the key and a
+        hint. `skip`: the key is recorded as skipped and runs eagerly. On every exit path GC
+        is unfrozen and re-enabled and no partial graph stays registered.
+        """
+        with self._lock:
+            self._release_all()
+            order = self.registry.capture_order()
+            records: list[GraphRecord] = []
+            start = time.perf_counter()
+            memory_before = self.backend.memory_in_use()
+            try:
+                with _gc_frozen(), logging_redirect_tqdm():
+                    bar = tqdm(
+                        order,
+                        desc="capture",
+                        unit="graph",
+                        file=sys.stderr,
+                        disable=None if self.progress is None else not self.progress,
+                        leave=False,
+                    )
+                    with bar:
+                        for key in bar:
+                            bar.set_postfix_str(self._progress_note(key), refresh=False)
+                            records.append(self._capture_key(key))
+            except BaseException:
+                self._release_all()
+                raise
+            report = CaptureReport(
+                records=records,
+                backend=self.backend.name,
+                device=str(self.device),
+                total_seconds=time.perf_counter() - start,
+                pool_bytes=max(0, self.backend.memory_in_use() - memory_before),
+                config=self.config.to_dict(),
+            )
+        log.info(
+            "captured %d graphs in %.2f s (%s)",
+            len(report.captured),
+            report.total_seconds,
+            format_bytes(report.pool_bytes),
+        )
+        if self.config.report.path:
+            report.write(self.config.report.path)
+        return report
+
+    def _capture_key(self, key: GraphKey) -> GraphRecord:
+        start = time.perf_counter()
+        eager_seconds = 0.0
+        graph = None
+        failure: BaseException | None = None
+        try:
+            inputs = self.buffers.stage(dummy_batch(key, max_model_len=self.config.kv_cache.max_model_len), key)
+            check_invariants(inputs, self._level)
+            if self._prepare is not None:
+                self._prepare(inputs, capturing=True)
+            forward = self._forward
+
+            def run() -> torch.Tensor:
+                return forward(inputs)
+
+            t0 = time.perf_counter()
+            self.backend.warmup(run, self.config.capture.num_warmups)
+            eager_seconds += time.perf_counter() - t0
+            graph = self.backend.capture(run, self._static_inputs(inputs), name=str(key))
+            verified = False
+            if self.config.checks.verify_replay:
+                eager_seconds += self._verify(graph, run, inputs)
+                verified = True
+        except (KeyboardInterrupt, SystemExit):
+            if graph is not None:
+                graph.release()
+            raise
+        except Exception as exc:  # any failure of one key is handled the same way below
+            failure = exc
+        failure = self._agree_on_failure(key, failure)
+        if failure is not None:
+            if graph is not None:
+                graph.release()
+            reason = _describe_failure(failure)
+            if self.config.capture.on_error == "raise":
+                raise CaptureError(f"capturing {key} failed: {reason}") from failure
+            log.warning("skipping %s: %s", key, reason)
+            self.registry.mark_skipped(key, reason)
+            return GraphRecord(key, "skipped", time.perf_counter() - start, 0, False, reason, eager_seconds)
+        self.graphs[key] = graph
+        self.registry.mark_captured(key)
+        return GraphRecord(
+            key, "captured", time.perf_counter() - start, graph.memory_bytes, verified, "", eager_seconds
+        )
+
+    def _verify(self, graph: CapturedGraph, run: Callable[[], torch.Tensor], inputs: ForwardInputs) -> float:
+        """Replay once and compare with an eager run on the same staged inputs."""
+        graph.check_addresses(self._static_inputs(inputs))
+        replayed = graph.replay()[: inputs.num_tokens].clone()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            expected = run()[: inputs.num_tokens]
+        seconds = time.perf_counter() - t0
+        checks = self.config.checks
+        tolerance = {} if checks.atol is None else {"atol": checks.atol, "rtol": checks.rtol}
+        try:
+            torch.testing.assert_close(replayed, expected, **tolerance)
+        except AssertionError as exc:
+            first = str(exc).strip().splitlines()
+            raise CaptureError(
+                f"replay differs from eager on the same inputs ({'; '.join(first[:3])}); the forward "
+                "depends on something the graph froze (a Python value, a host tensor, randomness)"
+            ) from None
+        return seconds
+
+    def _agree_on_failure(self, key: GraphKey, failure: BaseException | None) -> BaseException | None:
+        if self._sync is None:
+            return failure
+        failed_rank = self._sync.first_failed_rank(failure is not None, what=f"capture of {key}")
+        if failure is None and failed_rank is not None:
+            return CaptureError(f"rank {failed_rank} failed to capture it, so every rank skips it")
+        return failure
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def dispatch(self, batch: StepBatch | None) -> GraphKey | None:
+        """The captured key `batch` replays with, or None (eager). Collective with a group."""
+        return self._dispatch(_or_empty(batch))[0]
+
+    def execute(self, batch: StepBatch | None) -> torch.Tensor:
+        """Run one step: dispatch, stage, check invariants, prepare, replay or run eagerly.
+
+        Returns the real rows `[:batch.num_tokens]` (a view valid until the next step).
+        `None` is an idle data-parallel rank: it joins the agreed key with no real rows.
+        """
+        batch = _or_empty(batch)
+        with self._lock:
+            key, reason = self._dispatch(batch)
+            if key is None:
+                self.stats.eager[reason] += 1
+                return self._run_eager(batch)
+            inputs = self.buffers.stage(batch, key)
+            check_invariants(inputs, self._level)
+            if self._prepare is not None:
+                self._prepare(inputs, capturing=False)
+            graph = self.graphs[key]
+            if graph.num_replays == 0 or self._level == "full":
+                graph.check_addresses(self._static_inputs(inputs))
+            output = graph.replay()
+            stats = self.stats
+            stats.graph_hits[key] += 1
+            stats.real_tokens += batch.num_tokens
+            stats.padded_tokens += key.num_tokens
+            return output[: batch.num_tokens]
+
+    def eager(self, batch: StepBatch) -> torch.Tensor:
+        """The reference: the model on the same staging path, unpadded, with no graph."""
+        with self._lock:
+            return self._run_eager(batch)
+
+    def _run_eager(self, batch: StepBatch) -> torch.Tensor:
+        inputs = self.buffers.stage(batch, GraphKey(batch.num_tokens, batch.num_reqs, False))
+        check_invariants(inputs, self._level)
+        if self._prepare is not None:
+            self._prepare(inputs, capturing=False)
+        with torch.inference_mode():
+            return self._forward(inputs)[: batch.num_tokens]
+
+    def _dispatch(self, batch: StepBatch) -> tuple[GraphKey | None, str]:
+        key, reason = self.registry.dispatch(batch)
+        if self._sync is not None:
+            key, reason = self._sync.agree(self.registry, batch, key, reason)
+        return key, reason
+
+    # -- bookkeeping ---------------------------------------------------------------------
+
+    def _static_inputs(self, inputs: ForwardInputs) -> dict[str, torch.Tensor]:
+        tensors = inputs.tensors()
+        if isinstance(self.model, torch.nn.Module):
+            tensors.update({f"model.{n}": t for n, t in self.model.named_parameters()})
+            tensors.update({f"model.{n}": t for n, t in self.model.named_buffers()})
+        return tensors
+
+    def _progress_note(self, key: GraphKey) -> str:
+        free = self.backend.free_memory()
+        return str(key) if free is None else f"{key} free {format_bytes(free)}"
+
+    def _release_all(self) -> None:
+        for graph in self.graphs.values():
+            graph.release()
+        self.graphs.clear()
+        self.registry.reset()
+
+    def reset(self) -> None:
+        """Release every graph; later steps run eagerly until `capture()` runs again."""
+        with self._lock:
+            self._release_all()
+            self.backend.reset()
+
+    def describe_eager_reason(self, reason: str) -> str:
+        return EAGER_REASONS.get(reason, reason)
+
+    def __repr__(self) -> str:
+        return f"CaptureManager({len(self.graphs)} graphs, backend={self.backend.name}, device={self.device})"
+
+
+@contextmanager
+def _gc_frozen() -> Iterator[None]:
+    """Collect, freeze and disable GC for the capture pass; restore on every exit path.
+
+    A collection in the middle of a capture can free tensors the graph still records;
+    freezing also keeps the long-lived objects out of later collections' work.
+    """
+    was_enabled = gc.isenabled()
+    was_frozen = gc.get_freeze_count() > 0
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if not was_frozen:
+            gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+        gc.collect()
+
+
+def _describe_failure(exc: BaseException) -> str:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return f"out of memory ({str(exc).splitlines()[0][:160]}); {_OOM_HINT}"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+_EMPTY = StepBatch([], [])
+
+
+def _or_empty(batch: StepBatch | None) -> StepBatch:
+    return _EMPTY if batch is None else batch
