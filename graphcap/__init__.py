@@ -5,10 +5,13 @@ inputs), the graph backends (`graphcap.backends`: capture one callable), and `Ca
 (capture every padded size, dispatch each step, replay or run eagerly).
 """
 
+from graphcap.backends import CaptureError, CaptureUnsafeError
 from graphcap.batch import GraphKey, StepBatch, dummy_batch
 from graphcap.buffers import PAD_SLOT_ID, ForwardInputs, PadRules, PersistentBuffers
 from graphcap.config import CaptureConfig, ConfigError, load_config
 from graphcap.invariants import InvariantViolation, check_invariants
+from graphcap.manager import CaptureManager
+from graphcap.report import CaptureReport
 from graphcap.sizes import CaptureSizes, default_capture_sizes
 
 __version__ = "0.1.0"
@@ -16,6 +19,10 @@ __version__ = "0.1.0"
 __all__ = [
     "PAD_SLOT_ID",
     "CaptureConfig",
+    "CaptureError",
+    "CaptureManager",
+    "CaptureReport",
+    "CaptureUnsafeError",
     "CaptureSizes",
     "ConfigError",
     "ForwardInputs",

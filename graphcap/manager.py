@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from graphcap.backends import CaptureError, CapturedGraph, GraphBackend, get_backend
+from graphcap.backends import CapturedGraph, CaptureError, GraphBackend, get_backend
 from graphcap.batch import GraphKey, StepBatch, dummy_batch
 from graphcap.buffers import ForwardInputs, PersistentBuffers
 from graphcap.config import CaptureConfig, resolve_device

@@ -11,8 +11,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from graphcap.cli import _common
 from graphcap.backends import CaptureError
+from graphcap.cli import _common
 from graphcap.config import ConfigError
 from graphcap.invariants import InvariantViolation
 

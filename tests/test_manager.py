@@ -1,0 +1,228 @@
+"""CaptureManager end to end on the CPU (emulated backend) with the reference model."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from graphcap import CaptureManager, GraphKey, InvariantViolation, StepBatch, load_config
+from graphcap.models import build_model
+from tests.engine_sim import Scheduler
+
+SMALL = {
+    "device": "cpu",
+    "model.hidden_size": 64,
+    "model.num_heads": 4,
+    "model.num_kv_heads": 2,
+    "model.vocab_size": 512,
+    "batching.max_num_seqs": 8,
+    "batching.max_num_tokens": 64,
+    "kv_cache.num_blocks": 64,
+    "kv_cache.max_model_len": 128,
+    "capture.max_size": 16,
+}
+
+
+def make_manager(**overrides):
+    config = load_config(overrides={**SMALL, **{k.replace("__", "."): v for k, v in overrides.items()}})
+    manager = CaptureManager(build_model(config), config, progress=False)
+    return manager
+
+
+@pytest.fixture(scope="module")
+def default_manager():
+    """The embedded default config, captured once for the module."""
+    config = load_config(overrides={"device": "cpu"})
+    manager = CaptureManager(build_model(config), config, progress=False)
+    report = manager.capture()
+    assert len(report.captured) == len(manager.registry.planned)
+    return manager
+
+
+def assert_step_matches_eager(manager, batch):
+    out = manager.execute(batch).clone()
+    ref = manager.eager(batch)
+    torch.testing.assert_close(out, ref)
+    return out
+
+
+def test_decode_loop_replay_equals_eager_at_every_step(default_manager):
+    manager = default_manager
+    manager.model.reset_kv_cache()
+    rng = np.random.default_rng(0)
+    sched = Scheduler(manager.config, rng, chunk=24)
+    for prompt_len in (5, 17, 33, 2, 40):
+        sched.add(prompt_len, max_new_tokens=int(rng.integers(3, 30)))
+    hits_before = sum(manager.stats.graph_hits.values())
+    crossed_block = False
+    for step in range(80):
+        if step % 7 == 3:
+            sched.add(int(rng.integers(1, 60)), max_new_tokens=int(rng.integers(2, 20)))
+        if not sched.running:
+            break
+        batch, picked, q_lens = sched.next_batch(max_tokens=64)
+        crossed_block |= any(r.computed % 16 == 0 and q == 1 for r, q in zip(picked, q_lens))
+        logits = assert_step_matches_eager(manager, batch)
+        sched.advance(picked, q_lens, logits)
+    assert sched.finished, "requests must finish during the loop"
+    assert crossed_block, "decode must cross a block boundary"
+    assert sum(manager.stats.graph_hits.values()) > hits_before
+
+
+def test_every_batch_size_from_one_to_max_plus_one(default_manager):
+    manager = default_manager
+    rng = np.random.default_rng(1)
+    max_size = manager.registry.sizes.max_size
+    eager_before = manager.stats.eager["above_max_size"]
+    for num_tokens in range(1, max_size + 2):
+        num_reqs = min(num_tokens, manager.config.batching.max_num_seqs)
+        q = np.full(num_reqs, num_tokens // num_reqs)
+        q[: num_tokens % num_reqs] += 1
+        seq = q + rng.integers(0, 40, num_reqs)
+        table = np.arange(1, 1 + num_reqs * 4).reshape(num_reqs, 4)
+        batch = StepBatch(q, seq, rng.integers(0, 4096, num_tokens), table)
+        key = manager.dispatch(batch)
+        if num_tokens > max_size:
+            assert key is None
+        else:
+            assert key.num_tokens == manager.registry.sizes.pad(num_tokens)
+            assert key.uniform == (num_reqs == num_tokens)
+        assert_step_matches_eager(manager, batch)
+    assert manager.stats.eager["above_max_size"] == eager_before + 1
+
+
+def test_uniform_batch_takes_uniform_key_and_mixed_takes_mixed():
+    manager = make_manager()
+    manager.capture()
+    decode = StepBatch([1, 1, 1], [4, 9, 30], [1, 2, 3], [[1, 2], [3, 4], [5, 6]])
+    mixed = StepBatch([2, 1], [4, 9], [1, 2, 3], [[1, 2], [3, 4]])
+    assert manager.dispatch(decode) == GraphKey(4, 4, True)
+    assert manager.dispatch(mixed) == GraphKey(4, 4, False)
+    for batch in (decode, mixed):
+        assert_step_matches_eager(manager, batch)
+    assert manager.stats.graph_hits[GraphKey(4, 4, True)] == 1
+    assert manager.stats.graph_hits[GraphKey(4, 4, False)] == 1
+    assert manager.stats.padded_token_waste == pytest.approx(2 / 8)
+
+
+def test_mode_none_always_runs_eagerly():
+    manager = make_manager(capture__mode="none")
+    report = manager.capture()
+    assert report.records == []
+    batch = StepBatch([1], [3], [7], [[1]])
+    assert manager.dispatch(batch) is None
+    assert_step_matches_eager(manager, batch)
+    assert manager.stats.eager == {"mode_none": 1}
+
+
+def test_full_decode_only_runs_mixed_batches_eagerly():
+    manager = make_manager(capture__mode="full_decode_only")
+    report = manager.capture()
+    assert all(r.key.uniform for r in report.records)
+    decode = StepBatch([1, 1], [5, 6], [1, 2], [[1], [2]])
+    mixed = StepBatch([3, 1], [5, 6], [1, 2, 3, 4], [[1], [2]])
+    assert manager.dispatch(decode) == GraphKey(2, 2, True)
+    assert manager.dispatch(mixed) is None
+    assert_step_matches_eager(manager, decode)
+    assert_step_matches_eager(manager, mixed)
+    assert manager.stats.eager == {"decode_only": 1}
+
+
+def test_spec_decode_uniform_query_len_four():
+    manager = make_manager(capture__uniform_query_len=4)
+    report = manager.capture()
+    assert all(r.key.num_tokens % 4 == 0 for r in report.records)
+    rng = np.random.default_rng(2)
+    for num_reqs in (1, 2, 3):
+        seq = rng.integers(4, 60, num_reqs)
+        table = np.arange(1, 1 + num_reqs * 4).reshape(num_reqs, 4)
+        batch = StepBatch([4] * num_reqs, seq, rng.integers(0, 512, 4 * num_reqs), table)
+        key = manager.dispatch(batch)
+        assert key.uniform and key.num_tokens == manager.registry.sizes.pad(4 * num_reqs)
+        assert key.num_reqs == key.num_tokens // 4
+        assert_step_matches_eager(manager, batch)
+
+
+def test_founding_bug_is_stopped_by_invariants_before_the_model_runs(monkeypatch):
+    manager = make_manager()
+    manager.capture()
+    calls = []
+    forward = manager._forward
+    monkeypatch.setattr(manager, "_forward", lambda inputs: calls.append(1) or forward(inputs))
+    _break_query_start_loc_tail(monkeypatch, manager)
+    cache_before = manager.model.kv_cache.clone()
+    batch = StepBatch([3], [3], [1, 2, 3], [[1]])  # pads to 4 tokens, 4 requests: 3 padded
+    with pytest.raises(InvariantViolation, match="query_start_loc") as info:
+        manager.execute(batch)
+    assert info.value.field == "query_start_loc"
+    assert (info.value.index, info.value.actual) == (2, 0)
+    assert calls == []
+    assert torch.equal(manager.model.kv_cache, cache_before)
+
+
+def test_founding_bug_with_invariants_off_fails_like_the_real_engine(monkeypatch):
+    manager = make_manager(checks__invariants="off")
+    manager.capture()
+    _break_query_start_loc_tail(monkeypatch, manager)
+    batch = StepBatch([3], [3], [1, 2, 3], [[1]])
+    assert manager.dispatch(batch) is not None  # the graph replays the broken metadata
+    with pytest.raises(RuntimeError, match="repeats can not be negative"):
+        manager.execute(batch)
+
+
+def _break_query_start_loc_tail(monkeypatch, manager):
+    """Reintroduce the founding bug: padded query_start_loc rows left at 0."""
+    buffers = manager.buffers
+    fill = buffers._fill_padding
+
+    def buggy_fill(key, n, r):
+        fill(key, n, r)
+        buffers._h_qsl[r + 1 : key.num_reqs + 1] = 0
+
+    monkeypatch.setattr(buffers, "_fill_padding", buggy_fill)
+
+
+def test_capture_report_records_every_key_largest_first(tmp_path):
+    path = tmp_path / "report.json"
+    manager = make_manager(report__path=str(path))
+    report = manager.capture()
+    sizes = [r.key.num_tokens for r in report.records]
+    assert sizes == sorted(sizes, reverse=True)
+    assert all(r.verified and r.memory_bytes > 0 and r.capture_seconds > 0 for r in report.records)
+    assert path.exists() and '"num_graphs"' in path.read_text()
+    assert "uniform" in report.table() and "graphs captured" in report.summary()
+
+
+def test_capture_freezes_gc_and_restores_it():
+    manager = make_manager()
+    seen = []
+    forward = manager._forward
+    manager._forward = lambda inputs: seen.append((gc.isenabled(), gc.get_freeze_count() > 0)) or forward(inputs)
+    manager.capture()
+    assert seen and all(state == (False, True) for state in seen)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_recapture_replaces_graphs_and_stays_correct():
+    manager = make_manager()
+    manager.capture()
+    first = dict(manager.graphs)
+    manager.capture()
+    assert set(manager.graphs) == set(first)
+    assert all(manager.graphs[k] is not first[k] for k in first)
+    assert_step_matches_eager(manager, StepBatch([2, 1], [9, 4], [5, 6, 7], [[1], [2]]))
+
+
+def test_execute_before_capture_runs_eagerly_and_counts_the_reason():
+    manager = make_manager()
+    assert_step_matches_eager(manager, StepBatch([1], [1], [3], [[1]]))
+    assert manager.stats.eager == {"not_captured": 1}
+
+
+def test_model_without_forward_is_refused():
+    config = load_config(overrides=SMALL)
+    with pytest.raises(TypeError, match="forward"):
+        CaptureManager(object(), config)
