@@ -10,7 +10,7 @@ import torch
 
 from graphcap import CaptureManager, GraphKey, InvariantViolation, StepBatch, load_config
 from graphcap.models import build_model
-from tests.engine_sim import Scheduler
+from graphcap.workload import Workload
 
 SMALL = {
     "device": "cpu",
@@ -52,22 +52,21 @@ def assert_step_matches_eager(manager, batch):
 def test_decode_loop_replay_equals_eager_at_every_step(default_manager):
     manager = default_manager
     manager.model.reset_kv_cache()
-    rng = np.random.default_rng(0)
-    sched = Scheduler(manager.config, rng, chunk=24)
+    workload = Workload(manager.config, seed=0, chunk=24)
     for prompt_len in (5, 17, 33, 2, 40):
-        sched.add(prompt_len, max_new_tokens=int(rng.integers(3, 30)))
+        workload.add(prompt_len, max_new_tokens=int(workload.rng.integers(3, 30)))
     hits_before = sum(manager.stats.graph_hits.values())
     crossed_block = False
     for step in range(80):
         if step % 7 == 3:
-            sched.add(int(rng.integers(1, 60)), max_new_tokens=int(rng.integers(2, 20)))
-        if not sched.running:
+            workload.add_random(max_prompt_len=60)
+        if not workload.running:
             break
-        batch, picked, q_lens = sched.next_batch(max_tokens=64)
-        crossed_block |= any(r.computed % 16 == 0 and q == 1 for r, q in zip(picked, q_lens))
-        logits = assert_step_matches_eager(manager, batch)
-        sched.advance(picked, q_lens, logits)
-    assert sched.finished, "requests must finish during the loop"
+        batch = workload.next_batch(max_tokens=64)
+        # a decode token at a position that is a multiple of block_size opens a new block
+        crossed_block |= bool(((batch.query_lens == 1) & ((batch.seq_lens - 1) % 16 == 0) & (batch.seq_lens > 1)).any())
+        workload.advance(assert_step_matches_eager(manager, batch))
+    assert workload.num_finished, "requests must finish during the loop"
     assert crossed_block, "decode must cross a block boundary"
     assert sum(manager.stats.graph_hits.values()) > hits_before
 
