@@ -255,8 +255,9 @@ class CaptureOptions(_Section):
     """`none`: always eager; `full`: mixed and uniform-decode keys; `full_decode_only`: uniform only."""
     sizes: tuple[int, ...] | Literal["auto"] = "auto"
     """Ascending token counts to capture, or `auto` for `default_capture_sizes(max_size, q)`."""
-    max_size: int = _spec(64, min=1)
-    """Largest captured token count; bigger steps run eagerly."""
+    max_size: int = _spec(64, min=1, max=1 << 16)
+    """Largest captured token count; bigger steps run eagerly. At most 65536: the padding
+    table holds one entry per token count, so a typo like 10**9 must not try to build it."""
     num_warmups: int = _spec(1, min=0, max=100)
     """Eager runs of each dummy batch before its capture."""
     uniform_query_len: int = _spec(1, min=1, max=64)
@@ -271,17 +272,19 @@ class CaptureOptions(_Section):
             except ValueError as exc:
                 return [("max_size", str(exc))]
             return []
-        try:
-            CaptureSizes(self.sizes, max(self.sizes[-1:] or (1,)))
-        except ValueError as exc:
-            return [("sizes", f"{exc}; got {list(self.sizes)}" if "got" not in str(exc) else str(exc))]
-        if self.sizes[-1] > self.max_size:
+        # Bounded first: validating builds a padding table as long as the largest size.
+        largest = max(self.sizes, default=0)
+        if largest > self.max_size:
             return [
                 (
                     "sizes",
-                    f"largest size {self.sizes[-1]} exceeds capture.max_size {self.max_size}; raise max_size to {self.sizes[-1]} or drop the larger sizes",
+                    f"largest size {largest} exceeds capture.max_size {self.max_size}; raise max_size to {largest} or drop the larger sizes",
                 )
             ]
+        try:
+            CaptureSizes(self.sizes, self.max_size)
+        except ValueError as exc:
+            return [("sizes", f"{exc}; got {list(self.sizes)}" if "got" not in str(exc) else str(exc))]
         return []
 
 
@@ -461,34 +464,27 @@ class CaptureConfig(_Section):
 
 
 def resolve_device(config: CaptureConfig):
-    """`config.device` as a `torch.device`: `auto` is cuda when available, else cpu.
+    """The `torch.device` that `config.device` names: `auto` is cuda when available, else cpu.
 
-    Raises `ConfigError` on key `device` when CUDA is asked for but not available.
+    Raises `ConfigError` (key `device`) when cuda is requested and unavailable, or when
+    `cuda:N` names a GPU that does not exist.
     """
     import torch
 
-    name = config.device
-    if name == "auto":
+    requested = config.device
+    if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                [
-                    ConfigProblem(
-                        "device",
-                        f"{name!r} asked for, but CUDA is not available here (torch {torch.__version__}); use device: cpu or auto",
-                    )
-                ]
-            )
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(
-                [
-                    ConfigProblem(
-                        "device", f"{name!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist"
-                    )
-                ]
-            )
+    device = torch.device(requested)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        message = f"{requested!r} requested but CUDA is not available (torch {torch.__version__}, {built}); use device: cpu or auto"
+        raise ConfigError([ConfigProblem("device", message)])
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        message = f"{requested!r} names GPU {device.index} but {count} visible; use cuda:0 to cuda:{count - 1}, or check CUDA_VISIBLE_DEVICES"
+        raise ConfigError([ConfigProblem("device", message)])
     return device
 
 

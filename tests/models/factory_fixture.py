@@ -1,0 +1,36 @@
+"""Factories for `build_model` tests, imported by dotted path (`model.factory`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+NOT_CALLABLE = 42
+
+
+class Bigram(nn.Module):
+    """A tiny model that honours the protocol: logits from the current token only."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        table = torch.randn(vocab_size, vocab_size, generator=torch.Generator().manual_seed(0))
+        self.table = nn.Parameter(table, requires_grad=False)
+
+    def forward(self, inputs) -> torch.Tensor:
+        return self.table.index_select(0, inputs.input_ids)  # logits: [T, vocab]
+
+
+def make_bigram(config) -> Bigram:
+    return Bigram(config.model.vocab_size)
+
+
+def make_junk(config) -> object:
+    return [1, 2, 3]
+
+
+class _NoForward:
+    forward = "not a method"
+
+
+def make_no_forward(config) -> object:
+    return _NoForward()

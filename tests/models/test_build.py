@@ -1,0 +1,91 @@
+"""build_model and resolve_device: built-in registry, factories by dotted path, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphcap.batch import GraphKey, StepBatch
+from graphcap.buffers import PersistentBuffers
+from graphcap.config import BUILTIN_MODELS, ConfigError, load_config
+from graphcap.models import MODELS, TinyLlama, build_model, resolve_device
+
+from . import factory_fixture
+
+# The fixture's import name depends on how pytest put tests/ on sys.path; ask it.
+FIXTURE = factory_fixture.__name__
+
+
+def _config(**overrides):
+    return load_config(overrides={"device": "cpu", **overrides})
+
+
+def _factory_config(spec: str):
+    return _config(**{"model.name": None, "model.factory": spec})
+
+
+def test_registry_matches_config_builtin_models():
+    assert set(MODELS) == set(BUILTIN_MODELS)
+
+
+def test_builtin_model_is_built_on_the_resolved_device():
+    model = build_model(_config())
+    assert isinstance(model, TinyLlama)
+    assert model.embed.device.type == "cpu"
+    assert model.kv_cache.device.type == "cpu"
+
+
+def test_auto_device_is_cpu_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device(_config(device="auto")) == torch.device("cpu")
+
+
+def test_cuda_without_cuda_is_a_config_error_on_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(
+        ConfigError, match=r"device: 'cuda' requested but CUDA is not available.*use device: cpu or auto"
+    ) as exc:
+        build_model(_config(device="cuda"))
+    assert [p.key for p in exc.value.problems] == ["device"]
+
+
+def test_cuda_index_beyond_visible_gpus_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"device: 'cuda:3' names GPU 3 but 1 visible"):
+        resolve_device(_config(device="cuda:3"))
+
+
+def test_factory_is_imported_by_dotted_path_and_called_with_the_config():
+    config = _factory_config(f"{FIXTURE}:make_bigram")
+    model = build_model(config)
+    assert isinstance(model, factory_fixture.Bigram)
+    buffers = PersistentBuffers.from_config(config)
+    logits = model(buffers.stage(StepBatch([2], [2], [3, 4]), GraphKey(4, 2, False)))
+    assert logits.shape == (4, config.model.vocab_size)
+
+
+def test_factory_module_that_cannot_be_imported_is_named():
+    with pytest.raises(
+        ConfigError, match=r"model.factory: cannot import module 'no_such_pkg.models'.*ModuleNotFoundError"
+    ) as exc:
+        build_model(_factory_config("no_such_pkg.models:make"))
+    assert [p.key for p in exc.value.problems] == ["model.factory"]
+
+
+def test_factory_missing_attribute_is_named_with_the_module_callables():
+    with pytest.raises(
+        ConfigError, match=r"model.factory: module '.*factory_fixture' has no attribute 'make_nothing'.*make_bigram"
+    ):
+        build_model(_factory_config(f"{FIXTURE}:make_nothing"))
+
+
+def test_factory_that_is_not_callable_is_refused():
+    with pytest.raises(ConfigError, match=r"model.factory: .*:NOT_CALLABLE is int 42, not callable"):
+        build_model(_factory_config(f"{FIXTURE}:NOT_CALLABLE"))
+
+
+@pytest.mark.parametrize("name", ["make_junk", "make_no_forward"])
+def test_factory_returning_no_callable_forward_is_refused(name):
+    with pytest.raises(ConfigError, match=rf"model.factory: .*:{name} returned .*no callable forward\(inputs\)"):
+        build_model(_factory_config(f"{FIXTURE}:{name}"))
