@@ -227,14 +227,16 @@ class CaptureManager:
             return failure
         failed_rank = self._sync.first_failed_rank(failure is not None, what=f"capture of {key}")
         if failure is None and failed_rank is not None:
-            return CaptureError(f"rank {failed_rank} failed to capture it, so every rank skips it")
+            # Capture is in lockstep: a key one rank lacks is dropped by every rank (or raises).
+            return CaptureError(f"rank {failed_rank} failed to capture it; data-parallel ranks keep the same keys")
         return failure
 
     # -- steps ---------------------------------------------------------------------------
 
     def dispatch(self, batch: StepBatch | None) -> GraphKey | None:
         """The captured key `batch` replays with, or None (eager). Collective with a group."""
-        return self._dispatch(_or_empty(batch))[0]
+        with self._lock:  # with a group, a step's collective must not interleave with another's
+            return self._dispatch(_or_empty(batch))[0]
 
     def execute(self, batch: StepBatch | None) -> torch.Tensor:
         """Run one step: dispatch, stage, check invariants, prepare, replay or run eagerly.

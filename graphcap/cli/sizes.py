@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from graphcap.cli._common import UserError, add_common, config_from_args
@@ -99,7 +100,13 @@ def _read_histogram(path: str) -> dict[int, float]:
             values = [float(v) for v in text]
         except ValueError:
             raise UserError(f"{path}:{number}: expected TOKENS or TOKENS COUNT; got {line.strip()!r}") from None
-        if len(values) > 2 or values[0] != int(values[0]) or values[0] < 1 or (len(values) == 2 and values[1] < 0):
+        if (
+            len(values) > 2
+            or not all(map(math.isfinite, values))  # int(inf) and int(nan) raise
+            or values[0] != int(values[0])
+            or values[0] < 1
+            or (len(values) == 2 and values[1] < 0)
+        ):
             raise UserError(
                 f"{path}:{number}: expected a token count >= 1 and an optional count >= 0; got {line.strip()!r}"
             )

@@ -105,16 +105,19 @@ def replay_sequences(manager, num_sequences: int, num_steps: int, seed: int) -> 
     config = manager.config
     tolerance = {} if config.checks.atol is None else {"atol": config.checks.atol, "rtol": config.checks.rtol}
     q = config.capture.uniform_query_len
+    max_size = manager.registry.sizes.max_size
     failures: list[str] = []
     steps = 0
     for sequence in range(num_sequences):
-        workload = Workload(config, seed=seed * 1000 + sequence, spec_len=q)
+        workload = Workload(config, seed=seed * 1000 + sequence, spec_len=q, chunk=int(1 + sequence % 4 * 8))
         for _ in range(int(workload.rng.integers(1, config.batching.max_num_seqs + 1))):
             workload.add_random()
         for _ in range(num_steps):
             if not workload.running:
                 break
-            batch = workload.next_batch(max_tokens=int(workload.rng.integers(1, config.batching.max_num_tokens + 1)))
+            # Mostly budgets within the captured range (graph steps), sometimes above it (eager).
+            top = max_size if workload.rng.random() < 0.8 else config.batching.max_num_tokens
+            batch = workload.next_batch(max_tokens=int(workload.rng.integers(1, top + 1)))
             if batch.num_reqs == 0:
                 break
             key = manager.dispatch(batch)

@@ -1,0 +1,155 @@
+"""`graphcap capture`, `verify` and `bench`, in-process and as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from graphcap.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "capture_configs" / "tiny-cpu-ci.yaml")
+
+
+def run_cli(capsys, *argv):
+    code = main([*argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_capture_prints_table_and_summary_and_writes_report(capsys, tmp_path):
+    report = tmp_path / "out" / "capture.json"
+    code, out, err = run_cli(capsys, "capture", "--config", TINY, "--report", str(report), "--no-progress")
+    assert code == 0, err
+    assert out.splitlines()[0].split() == ["key", "tokens", "reqs", "capture", "ms", "memory", "verified", "note"]
+    assert "graphs captured: 8 of 8 keys (emulated backend on cpu)" in out
+    assert "emulated backend" in err and "Traceback" not in err
+    data = json.loads(report.read_text())
+    assert data["num_graphs"] == 8 and all(g["verified"] for g in data["graphs"])
+    assert [g["key"]["num_tokens"] for g in data["graphs"]] == [8, 8, 4, 4, 2, 2, 1, 1]
+
+
+def test_capture_default_config_as_a_subprocess(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-m", "graphcap", "capture", "--device", "cpu", "--set", "capture.max_size=4"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "graphs captured: 6 of 6 keys" in result.stdout
+    assert "emulated backend reproduces CUDA-graph semantics" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "message"),
+    [
+        (["capture", "--config", "/nonexistent.yaml"], 2, "config file not found: /nonexistent.yaml"),
+        (["capture", "--set", "capture.max_size"], 2, "expected KEY=VALUE"),
+        (["capture", "--set", "capture.max_szie=8"], 2, "did you mean max_size"),
+        (["capture", "--device", "cuda:7", "--set", "capture.max_size=2"], 2, "device: 'cuda:7'"),
+        (["capture", "--device", "tpu"], 2, "device: must be auto, cpu, cuda or cuda:N"),
+        (["capture", "--set", "model.name=null", "--set", "model.factory=no_such_pkg.mod:make"], 2, "model.factory"),
+        (["verify", "--config", TINY, "--batches", "-1"], 2, "--batches must be >= 0"),
+        (["bench", "--config", TINY, "--steps", "0"], 2, "--steps must be >= 1"),
+    ],
+)
+def test_user_errors_exit_2_with_a_message_and_no_traceback(capsys, argv, code, message):
+    got, out, err = run_cli(capsys, *argv)
+    assert got == code
+    assert message in err
+    assert "Traceback" not in err and "Traceback" not in out
+
+
+def test_capture_failure_exits_1_naming_the_key(capsys, tmp_path):
+    factory = tmp_path / "broken_model.py"
+    factory.write_text(
+        "from dataclasses import replace\n"
+        "import torch\n"
+        "from graphcap.models import build_model\n"
+        "class Broken(torch.nn.Module):\n"
+        "    def __init__(self, inner):\n"
+        "        super().__init__()\n"
+        "        self.inner = inner\n"
+        "    def forward(self, inputs):\n"
+        "        return self.inner.forward(inputs)[inputs.input_ids.nonzero()]\n"
+        "def make(config):\n"
+        "    model = replace(config.model, factory=None, name='tiny-llama')\n"
+        "    return Broken(build_model(replace(config, model=model)))\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        code, out, err = run_cli(
+            capsys, "capture", "--config", TINY, "--set", "model.name=null", "--set", "model.factory=broken_model:make"
+        )
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert code == 1
+    assert "capturing uniform(tokens=8, reqs=8) failed" in err and "aten.nonzero" in err
+    assert "Traceback" not in err
+
+
+def test_verify_passes_on_the_tiny_config(capsys):
+    code, out, err = run_cli(capsys, "verify", "--config", TINY, "--batches", "3", "--steps", "6", "--seed", "1")
+    assert code == 0, out + err
+    assert "staging sweep:" in out and "verify: ok" in out
+    # 8 keys; uniform keys hold 1, 2, 4, 8 requests and mixed the same: sum(R + 1) combinations
+    assert "staging sweep: 38 (key, real requests)" in out
+
+
+def test_verify_exits_1_and_names_the_key_on_a_replay_mismatch(capsys, monkeypatch):
+    from graphcap.manager import CaptureManager
+
+    real_execute = CaptureManager.execute
+
+    def corrupting_execute(self, batch):
+        out = real_execute(self, batch)
+        if self.dispatch(batch) is not None and len(out):
+            out = out.clone()
+            out[0, 0] += 1.0  # what silent corruption of a padded tail looks like downstream
+        return out
+
+    monkeypatch.setattr(CaptureManager, "execute", corrupting_execute)
+    code, out, err = run_cli(capsys, "verify", "--config", TINY, "--batches", "2", "--steps", "3")
+    assert code == 1
+    assert "MISMATCH sequence 0, key" in out and "verify: FAILED" in out
+
+
+def test_bench_prints_eager_and_replay_per_key(capsys):
+    code, out, err = run_cli(capsys, "bench", "--config", TINY, "--steps", "2", "--no-progress")
+    assert code == 0, err
+    header = out.splitlines()[0].split()
+    assert header == ["key", "tokens", "reqs", "capture", "ms", "memory", "eager", "ms", "replay", "ms", "speedup"]
+    assert "not timed (no real batch dispatches to them): mixed(tokens=1, reqs=1)" in out
+
+
+def test_bench_plot_writes_a_png(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    code, out, err = run_cli(capsys, "bench", "--config", TINY, "--steps", "1", "--plot", str(png))
+    assert code == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot written to {png}" in out
+
+
+def test_bench_plot_without_matplotlib_is_a_clear_error(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    code, out, err = run_cli(capsys, "bench", "--config", TINY, "--plot", "x.png")
+    assert code == 2
+    assert "--plot needs matplotlib: pip install 'graphcap[plot]'" in err
+
+
+def test_help_of_every_command_has_an_example(capsys):
+    for command in ("capture", "verify", "sizes", "bench", "validate"):
+        with pytest.raises(SystemExit) as info:
+            main([command, "--help"])
+        assert info.value.code == 0
+        assert "example" in capsys.readouterr().out
