@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from graphcap.backends import CapturedGraph, CaptureError, GraphBackend, get_backend
+from graphcap.backends import CapturedGraph, CaptureError, CaptureUnsafeError, GraphBackend, get_backend
 from graphcap.batch import GraphKey, StepBatch, dummy_batch
 from graphcap.buffers import ForwardInputs, PersistentBuffers
 from graphcap.config import CaptureConfig, resolve_device
@@ -192,6 +192,10 @@ class CaptureManager:
                 graph.release()
             reason = _describe_failure(failure)
             if self.config.capture.on_error == "raise":
+                if isinstance(failure, CaptureUnsafeError):
+                    # Keep the type engines catch; the message already names op and line.
+                    failure.args = (f"capturing {key} failed: {failure}",)
+                    raise failure
                 raise CaptureError(f"capturing {key} failed: {reason}") from failure
             log.warning("skipping %s: %s", key, reason)
             self.registry.mark_skipped(key, reason)
