@@ -1,0 +1,78 @@
+"""Capture orchestration overhead, and per-step `execute` vs `eager`.
+
+Table 1, per graph: the capture wall time (staging, invariants, warmups, capture,
+verification) over the time of the forwards it had to run anyway
+(`num_warmups + 1 capture + 1 verify`, each at the median eager step time). A ratio near
+1 means graphcap adds little beyond the forwards themselves.
+
+Table 2: median ms per step of `CaptureManager.execute` (graph replay) and `.eager` at
+sizes 1, 8 and 64, through the full step path (staging and invariants included).
+
+    python tools/bench_capture.py [--config PATH] [--steps N] [--threads N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from graphcap import CaptureManager, load_config  # noqa: E402
+from graphcap.models import build_model  # noqa: E402
+from graphcap.timing import time_key  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config (default: the embedded default on the CPU)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per key and side")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="sizes up to 8, 3 steps (a smoke run)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = {} if args.config else {"device": "cpu"}
+    if args.quick:
+        overrides["capture.max_size"] = 8
+    steps = 3 if args.quick else args.steps
+    config = load_config(args.config, overrides)
+    manager = CaptureManager(build_model(config), config, progress=False)
+    report = manager.capture()
+    forwards = config.capture.num_warmups + 1 + int(config.checks.verify_replay)
+    timings = {r.key: time_key(manager, r.key, steps=steps) for r in report.captured}
+
+    print(f"capture overhead ({report.backend} backend on {report.device}, {torch.get_num_threads()} threads)")
+    print(f"{'key':<8} {'tokens':>6} {'reqs':>5} {'capture ms':>10} {'forwards':>8} {'eager ms':>9} {'ratio':>6}")
+    ratios = []
+    for record in report.captured:
+        timing = timings[record.key]
+        if timing is None:
+            continue
+        ratio = record.capture_seconds * 1e3 / (forwards * timing.eager_ms)
+        ratios.append(ratio)
+        kind = "uniform" if record.key.uniform else "mixed"
+        print(
+            f"{kind:<8} {record.key.num_tokens:>6} {record.key.num_reqs:>5} {record.capture_seconds * 1e3:>10.1f} "
+            f"{forwards:>8} {timing.eager_ms:>9.3f} {ratio:>5.2f}x"
+        )
+    ratios.sort()
+    print(
+        f"median ratio {ratios[len(ratios) // 2]:.2f}x over {len(ratios)} graphs; total capture {report.total_seconds:.2f} s"
+    )
+    print()
+    print("per step, median ms (staging + invariants + forward or replay)")
+    print(f"{'size':>5} {'key':<8} {'execute ms':>10} {'eager ms':>9} {'speedup':>8}")
+    for size in (1, 8, 64):
+        for key, timing in sorted(timings.items(), key=lambda kv: (kv[0].num_tokens, not kv[0].uniform)):
+            if key.num_tokens == size and timing is not None:
+                kind = "uniform" if key.uniform else "mixed"
+                print(f"{size:>5} {kind:<8} {timing.replay_ms:>10.3f} {timing.eager_ms:>9.3f} {timing.speedup:>7.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
