@@ -29,7 +29,7 @@ def test_quick_start_has_exactly_two_commands_and_ci_runs_the_second():
 def test_library_example_runs():
     (example,) = _blocks("python")
     namespace: dict = {}
-    exec(compile(example, "README.md", "exec"), namespace)  # noqa: S102 - our own README
+    exec(compile(example, "README.md", "exec"), namespace)
     assert namespace["logits"].shape[0] == 3
     assert namespace["manager"].dispatch(namespace["batch"]).num_tokens == 4
 

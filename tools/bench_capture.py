@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from graphcap import CaptureManager, load_config  # noqa: E402
-from graphcap.models import build_model  # noqa: E402
-from graphcap.timing import time_key  # noqa: E402
+from graphcap import CaptureManager, load_config
+from graphcap.models import build_model
+from graphcap.timing import time_key
 
 
 def main() -> int:
