@@ -47,6 +47,9 @@ _STR, _SEQ, _MAP = (f"tag:yaml.org,2002:{t}" for t in ("str", "seq", "map"))
 YAML11_BOOLS = frozenset(
     ["y", "Y", "yes", "Yes", "YES", "n", "N", "no", "No", "NO", "on", "On", "ON", "off", "Off", "OFF"]
 )
+# Values one document may build. Aliases expand (`b: [*a, *a, ...]` nested a few levels is
+# a "billion laughs" bomb); a config holds a few dozen values, a long size list thousands.
+MAX_VALUES = 1 << 17
 
 
 class YamlSyntaxError(ValueError):
@@ -64,6 +67,8 @@ class YamlDocument:
     data: Any
     lines: dict[str, int] = field(default_factory=dict)
     source: str = "<string>"
+    num_values: int = 0
+    """Values built so far (bounded by `MAX_VALUES`)."""
 
 
 def parse_scalar(text: str) -> Any:
@@ -98,14 +103,29 @@ def read_yaml(text: str, source: str = "<string>") -> YamlDocument:
         raise YamlSyntaxError(where, "", f"not valid YAML: {exc.problem or exc}") from None
     except yaml.YAMLError as exc:
         raise YamlSyntaxError(source, "", f"not valid YAML: {exc}") from None
+    except RecursionError:
+        raise YamlSyntaxError(source, "", _TOO_DEEP) from None
     doc = YamlDocument(data=None, source=source)
     if node is not None:
-        doc.data = _build(node, "", doc)
+        try:
+            doc.data = _build(node, "", doc)
+        except RecursionError:  # deep nesting, or an alias inside its own anchor
+            raise YamlSyntaxError(source, "", _TOO_DEEP) from None
     return doc
+
+
+_TOO_DEEP = "nested too deeply (or an alias refers to its own anchor); a config is a few levels deep"
 
 
 def _build(node: yaml.Node, key: str, doc: YamlDocument) -> Any:
     line = node.start_mark.line + 1  # PyYAML marks count from 0
+    doc.num_values += 1
+    if doc.num_values > MAX_VALUES:
+        raise YamlSyntaxError(
+            f"{doc.source}:{line}",
+            key,
+            f"the document builds more than {MAX_VALUES} values (aliases expanding?); a config holds a few dozen",
+        )
     if key:
         doc.lines.setdefault(key, line)
     if isinstance(node, yaml.MappingNode):

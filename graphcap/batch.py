@@ -8,13 +8,17 @@ already keeps numpy arrays pays no per-request Python loop.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import numpy as np
 
 __all__ = ["GraphKey", "StepBatch", "dummy_batch"]
 
 _INT32_MAX = np.iinfo(np.int32).max
+# The ufunc reductions themselves: `array.min()` adds a Python-level wrapper per call.
+_min, _max = np.minimum.reduce, np.maximum.reduce
+_UNSIGNED = {np.dtype(f"i{size}"): np.dtype(f"u{size}") for size in (1, 2, 4, 8)}
+_ONES: dict[np.dtype, bytes] = {}  # the bytes of [1, 1, ...] per dtype, grown on demand
 
 
 class GraphKey(NamedTuple):
@@ -47,7 +51,9 @@ class StepBatch:
     `PersistentBuffers.stage`, before it writes anything.
 
     Arrays are converted (not copied when already int32/int64 numpy); the caller must not
-    mutate them afterwards.
+    mutate them afterwards. Derived on construction: `num_reqs`, `num_tokens`,
+    `min_query_len`, `max_query_len`, `max_seq_len`, `max_token_id` and `max_block_id`
+    (-1 when there are no token ids or block ids).
     """
 
     __slots__ = (
@@ -60,9 +66,14 @@ class StepBatch:
         "min_query_len",
         "max_query_len",
         "max_seq_len",
+        "max_token_id",
+        "max_block_id",
     )
 
     def __init__(self, query_lens, seq_lens, input_ids=None, block_table=None) -> None:
+        # Hot path (every step): a handful of numpy reductions, no per-request Python. The
+        # maxima found here (`max_seq_len`, `max_token_id`, `max_block_id`) are kept so
+        # `PersistentBuffers.stage` checks its bounds without scanning the arrays again.
         q = _int_array(query_lens, "query_lens", 1)
         s = _int_array(seq_lens, "seq_lens", 1)
         num_reqs = len(q)
@@ -71,47 +82,58 @@ class StepBatch:
                 f"seq_lens has {len(s)} entries but query_lens has {num_reqs}; give one entry per request in both"
             )
         if num_reqs:
-            q_min, q_max = int(q.min()), int(q.max())
-            if q_min < 1:
-                i = int(np.argmax(q < 1))
-                raise ValueError(
-                    f"query_lens[{i}] is {int(q[i])}; every scheduled request computes at "
-                    "least one token: drop requests with nothing to compute from the step"
-                )
-            max_seq_len = int(s.max())
-            if max_seq_len > _INT32_MAX:
-                i = int(np.argmax(s))
-                raise ValueError(f"seq_lens[{i}] is {max_seq_len}, above the int32 range of the buffers")
-            short = s < q
-            if short.any():
-                i = int(np.argmax(short))
-                raise ValueError(
-                    f"seq_lens[{i}] is {int(s[i])} but query_lens[{i}] is {int(q[i])}; "
-                    "seq_lens count every token of the request including this step's, "
-                    "so seq_lens >= query_lens"
-                )
-            num_tokens = int(q.sum())
+            if _is_all_ones(q):  # pure decode, the hot step: one memcmp, not two reductions
+                q_min = q_max = 1
+            else:
+                q_min = int(_min(q))
+                if q_min < 1:
+                    i = int(np.argmax(q < 1))
+                    raise ValueError(
+                        f"query_lens[{i}] is {int(q[i])}; every scheduled request computes at "
+                        "least one token: drop requests with nothing to compute from the step"
+                    )
+                q_max = int(_max(q))
+            if q_max == 1:
+                # Pure decode: seq_lens >= query_lens is seq_lens >= 1, i.e. no entry negative
+                # (read as unsigned, a negative exceeds int32) and none zero.
+                max_seq_len = _unsigned_max(s)
+                if max_seq_len > _INT32_MAX or np.count_nonzero(s) != num_reqs:
+                    _refuse_seq_lens(q, s)
+            else:
+                max_seq_len = int(_max(s))
+                if max_seq_len > _INT32_MAX or np.less(s, q).any():
+                    _refuse_seq_lens(q, s)
+            num_tokens = num_reqs if q_max == 1 else int(q.sum())
         else:
             q_min = q_max = max_seq_len = 0
             num_tokens = 0
+        max_token_id = max_block_id = -1
         if input_ids is not None:
-            input_ids = _int_array(input_ids, "input_ids", 1, check_range=True)
+            input_ids = _int_array(input_ids, "input_ids", 1)
+            # One reduction finds negatives and values above int32 together: viewed as
+            # unsigned, a negative id is larger than any id the buffers can hold.
+            max_token_id = _unsigned_max(input_ids)
+            if max_token_id > _INT32_MAX:
+                _check_int32(input_ids, "input_ids")
             if len(input_ids) != num_tokens:
                 raise ValueError(
                     f"input_ids has {len(input_ids)} entries but query_lens sum to {num_tokens}; "
                     "give one token id per computed token, in request order"
                 )
-            if num_tokens and int(input_ids.min()) < 0:
+            if max_token_id > _INT32_MAX:
                 t = int(np.argmax(input_ids < 0))
                 raise ValueError(f"input_ids[{t}] is {int(input_ids[t])}; token ids are >= 0")
         if block_table is not None:
-            block_table = _int_array(block_table, "block_table", 2, check_range=True)
+            block_table = _int_array(block_table, "block_table", 2)
+            max_block_id = _unsigned_max(block_table)
+            if max_block_id > _INT32_MAX:
+                _check_int32(block_table, "block_table")
             if block_table.shape[0] != num_reqs:
                 raise ValueError(
                     f"block_table has {block_table.shape[0]} rows but the batch has {num_reqs} "
                     "requests; give one row per request"
                 )
-            if block_table.size and int(block_table.min()) < 0:
+            if max_block_id > _INT32_MAX:
                 i, j = np.argwhere(block_table < 0)[0]
                 raise ValueError(f"block_table[{i}, {j}] is {int(block_table[i, j])}; block ids are >= 0")
         self.query_lens = q
@@ -123,6 +145,8 @@ class StepBatch:
         self.min_query_len = q_min
         self.max_query_len = q_max
         self.max_seq_len = max_seq_len
+        self.max_token_id = max_token_id
+        self.max_block_id = max_block_id
 
     def is_uniform(self, query_len: int) -> bool:
         """True when every request has exactly `query_len` tokens (an empty batch is uniform)."""
@@ -157,8 +181,14 @@ def dummy_batch(key: GraphKey, *, max_model_len: int | None = None) -> StepBatch
     return StepBatch(q, q.copy())
 
 
-def _int_array(values, name: str, ndim: int, *, check_range: bool = False) -> np.ndarray:
-    array = values if isinstance(values, np.ndarray) else np.asarray(values)
+def _int_array(values, name: str, ndim: int) -> np.ndarray:
+    if isinstance(values, np.ndarray):
+        array = values
+    else:
+        try:
+            array = np.asarray(values)
+        except (ValueError, TypeError, OverflowError) as exc:  # ragged lists, odd objects
+            raise ValueError(f"{name} must be a {ndim}-D array of integers; {exc}") from None
     if array.ndim != ndim:
         if not (array.size == 0 and ndim == 2):
             raise ValueError(f"{name} must be {ndim}-D; got shape {tuple(array.shape)}")
@@ -167,9 +197,56 @@ def _int_array(values, name: str, ndim: int, *, check_range: bool = False) -> np
         if array.size != 0:
             raise ValueError(f"{name} must hold integers; got dtype {array.dtype}")
         array = array.astype(np.int64)  # np.asarray([]) is float64
-    if check_range and array.dtype.itemsize > 4 and array.size and int(array.max()) > _INT32_MAX:
-        raise ValueError(f"{name} holds {int(array.max())}, above the int32 range of the buffers")
+    elif array.dtype.kind == "u" and array.itemsize == 8:
+        # uint64 with int32 arithmetic promotes to float64 (staging would fail half-way):
+        # refuse values above int32 here and keep the rest exactly as int64.
+        if array.size:
+            _check_int32(array, name)
+        array = array.astype(np.int64)
+    elif array.itemsize < 4:
+        # int8/int16 are widened: the negative-id checks read negatives as unsigned, which
+        # only exceeds the int32 range from 4 bytes up (int8 -1 would pass as block 255).
+        array = array.astype(np.int32)
     return array
+
+
+def _refuse_seq_lens(q: np.ndarray, s: np.ndarray) -> NoReturn:
+    max_seq_len = int(_max(s))
+    if max_seq_len > _INT32_MAX:
+        i = int(np.argmax(s))
+        raise ValueError(f"seq_lens[{i}] is {max_seq_len}, above the int32 range of the buffers")
+    i = int(np.argmax(s < q))
+    raise ValueError(
+        f"seq_lens[{i}] is {int(s[i])} but query_lens[{i}] is {int(q[i])}; "
+        "seq_lens count every token of the request including this step's, "
+        "so seq_lens >= query_lens"
+    )
+
+
+def _is_all_ones(array: np.ndarray) -> bool:
+    ones = _ONES.get(array.dtype)
+    if ones is None or len(ones) < array.nbytes:
+        ones = _ONES[array.dtype] = np.ones(max(len(array), 1024), array.dtype).tobytes()
+    return ones.startswith(array.tobytes())
+
+
+def _unsigned_max(array: np.ndarray) -> int:
+    """Largest entry with negatives read as unsigned (so they exceed every int32); -1 when empty."""
+    if not array.size:
+        return -1
+    unsigned = _UNSIGNED.get(array.dtype)
+    if unsigned is None and array.dtype.kind == "i":  # not native byte order
+        array, unsigned = array.astype(np.int64), _UNSIGNED[np.dtype(np.int64)]
+    if array.ndim > 1:
+        array = array.ravel()  # a view when contiguous; a 1-D reduction is the cheapest
+    return int(_max(array if unsigned is None else array.view(unsigned)))
+
+
+def _check_int32(array: np.ndarray, name: str) -> None:
+    # uint32 is 4 bytes too, but holds values the int32 buffers cannot.
+    top = int(array.max())
+    if top > _INT32_MAX:
+        raise ValueError(f"{name} holds {top}, above the int32 range of the buffers")
 
 
 def _short(array: np.ndarray) -> str:

@@ -9,8 +9,10 @@ collects the problems of all sections into one error and adds `file:line` from t
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -38,6 +40,11 @@ __all__ = [
 
 PAD_SLOT_ID = -1
 """`slot_mapping` value of a token that must not write the KV cache."""
+
+# Values that land in the int32 staging buffers (ids, lengths, slots) are bounded at load,
+# so an absurd config is refused here rather than overflowing or wrapping in `stage`.
+_INT32_MAX = 2**31 - 1
+_INT32_MIN = -(2**31)
 
 BUILTIN_MODELS = ("tiny-llama",)
 """Names accepted by `model.name` (built by `graphcap.models.build_model`)."""
@@ -128,7 +135,7 @@ class ModelConfig(_Section):
     """Key/value heads (grouped-query attention); must divide `num_heads`."""
     intermediate_size: int | None = _spec(None, min=1)
     """SwiGLU width; null means 8/3 of hidden_size rounded up to a multiple of 64."""
-    vocab_size: int = _spec(4096, min=1)
+    vocab_size: int = _spec(4096, min=1, max=_INT32_MAX)
     """Token ids are valid in `[0, vocab_size)`."""
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     """Weight and activation dtype."""
@@ -194,9 +201,9 @@ class BatchingConfig(_Section):
     """Scheduler limits; the persistent buffers are allocated once at these maxima."""
 
     _key: ClassVar[str] = "batching"
-    max_num_seqs: int = _spec(32, min=1)
+    max_num_seqs: int = _spec(32, min=1, max=_INT32_MAX)
     """Most requests in one step."""
-    max_num_tokens: int = _spec(256, min=1)
+    max_num_tokens: int = _spec(256, min=1, max=_INT32_MAX)
     """Most tokens in one step (all requests together)."""
 
     def _check(self) -> list[tuple[str, str]]:
@@ -219,23 +226,31 @@ class KVCacheConfig(_Section):
     """
 
     _key: ClassVar[str] = "kv_cache"
-    block_size: int = _spec(16, min=1)
+    block_size: int = _spec(16, min=1, max=_INT32_MAX)
     """Token slots per block."""
-    num_blocks: int = _spec(256, min=2)
+    num_blocks: int = _spec(256, min=2, max=_INT32_MAX)
     """Blocks in the cache, the null block 0 included."""
-    max_model_len: int = _spec(512, min=1)
+    max_model_len: int = _spec(512, min=1, max=_INT32_MAX)
     """Longest sequence (prompt + generated) one request may reach."""
 
     def _check(self) -> list[tuple[str, str]]:
+        out = []
         usable = (self.num_blocks - 1) * self.block_size
         if self.max_model_len > usable:
-            return [
+            out.append(
                 (
                     "max_model_len",
                     f"{self.max_model_len} tokens do not fit the KV cache: {self.num_blocks - 1} usable blocks (block 0 is the null block) x block_size {self.block_size} = {usable}; raise kv_cache.num_blocks to {-(-self.max_model_len // self.block_size) + 1} or lower max_model_len",
                 )
-            ]
-        return []
+            )
+        if self.num_slots > _INT32_MAX:
+            out.append(
+                (
+                    "num_blocks",
+                    f"{self.num_blocks} blocks x block_size {self.block_size} = {self.num_slots} slots exceed the int32 range of slot_mapping ({_INT32_MAX}); lower kv_cache.num_blocks to at most {_INT32_MAX // self.block_size}",
+                )
+            )
+        return out
 
     @property
     def max_blocks_per_req(self) -> int:
@@ -340,17 +355,17 @@ class PadRules(_Section):
     """
 
     _key: ClassVar[str] = "padding"
-    query_len: int = _spec(0, min=0)
+    query_len: int = _spec(0, min=0, max=_INT32_MAX)
     """Tokens given to each padded request (its `query_start_loc` step), while tokens remain."""
-    seq_len: int = _spec(0, min=0)
+    seq_len: int = _spec(0, min=0, max=_INT32_MAX)
     """`seq_lens` of padded requests; must be >= query_len."""
-    slot: int = _spec(PAD_SLOT_ID, max=-1)
+    slot: int = _spec(PAD_SLOT_ID, min=_INT32_MIN, max=-1)
     """`slot_mapping` of padded tokens: negative, so they never write the KV cache."""
-    position: int = _spec(0, min=0)
+    position: int = _spec(0, min=0, max=_INT32_MAX)
     """`positions` of padded tokens."""
-    token_id: int = _spec(0, min=0)
+    token_id: int = _spec(0, min=0, max=_INT32_MAX)
     """`input_ids` of padded tokens (a valid token id)."""
-    block_id: int = _spec(0, min=0)
+    block_id: int = _spec(0, min=0, max=_INT32_MAX)
     """`block_table` entries of padded requests (the null block)."""
 
     def _check(self) -> list[tuple[str, str]]:
@@ -434,6 +449,15 @@ class CaptureConfig(_Section):
         if not out and cap.mode != "none":
             sizes = self.capture_sizes.sizes
             q = cap.uniform_query_len
+            reach = bat.max_num_seqs * kv.max_model_len
+            if cap.mode == "full" and sizes[-1] > reach:
+                # The mixed key of that size could not even be filled by its dummy batch.
+                out.append(
+                    (
+                        "capture.max_size" if cap.sizes == "auto" else "capture.sizes",
+                        f"size {sizes[-1]} can never be reached: a step holds at most batching.max_num_seqs {bat.max_num_seqs} requests of kv_cache.max_model_len {kv.max_model_len} tokens = {reach}; lower capture.max_size to {reach} or drop the larger sizes",
+                    )
+                )
             if cap.mode == "full_decode_only" and not any(s % q == 0 and s // q <= bat.max_num_seqs for s in sizes):
                 out.append(
                     (
@@ -493,7 +517,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
     `overrides` maps dotted keys to values (`{"capture.max_size": 16}`) applied on top of
     the file and validated the same way. Raises `ConfigError` listing every problem (dotted
-    key, bad value, what is allowed, `file:line`), or `FileNotFoundError` for a missing file.
+    key, bad value, what is allowed, `file:line`), `FileNotFoundError` for a missing file, or
+    `TypeError` when `overrides` is not a mapping.
     """
     if path is None:
         text = resources.files("graphcap").joinpath("configs", DEFAULT_CONFIG).read_text()
@@ -511,6 +536,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 def config_from_text(text: str, source: str = "<string>", overrides: dict[str, Any] | None = None) -> CaptureConfig:
     """`load_config` on YAML text already in memory."""
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise TypeError(f"overrides must map dotted keys to values; got {type(overrides).__name__}")
     try:
         doc = read_yaml(text, source)
     except YamlSyntaxError as exc:
@@ -682,10 +709,15 @@ def _trap_hint(value: Any, options: tuple) -> str:
 def _range_problem(value: Any, meta: Any) -> str:
     if value is None or isinstance(value, (str, tuple)) or not meta:
         return ""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be finite; got {value}"
+    # Name why an int32 bound exists: the number alone looks arbitrary.
     if meta.get("min") is not None and value < meta["min"]:
-        return f"must be >= {meta['min']}; got {value}"
+        note = " (the int32 range of the staging buffers)" if meta["min"] == _INT32_MIN else ""
+        return f"must be >= {meta['min']}{note}; got {value}"
     if meta.get("max") is not None and value > meta["max"]:
-        return f"must be <= {meta['max']}; got {value}"
+        note = " (the int32 range of the staging buffers)" if meta["max"] == _INT32_MAX else ""
+        return f"must be <= {meta['max']}{note}; got {value}"
     if meta.get("gt") is not None and not value > meta["gt"]:
         return f"must be > {meta['gt']}; got {value}"
     return ""

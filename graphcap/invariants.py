@@ -33,6 +33,12 @@ from graphcap.buffers import ForwardInputs
 __all__ = ["LEVELS", "InvariantViolation", "check_invariants"]
 
 LEVELS = ("off", "basic", "full")
+# The ufunc reductions themselves: `array.min()` adds a Python-level wrapper per call.
+_min, _max = np.minimum.reduce, np.maximum.reduce
+# int32 bytes of `[0, q, 2q, ...]` and `[v, v, ...]`, grown on demand: comparing a staged
+# array with one is a single exact memcmp, cheaper than any two numpy reductions.
+_RAMPS: dict[int, bytes] = {}
+_FILLS: dict[int, bytes] = {}
 
 
 class InvariantViolation(RuntimeError):
@@ -55,6 +61,68 @@ def check_invariants(inputs: ForwardInputs, level: Literal["off", "basic", "full
         return
     if level not in LEVELS:
         raise ValueError(f"level must be one of {', '.join(LEVELS)}; got {level!r}")
+    if not _basic_holds(inputs):
+        _check_basic(inputs)  # finds and names the first broken rule
+    if level == "full":
+        _check_full(inputs, _lengths(inputs.host.query_start_loc))
+
+
+def _basic_holds(inputs: ForwardInputs) -> bool:
+    """True only when every basic rule holds, in a few numpy calls (the per-step cost).
+
+    Together the tests below imply every rule `_check_basic` checks one by one (a test in
+    `test_invariants.py` holds the two to the same verdict): a padded `query_start_loc`
+    tail equal to its rule is non-decreasing from `num_tokens` and ends `<= T`; for a
+    uniform key the real offsets are exactly `0, q, 2q, ...`, so every length is `q` and
+    `seq_lens >= lens` is `min(seq_lens) >= q`. When it says False, `_check_basic` names
+    the first broken rule.
+    """
+    host, key, pad = inputs.host, inputs.key, inputs.limits.pad
+    n, r = inputs.num_tokens, inputs.num_reqs
+    T, R = key.num_tokens, key.num_reqs
+    if not (0 <= n <= T and 0 <= r <= R):
+        return False
+    qsl, seq = host.query_start_loc, host.seq_lens
+    if r and key.uniform:
+        # Every real request has q tokens: the real offsets are exactly 0, q, 2q, ..., n.
+        q = T // R
+        if n != r * q or not _is_ramp(qsl[: r + 1], q) or _min(seq[:r]) < q:
+            return False
+    elif qsl[0] != 0 or qsl[r] != n:
+        return False
+    elif r:
+        lens = np.subtract(qsl[1 : r + 1], qsl[:r], dtype=np.int64)  # int64: garbage must not wrap
+        if _min(lens) < 0 or _min(np.subtract(seq[:r], lens, out=lens)) < 0:
+            return False
+    if r < R:
+        tail = qsl[r + 1 :]
+        if pad.query_len == 0 or n == T:
+            if _min(tail) != n or _max(tail) != n:
+                return False
+        elif (tail != _qsl_tail(n, r, T, R, pad.query_len)).any():
+            return False
+        if not _is_filled(seq[r:], pad.seq_len):
+            return False
+    return n == T or _is_filled(host.slot_mapping[n:], pad.slot)
+
+
+def _is_ramp(array: np.ndarray, step: int) -> bool:
+    """`array == step * arange(len(array))` exactly, for an int32 array."""
+    ramp = _RAMPS.get(step)
+    if ramp is None or len(ramp) < array.nbytes:
+        ramp = _RAMPS[step] = (step * np.arange(max(len(array), 1024), dtype=np.int32)).tobytes()
+    return array.dtype == np.int32 and ramp.startswith(array.tobytes())
+
+
+def _is_filled(array: np.ndarray, value: int) -> bool:
+    """Every entry of an int32 array equals `value`."""
+    fill = _FILLS.get(value)
+    if fill is None or len(fill) < array.nbytes:
+        fill = _FILLS[value] = np.full(max(len(array), 1024), value, dtype=np.int32).tobytes()
+    return array.dtype == np.int32 and fill.startswith(array.tobytes())
+
+
+def _check_basic(inputs: ForwardInputs) -> None:
     host, key, pad = inputs.host, inputs.key, inputs.limits.pad
     n, r = inputs.num_tokens, inputs.num_reqs
     T, R = key.num_tokens, key.num_reqs
@@ -65,14 +133,11 @@ def check_invariants(inputs: ForwardInputs, level: Literal["off", "basic", "full
     qsl = host.query_start_loc
     if qsl[0] != 0:
         _fail("query_start_loc", 0, 0, int(qsl[0]), "offsets start at 0", key)
-    lens = np.diff(qsl)
-    if lens.min(initial=0) < 0:
-        i = int(np.argmax(lens < 0)) + 1
-        _fail(
-            "query_start_loc", i, f">= {int(qsl[i - 1])}", int(qsl[i]),
-            "offsets must never decrease; a padded tail must repeat the last real offset, "
-            "or query lengths go negative (repeat_interleave asserts 'repeat >= 0')", key,
-        )  # fmt: skip
+    lens = _lengths(qsl)
+    # A drop among the real offsets here; one in the padded tail is named by the tail rule
+    # below, at the entry that breaks the rule rather than the one after it.
+    if lens[:r].min(initial=0) < 0:
+        _fail_decrease(qsl, int(np.argmax(lens[:r] < 0)) + 1, key)
     if qsl[r] != n:
         _fail("query_start_loc", r, n, int(qsl[r]), f"the {r} real requests own exactly the {n} real tokens", key)
     if qsl[R] > T:
@@ -81,6 +146,8 @@ def check_invariants(inputs: ForwardInputs, level: Literal["off", "basic", "full
     bad = np.flatnonzero(qsl[r + 1 :] != expected_tail)
     if bad.size:
         i = r + 1 + int(bad[0])
+        if qsl[i] < qsl[i - 1]:
+            _fail_decrease(qsl, i, key)
         _fail(
             "query_start_loc",
             i,
@@ -127,8 +194,6 @@ def check_invariants(inputs: ForwardInputs, level: Literal["off", "basic", "full
             "a padded token must never write the KV cache (PAD_SLOT_ID)",
             key,
         )
-    if level == "full":
-        _check_full(inputs, lens)
 
 
 def _check_full(inputs: ForwardInputs, lens: np.ndarray) -> None:
@@ -193,6 +258,19 @@ def _check_full(inputs: ForwardInputs, lens: np.ndarray) -> None:
             "padded requests point at the pad block (padding.block_id)",
             key,
         )
+
+
+def _lengths(qsl: np.ndarray) -> np.ndarray:
+    # int64: in int32 a drop of more than 2**31 (garbage) would wrap to a positive length.
+    return np.diff(qsl.astype(np.int64))
+
+
+def _fail_decrease(qsl: np.ndarray, i: int, key: Any) -> None:
+    _fail(
+        "query_start_loc", i, f">= {int(qsl[i - 1])}", int(qsl[i]),
+        "offsets must never decrease; a padded tail must repeat the last real offset, "
+        "or query lengths go negative (repeat_interleave asserts 'repeat >= 0')", key,
+    )  # fmt: skip
 
 
 def _qsl_tail(n: int, r: int, T: int, R: int, pad_query_len: int) -> np.ndarray:

@@ -73,9 +73,10 @@ class StepStats:
 class CaptureManager:
     """Owns the persistent buffers, the key registry and the graphs of one model.
 
-    Thread-safe: `execute`, `eager` and `capture` hold one lock, so two threads never
-    interleave staging and replay. The tensor `execute` returns is a view of the graph's
-    static output: valid until the next step (clone it to keep it), as on every engine.
+    Thread-safe: `execute`, `eager`, `dispatch` and `capture` hold one lock (`lock`), so two
+    threads never interleave staging and replay. The tensor `execute` returns is a view of
+    the graph's static output: valid until the next step (clone it to keep it), as on every
+    engine; with several threads, hold `lock` until you have read or cloned it.
     Does not schedule, sample or manage KV blocks: the engine owns those.
     """
 
@@ -105,6 +106,15 @@ class CaptureManager:
         self._prepare = getattr(model, "prepare", None)
         self._lock = threading.RLock()
         self._sync = DataParallelSync(group, timeout=dp_timeout) if group is not None else None
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The re-entrant lock every step and capture holds.
+
+        Hold it around `execute` and the use of its result when several threads share the
+        manager: another thread's next step overwrites the returned view.
+        """
+        return self._lock
 
     # -- capture -------------------------------------------------------------------------
 
@@ -252,8 +262,9 @@ class CaptureManager:
         with self._lock:
             key, reason = self._dispatch(batch)
             if key is None:
-                self.stats.eager[reason] += 1
-                return self._run_eager(batch)
+                output = self._run_eager(batch)
+                self.stats.eager[reason] += 1  # after the run: a refused batch is no step
+                return output
             inputs = self.buffers.stage(batch, key)
             check_invariants(inputs, self._level)
             if self._prepare is not None:
@@ -270,6 +281,7 @@ class CaptureManager:
 
     def eager(self, batch: StepBatch) -> torch.Tensor:
         """The reference: the model on the same staging path, unpadded, with no graph."""
+        batch = _or_empty(batch)
         with self._lock:
             return self._run_eager(batch)
 
@@ -342,9 +354,9 @@ def _gc_frozen() -> Iterator[None]:
 
 
 def _describe_failure(exc: BaseException) -> str:
+    text = (str(exc).strip().splitlines() or [""])[0]  # an exception may have no message
     if isinstance(exc, torch.OutOfMemoryError):
-        return f"out of memory ({str(exc).splitlines()[0][:160]}); {_OOM_HINT}"
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"out of memory ({text[:160] or 'no message'}); {_OOM_HINT}"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
@@ -352,4 +364,8 @@ _EMPTY = StepBatch([], [])
 
 
 def _or_empty(batch: StepBatch | None) -> StepBatch:
-    return _EMPTY if batch is None else batch
+    if batch is None:
+        return _EMPTY
+    if not isinstance(batch, StepBatch):
+        raise TypeError(f"expected a StepBatch (or None for an idle rank); got {type(batch).__name__}")
+    return batch

@@ -1,0 +1,172 @@
+"""`graphcap.dispatch`: the key registry plans keys from the config and maps each step to one."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphcap.batch import GraphKey, StepBatch
+from graphcap.config import load_config
+from graphcap.dispatch import EAGER_REASONS, KeyRegistry
+from graphcap.sizes import CaptureSizes
+
+SIZES = CaptureSizes([1, 2, 4, 8, 16, 32], 64)
+
+
+def registry(mode="full", q=1, max_num_seqs=8, sizes=SIZES, capture_all=True) -> KeyRegistry:
+    keys = KeyRegistry(sizes, mode, q, max_num_seqs)
+    if capture_all:
+        for key in keys.planned:
+            keys.mark_captured(key)
+    return keys
+
+
+def decode(num_reqs: int, q: int = 1) -> StepBatch:
+    return StepBatch([q] * num_reqs, [q + 5] * num_reqs)
+
+
+def test_mode_full_plans_a_mixed_key_per_size_and_uniform_keys_that_fit():
+    keys = registry(capture_all=False)
+    assert [k for k in keys.planned if not k.uniform] == [
+        GraphKey(1, 1, False), GraphKey(2, 2, False), GraphKey(4, 4, False),
+        GraphKey(8, 8, False), GraphKey(16, 8, False), GraphKey(32, 8, False),
+    ]  # fmt: skip
+    # uniform decode keys only while size / q requests fit max_num_seqs
+    assert [k for k in keys.planned if k.uniform] == [GraphKey(s, s, True) for s in (1, 2, 4, 8)]
+    assert len(keys) == 10 and set(keys) == set(keys.planned)
+
+
+def test_mode_full_with_uniform_query_len_4_plans_uniform_keys_at_multiples_of_4():
+    keys = registry(q=4, capture_all=False)
+    assert [k for k in keys.planned if k.uniform] == [
+        GraphKey(4, 1, True),
+        GraphKey(8, 2, True),
+        GraphKey(16, 4, True),
+        GraphKey(32, 8, True),
+    ]
+    assert sum(not k.uniform for k in keys.planned) == 6
+
+
+def test_mode_full_decode_only_plans_uniform_keys_only():
+    keys = registry(mode="full_decode_only", q=4, capture_all=False)
+    assert keys.planned == (GraphKey(4, 1, True), GraphKey(8, 2, True), GraphKey(16, 4, True), GraphKey(32, 8, True))
+
+
+def test_mode_none_plans_nothing():
+    assert registry(mode="none", capture_all=False).planned == ()
+
+
+def test_capture_order_is_largest_first_uniform_before_mixed():
+    order = registry(capture_all=False).capture_order()
+    assert [k.num_tokens for k in order] == sorted((k.num_tokens for k in order), reverse=True)
+    assert order[:4] == [GraphKey(32, 8, False), GraphKey(16, 8, False), GraphKey(8, 8, True), GraphKey(8, 8, False)]
+
+
+def test_from_config_plans_the_default_schedule():
+    keys = KeyRegistry.from_config(load_config())
+    assert {k.num_tokens for k in keys.planned} == set(load_config().capture_sizes.sizes)
+    assert all(k.num_reqs <= 32 for k in keys.planned)
+    assert KeyRegistry.from_config(load_config(overrides={"capture.mode": "none"})).planned == ()
+
+
+def test_uniform_batch_dispatches_to_the_uniform_key():
+    assert registry().dispatch(decode(3)) == (GraphKey(4, 4, True), "")
+    assert registry(q=4).dispatch(decode(3, q=4)) == (GraphKey(16, 4, True), "")
+
+
+def test_mixed_batch_dispatches_to_the_mixed_key():
+    assert registry().dispatch(StepBatch([2, 1], [5, 5])) == (GraphKey(4, 4, False), "")
+
+
+def test_uniform_batch_at_a_size_without_a_uniform_key_uses_the_mixed_key():
+    keys = registry(q=2, sizes=CaptureSizes([3, 6, 12], 64))
+    assert keys.dispatch(decode(1, q=2)) == (GraphKey(3, 3, False), "")  # 3 is not a multiple of 2
+    assert keys.dispatch(decode(3, q=2)) == (GraphKey(6, 3, True), "")
+    # 16 decode requests would need 16 rows; max_num_seqs 8 leaves no uniform key at 16
+    assert registry(max_num_seqs=8).dispatch(StepBatch([2] * 8, [9] * 8)) == (GraphKey(16, 8, False), "")
+
+
+def test_skipped_uniform_key_falls_back_to_the_mixed_key():
+    keys = registry()
+    keys.mark_skipped(GraphKey(4, 4, True), "out of memory")
+    assert keys.dispatch(decode(3)) == (GraphKey(4, 4, False), "")
+    assert keys.skipped == {GraphKey(4, 4, True): "out of memory"}
+
+
+@pytest.mark.parametrize(
+    ("keys", "batch", "reason"),
+    [
+        (registry(), StepBatch([33], [33]), "above_max_size"),
+        (registry(), decode(40), "above_max_size"),
+        (registry(mode="none"), decode(1), "mode_none"),
+        (registry(mode="full_decode_only"), StepBatch([2, 1], [2, 1]), "decode_only"),
+        (registry(capture_all=False), decode(2), "not_captured"),
+        (registry(capture_all=False), StepBatch([2, 1], [2, 1]), "not_captured"),
+        (registry(mode="full_decode_only", capture_all=False), decode(2), "not_captured"),
+        (registry(max_num_seqs=2), StepBatch([1, 1, 2], [1, 1, 2]), "too_many_requests"),
+    ],
+)
+def test_dispatch_runs_eagerly_with_the_reason(keys, batch, reason):
+    assert keys.dispatch(batch) == (None, reason)
+    assert reason in EAGER_REASONS
+
+
+def test_skipped_key_runs_eagerly_with_reason_skipped():
+    keys = registry()
+    keys.mark_skipped(GraphKey(4, 4, False), "capture failed")
+    assert keys.dispatch(StepBatch([2, 1], [2, 1])) == (None, "skipped")
+    keys = registry(mode="full_decode_only")
+    keys.mark_skipped(GraphKey(2, 2, True), "capture failed")
+    assert keys.dispatch(decode(2)) == (None, "skipped")
+
+
+def test_mark_captured_after_skip_clears_the_skip_and_reset_forgets_everything():
+    keys = registry(capture_all=False)
+    key = GraphKey(4, 4, False)
+    keys.mark_skipped(key, "boom")
+    keys.mark_captured(key)
+    assert key in keys.captured and key not in keys.skipped
+    keys.reset()
+    assert not keys.captured and not keys.skipped and len(keys.planned) == 10
+
+
+def test_keys_made_at_call_sites_are_refused():
+    with pytest.raises(
+        ValueError, match=r"mixed\(tokens=3, reqs=3\) is not a planned key; keys come from the registry"
+    ):
+        registry().mark_captured(GraphKey(3, 3, False))
+    with pytest.raises(ValueError, match=r"not a planned key"):
+        registry().mark_skipped(GraphKey(64, 8, False), "x")
+
+
+@st.composite
+def _batches(draw, max_tokens=40, max_reqs=8):
+    if draw(st.booleans()):  # uniform
+        q = draw(st.sampled_from([1, 2, 4]))
+        num_reqs = draw(st.integers(0, min(max_reqs, max_tokens // q)))
+        return StepBatch([q] * num_reqs, [q + 3] * num_reqs)
+    query_lens = draw(st.lists(st.integers(1, 12), max_size=max_reqs))
+    return StepBatch(query_lens, query_lens)
+
+
+@given(batch=_batches(), mode=st.sampled_from(["full", "full_decode_only"]), q=st.sampled_from([1, 2, 4]))
+@settings(max_examples=300, deadline=None)
+def test_dispatched_key_holds_the_batch_at_the_smallest_captured_size(batch, mode, q):
+    keys = registry(mode=mode, q=q, max_num_seqs=8)
+    key, reason = keys.dispatch(batch)
+    if batch.num_tokens > SIZES.max_size:
+        assert (key, reason) == (None, "above_max_size")
+        return
+    if key is None:
+        # Only a mixed batch under decode-only, or a uniform size with no key that fits, runs eagerly.
+        assert mode == "full_decode_only" and reason in ("decode_only", "not_captured"), reason
+        return
+    assert reason == ""
+    assert key in keys.captured
+    assert batch.num_tokens <= key.num_tokens and batch.num_reqs <= key.num_reqs
+    assert key.num_tokens == min(s for s in SIZES.sizes if s >= batch.num_tokens)
+    assert not key.uniform or batch.is_uniform(q)
+    if mode == "full":
+        uniform_planned = GraphKey(key.num_tokens, key.num_tokens // q, True) in keys.planned
+        assert key.uniform == (uniform_planned and batch.is_uniform(q))
