@@ -9,16 +9,15 @@ collects the problems of all sections into one error and adds `file:line` from t
 from __future__ import annotations
 
 import difflib
-import math
 import re
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal
 
-from graphcap._yaml import YAML11_BOOLS, YamlSyntaxError, read_yaml
+from graphcap._schema import INT32_MAX, INT32_MIN, ConfigError, ConfigProblem, Section, show_value, spec
+from graphcap._yaml import YamlSyntaxError, read_yaml
 from graphcap.sizes import CaptureSizes, default_capture_sizes
 
 __all__ = [
@@ -41,10 +40,6 @@ __all__ = [
 PAD_SLOT_ID = -1
 """`slot_mapping` value of a token that must not write the KV cache."""
 
-# Values that land in the int32 staging buffers (ids, lengths, slots) are bounded at load,
-# so an absurd config is refused here rather than overflowing or wrapping in `stage`.
-_INT32_MAX = 2**31 - 1
-_INT32_MIN = -(2**31)
 
 BUILTIN_MODELS = ("tiny-llama",)
 """Names accepted by `model.name` (built by `graphcap.models.build_model`)."""
@@ -53,71 +48,8 @@ DEFAULT_CONFIG = "default.yaml"
 """The embedded default, shipped inside the package (`graphcap/configs/`)."""
 
 
-class ConfigProblem(NamedTuple):
-    """One thing wrong with a config: the dotted key and a message with value and fix."""
-
-    key: str
-    message: str
-    where: str | None = None
-    """`file:line` when the YAML gives one, `override` for an override, else None."""
-
-    def __str__(self) -> str:
-        prefix = f"{self.where}: " if self.where else ""
-        return f"{prefix}{self.key}: {self.message}"
-
-
-class ConfigError(ValueError):
-    """Every problem found in a config, at once. `.problems` lists them in file order."""
-
-    def __init__(self, problems: list[ConfigProblem], source: str | None = None) -> None:
-        self.problems = list(problems)
-        self.source = source
-        head = f"{len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}"
-        head += f" in {source}" if source else " in the config"
-        super().__init__(head + ":\n" + "\n".join(f"  {p}" for p in self.problems))
-
-
-def _spec(default: Any, *, min: float | None = None, max: float | None = None, gt: float | None = None):
-    return field(default=default, metadata={"min": min, "max": max, "gt": gt})
-
-
-class _Section:
-    """Validation shared by every section: field types and ranges, then `_check()`."""
-
-    __slots__ = ()
-    _key: ClassVar[str]
-    _hints_cache: ClassVar[dict[type, dict[str, Any]]] = {}
-
-    def __post_init__(self) -> None:
-        problems: list[ConfigProblem] = []
-        hints = _hints(type(self))
-        for f in fields(self):
-            key = f"{self._key}.{f.name}" if self._key else f.name
-            value = getattr(self, f.name)
-            ok, converted, message = _convert(value, hints[f.name], key)
-            if not ok:
-                problems.append(ConfigProblem(key, message))
-                continue
-            if converted is not value:
-                object.__setattr__(self, f.name, converted)
-            message = _range_problem(converted, f.metadata)
-            if message:
-                problems.append(ConfigProblem(key, message))
-        if not problems:
-            problems = [ConfigProblem(self._dotted(k), m) for k, m in self._check()]
-        if problems:
-            raise ConfigError(problems)
-
-    def _dotted(self, name: str) -> str:
-        return f"{self._key}.{name}" if self._key and "." not in name else name
-
-    def _check(self) -> list[tuple[str, str]]:
-        """Checks across this section's fields: `(field, message)` pairs."""
-        return []
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """The model to capture: a built-in reference model or an importable factory."""
 
     _key: ClassVar[str] = "model"
@@ -125,29 +57,29 @@ class ModelConfig(_Section):
     """Built-in model (`tiny-llama`); the default when `factory` is not set either."""
     factory: str | None = None
     """`"pkg.module:function"`, called with the `CaptureConfig`; returns the model."""
-    hidden_size: int = _spec(256, min=1)
+    hidden_size: int = spec(256, min=1)
     """Width of the residual stream."""
-    num_layers: int = _spec(2, min=1)
+    num_layers: int = spec(2, min=1)
     """Decoder layers."""
-    num_heads: int = _spec(8, min=1)
+    num_heads: int = spec(8, min=1)
     """Query heads; `hidden_size` must divide evenly among them."""
-    num_kv_heads: int = _spec(2, min=1)
+    num_kv_heads: int = spec(2, min=1)
     """Key/value heads (grouped-query attention); must divide `num_heads`."""
-    intermediate_size: int | None = _spec(None, min=1)
+    intermediate_size: int | None = spec(None, min=1)
     """SwiGLU width; null means 8/3 of hidden_size rounded up to a multiple of 64."""
-    vocab_size: int = _spec(4096, min=1, max=_INT32_MAX)
+    vocab_size: int = spec(4096, min=1, max=INT32_MAX)
     """Token ids are valid in `[0, vocab_size)`."""
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     """Weight and activation dtype."""
-    seed: int = _spec(0, min=0)
+    seed: int = spec(0, min=0)
     """Seed of the deterministic random weights."""
-    rope_theta: float = _spec(10000.0, gt=0)
+    rope_theta: float = spec(10000.0, gt=0)
     """Rotary embedding base."""
-    rms_norm_eps: float = _spec(1e-5, gt=0)
+    rms_norm_eps: float = spec(1e-5, gt=0)
     """RMSNorm epsilon."""
 
     def __post_init__(self) -> None:
-        _Section.__post_init__(self)
+        Section.__post_init__(self)
         if self.name is None and self.factory is None:
             object.__setattr__(self, "name", BUILTIN_MODELS[0])
 
@@ -197,13 +129,13 @@ class ModelConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class BatchingConfig(_Section):
+class BatchingConfig(Section):
     """Scheduler limits; the persistent buffers are allocated once at these maxima."""
 
     _key: ClassVar[str] = "batching"
-    max_num_seqs: int = _spec(32, min=1, max=_INT32_MAX)
+    max_num_seqs: int = spec(32, min=1, max=INT32_MAX)
     """Most requests in one step."""
-    max_num_tokens: int = _spec(256, min=1, max=_INT32_MAX)
+    max_num_tokens: int = spec(256, min=1, max=INT32_MAX)
     """Most tokens in one step (all requests together)."""
 
     def _check(self) -> list[tuple[str, str]]:
@@ -218,7 +150,7 @@ class BatchingConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class KVCacheConfig(_Section):
+class KVCacheConfig(Section):
     """The paged KV cache: `num_blocks` blocks of `block_size` token slots each.
 
     Block 0 is the null block: padded rows point at it and dummy runs write into it, so
@@ -226,11 +158,11 @@ class KVCacheConfig(_Section):
     """
 
     _key: ClassVar[str] = "kv_cache"
-    block_size: int = _spec(16, min=1, max=_INT32_MAX)
+    block_size: int = spec(16, min=1, max=INT32_MAX)
     """Token slots per block."""
-    num_blocks: int = _spec(256, min=2, max=_INT32_MAX)
+    num_blocks: int = spec(256, min=2, max=INT32_MAX)
     """Blocks in the cache, the null block 0 included."""
-    max_model_len: int = _spec(512, min=1, max=_INT32_MAX)
+    max_model_len: int = spec(512, min=1, max=INT32_MAX)
     """Longest sequence (prompt + generated) one request may reach."""
 
     def _check(self) -> list[tuple[str, str]]:
@@ -243,11 +175,11 @@ class KVCacheConfig(_Section):
                     f"{self.max_model_len} tokens do not fit the KV cache: {self.num_blocks - 1} usable blocks (block 0 is the null block) x block_size {self.block_size} = {usable}; raise kv_cache.num_blocks to {-(-self.max_model_len // self.block_size) + 1} or lower max_model_len",
                 )
             )
-        if self.num_slots > _INT32_MAX:
+        if self.num_slots > INT32_MAX:
             out.append(
                 (
                     "num_blocks",
-                    f"{self.num_blocks} blocks x block_size {self.block_size} = {self.num_slots} slots exceed the int32 range of slot_mapping ({_INT32_MAX}); lower kv_cache.num_blocks to at most {_INT32_MAX // self.block_size}",
+                    f"{self.num_blocks} blocks x block_size {self.block_size} = {self.num_slots} slots exceed the int32 range of slot_mapping ({INT32_MAX}); lower kv_cache.num_blocks to at most {INT32_MAX // self.block_size}",
                 )
             )
         return out
@@ -262,7 +194,7 @@ class KVCacheConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class CaptureOptions(_Section):
+class CaptureOptions(Section):
     """Which graphs to capture and how."""
 
     _key: ClassVar[str] = "capture"
@@ -270,12 +202,12 @@ class CaptureOptions(_Section):
     """`none`: always eager; `full`: mixed and uniform-decode keys; `full_decode_only`: uniform only."""
     sizes: tuple[int, ...] | Literal["auto"] = "auto"
     """Ascending token counts to capture, or `auto` for `default_capture_sizes(max_size, q)`."""
-    max_size: int = _spec(64, min=1, max=1 << 16)
+    max_size: int = spec(64, min=1, max=1 << 16)
     """Largest captured token count; bigger steps run eagerly. At most 65536: the padding
     table holds one entry per token count, so a typo like 10**9 must not try to build it."""
-    num_warmups: int = _spec(1, min=0, max=100)
+    num_warmups: int = spec(1, min=0, max=100)
     """Eager runs of each dummy batch before its capture."""
-    uniform_query_len: int = _spec(1, min=1, max=64)
+    uniform_query_len: int = spec(1, min=1, max=64)
     """Tokens per request in a uniform decode step (> 1 for speculative decoding)."""
     on_error: Literal["raise", "skip"] = "raise"
     """A size that fails to capture: `raise` stops; `skip` records it and runs it eagerly."""
@@ -304,7 +236,7 @@ class CaptureOptions(_Section):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ChecksConfig(_Section):
+class ChecksConfig(Section):
     """Safety checks on every step and after capture."""
 
     _key: ClassVar[str] = "checks"
@@ -312,9 +244,9 @@ class ChecksConfig(_Section):
     """`basic` (O(requests), every step), `full` (adds O(tokens) checks and address checks on every replay), or `off`."""
     verify_replay: bool = True
     """After each capture, replay once and compare with an eager run on the same inputs."""
-    atol: float | None = _spec(None, min=0)
+    atol: float | None = spec(None, min=0)
     """Absolute tolerance of that comparison; null uses torch.testing's default for the dtype."""
-    rtol: float | None = _spec(None, min=0)
+    rtol: float | None = spec(None, min=0)
     """Relative tolerance; give both or neither."""
     poison_padding: bool = False
     """Debug: fill the persistent buffers with sentinel garbage before every staging."""
@@ -333,7 +265,7 @@ class ChecksConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ReportConfig(_Section):
+class ReportConfig(Section):
     """Where the capture report goes."""
 
     _key: ClassVar[str] = "report"
@@ -347,7 +279,7 @@ class ReportConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PadRules(_Section):
+class PadRules(Section):
     """How the padded tail of each persistent buffer is filled (rows `[real : padded]`).
 
     Data, not literals in the staging loop: an engine whose kernels want padded requests of
@@ -355,17 +287,17 @@ class PadRules(_Section):
     """
 
     _key: ClassVar[str] = "padding"
-    query_len: int = _spec(0, min=0, max=_INT32_MAX)
+    query_len: int = spec(0, min=0, max=INT32_MAX)
     """Tokens given to each padded request (its `query_start_loc` step), while tokens remain."""
-    seq_len: int = _spec(0, min=0, max=_INT32_MAX)
+    seq_len: int = spec(0, min=0, max=INT32_MAX)
     """`seq_lens` of padded requests; must be >= query_len."""
-    slot: int = _spec(PAD_SLOT_ID, min=_INT32_MIN, max=-1)
+    slot: int = spec(PAD_SLOT_ID, min=INT32_MIN, max=-1)
     """`slot_mapping` of padded tokens: negative, so they never write the KV cache."""
-    position: int = _spec(0, min=0, max=_INT32_MAX)
+    position: int = spec(0, min=0, max=INT32_MAX)
     """`positions` of padded tokens."""
-    token_id: int = _spec(0, min=0, max=_INT32_MAX)
+    token_id: int = spec(0, min=0, max=INT32_MAX)
     """`input_ids` of padded tokens (a valid token id)."""
-    block_id: int = _spec(0, min=0, max=_INT32_MAX)
+    block_id: int = spec(0, min=0, max=INT32_MAX)
     """`block_table` entries of padded requests (the null block)."""
 
     def _check(self) -> list[tuple[str, str]]:
@@ -379,7 +311,7 @@ class PadRules(_Section):
         return []
 
 
-_SECTIONS: dict[str, type[_Section]] = {
+_SECTIONS: dict[str, type[Section]] = {
     "model": ModelConfig,
     "batching": BatchingConfig,
     "kv_cache": KVCacheConfig,
@@ -392,7 +324,7 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class CaptureConfig(_Section):
+class CaptureConfig(Section):
     """The whole configuration. Build it with `load_config`, or directly from sections."""
 
     _key: ClassVar[str] = ""
@@ -481,7 +413,7 @@ class CaptureConfig(_Section):
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, _Section):
+            if isinstance(value, Section):
                 value = {g.name: _plain(getattr(value, g.name)) for g in fields(value)}
             out[f.name] = value
         return out
@@ -574,7 +506,7 @@ def config_from_text(text: str, source: str = "<string>", overrides: dict[str, A
         elif value is None:
             continue  # an empty section means its defaults
         elif not isinstance(value, dict):
-            problems.append(ConfigProblem(name, f"must be a mapping of keys; got {_show(value)}"))
+            problems.append(ConfigProblem(name, f"must be a mapping of keys; got {show_value(value)}"))
         else:
             cls = _SECTIONS[name]
             valid = [f.name for f in fields(cls)]
@@ -631,104 +563,6 @@ def _unknown(name: str, section: str, valid: list[str]) -> ConfigProblem:
     )
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    cache = _Section._hints_cache
-    if cls not in cache:
-        cache[cls] = typing.get_type_hints(cls)
-    return cache[cls]
-
-
-def _convert(value: Any, hint: Any, key: str) -> tuple[bool, Any, str]:
-    """Check `value` against a field's type hint: `(ok, converted value, problem message)`."""
-    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, _UnionType) else (hint,)
-    for option in options:
-        ok, converted = _matches(value, option)
-        if ok:
-            return True, converted, ""
-    return False, value, f"expected {_describe(options)}; got {_show(value)}{_trap_hint(value, options)}"
-
-
-def _matches(value: Any, option: Any) -> tuple[bool, Any]:
-    origin = typing.get_origin(option)
-    if option is type(None):
-        return value is None, value
-    if origin is Literal:
-        return (isinstance(value, str) and value in typing.get_args(option)), value
-    if option is bool:
-        return isinstance(value, bool), value
-    if option is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if option is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-        return ok, float(value) if ok else value
-    if option is str:
-        return isinstance(value, str), value
-    if origin is tuple:  # tuple[int, ...]
-        if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return True, tuple(value)
-        return False, value
-    if isinstance(option, type):
-        return isinstance(value, option), value
-    return False, value
-
-
-def _describe(options: tuple) -> str:
-    words = []
-    for option in options:
-        if option is type(None):
-            words.append("null")
-        elif typing.get_origin(option) is Literal:
-            words.append(" | ".join(map(str, typing.get_args(option))))
-        elif typing.get_origin(option) is tuple:
-            words.append("a list of integers")
-        elif option is bool:
-            words.append("true or false")
-        else:
-            words.append(
-                {int: "an integer", float: "a number", str: "a string"}.get(
-                    option, getattr(option, "__name__", str(option))
-                )
-            )
-    return " or ".join(words)
-
-
-def _trap_hint(value: Any, options: tuple) -> str:
-    if isinstance(value, str) and value in YAML11_BOOLS and bool in options:
-        return f" (YAML 1.1 reads {value!r} as a boolean; graphcap reads YAML 1.2: write true or false)"
-    if isinstance(value, bool) and any(typing.get_origin(o) is Literal for o in options):
-        return " (write the word in quotes if you meant a choice)"
-    if isinstance(value, str) and (int in options or float in options):
-        try:
-            float(value)
-        except ValueError:
-            return ""
-        return " (a quoted number is a string: drop the quotes)"
-    return ""
-
-
-def _range_problem(value: Any, meta: Any) -> str:
-    if value is None or isinstance(value, (str, tuple)) or not meta:
-        return ""
-    if isinstance(value, float) and not math.isfinite(value):
-        return f"must be finite; got {value}"
-    # Name why an int32 bound exists: the number alone looks arbitrary.
-    if meta.get("min") is not None and value < meta["min"]:
-        note = " (the int32 range of the staging buffers)" if meta["min"] == _INT32_MIN else ""
-        return f"must be >= {meta['min']}{note}; got {value}"
-    if meta.get("max") is not None and value > meta["max"]:
-        note = " (the int32 range of the staging buffers)" if meta["max"] == _INT32_MAX else ""
-        return f"must be <= {meta['max']}{note}; got {value}"
-    if meta.get("gt") is not None and not value > meta["gt"]:
-        return f"must be > {meta['gt']}; got {value}"
-    return ""
-
-
-def _show(value: Any) -> str:
-    kind = "null" if value is None else type(value).__name__
-    text = repr(value)
-    return f"{text[:60]}{'...' if len(text) > 60 else ''} ({kind})" if value is not None else "null"
-
-
 def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
@@ -739,6 +573,3 @@ def _line_of(where: str | None) -> tuple[int, str]:
         if tail.isdigit():
             return int(tail), where
     return 1 << 30, where or ""
-
-
-_UnionType = type(int | None)

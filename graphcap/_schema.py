@@ -1,0 +1,186 @@
+"""The validation machinery behind `graphcap.config`: problems, errors, typed sections.
+
+A section is a frozen dataclass whose `__post_init__` checks every field against its type
+hint (YAML 1.2 scalars: no bool where an int belongs, no quoted numbers) and its range
+metadata, then the section's own cross-field `_check()`. All problems are raised at once.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from dataclasses import field, fields
+from typing import Any, ClassVar, Literal, NamedTuple
+
+from graphcap._yaml import YAML11_BOOLS
+
+__all__ = ["INT32_MAX", "INT32_MIN", "ConfigError", "ConfigProblem", "Section", "show_value", "spec"]
+
+# Values that land in the int32 staging buffers (ids, lengths, slots) are bounded at load,
+# so an absurd config is refused here rather than overflowing or wrapping in `stage`.
+INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
+
+
+class ConfigProblem(NamedTuple):
+    """One thing wrong with a config: the dotted key and a message with value and fix."""
+
+    key: str
+    message: str
+    where: str | None = None
+    """`file:line` when the YAML gives one, `override` for an override, else None."""
+
+    def __str__(self) -> str:
+        prefix = f"{self.where}: " if self.where else ""
+        return f"{prefix}{self.key}: {self.message}"
+
+
+class ConfigError(ValueError):
+    """Every problem found in a config, at once. `.problems` lists them in file order."""
+
+    def __init__(self, problems: list[ConfigProblem], source: str | None = None) -> None:
+        self.problems = list(problems)
+        self.source = source
+        head = f"{len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}"
+        head += f" in {source}" if source else " in the config"
+        super().__init__(head + ":\n" + "\n".join(f"  {p}" for p in self.problems))
+
+
+def spec(default: Any, *, min: float | None = None, max: float | None = None, gt: float | None = None):
+    return field(default=default, metadata={"min": min, "max": max, "gt": gt})
+
+
+class Section:
+    """Validation shared by every section: field types and ranges, then `_check()`."""
+
+    __slots__ = ()
+    _key: ClassVar[str]
+    _hints_cache: ClassVar[dict[type, dict[str, Any]]] = {}
+
+    def __post_init__(self) -> None:
+        problems: list[ConfigProblem] = []
+        hints = _hints(type(self))
+        for f in fields(self):
+            key = f"{self._key}.{f.name}" if self._key else f.name
+            value = getattr(self, f.name)
+            ok, converted, message = _convert(value, hints[f.name], key)
+            if not ok:
+                problems.append(ConfigProblem(key, message))
+                continue
+            if converted is not value:
+                object.__setattr__(self, f.name, converted)
+            message = _range_problem(converted, f.metadata)
+            if message:
+                problems.append(ConfigProblem(key, message))
+        if not problems:
+            problems = [ConfigProblem(self._dotted(k), m) for k, m in self._check()]
+        if problems:
+            raise ConfigError(problems)
+
+    def _dotted(self, name: str) -> str:
+        return f"{self._key}.{name}" if self._key and "." not in name else name
+
+    def _check(self) -> list[tuple[str, str]]:
+        """Checks across this section's fields: `(field, message)` pairs."""
+        return []
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    cache = Section._hints_cache
+    if cls not in cache:
+        cache[cls] = typing.get_type_hints(cls)
+    return cache[cls]
+
+
+def _convert(value: Any, hint: Any, key: str) -> tuple[bool, Any, str]:
+    """Check `value` against a field's type hint: `(ok, converted value, problem message)`."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, _UnionType) else (hint,)
+    for option in options:
+        ok, converted = _matches(value, option)
+        if ok:
+            return True, converted, ""
+    return False, value, f"expected {_describe(options)}; got {show_value(value)}{_trap_hint(value, options)}"
+
+
+def _matches(value: Any, option: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(option)
+    if option is type(None):
+        return value is None, value
+    if origin is Literal:
+        return (isinstance(value, str) and value in typing.get_args(option)), value
+    if option is bool:
+        return isinstance(value, bool), value
+    if option is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if option is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+        return ok, float(value) if ok else value
+    if option is str:
+        return isinstance(value, str), value
+    if origin is tuple:  # tuple[int, ...]
+        if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return True, tuple(value)
+        return False, value
+    if isinstance(option, type):
+        return isinstance(value, option), value
+    return False, value
+
+
+def _describe(options: tuple) -> str:
+    words = []
+    for option in options:
+        if option is type(None):
+            words.append("null")
+        elif typing.get_origin(option) is Literal:
+            words.append(" | ".join(map(str, typing.get_args(option))))
+        elif typing.get_origin(option) is tuple:
+            words.append("a list of integers")
+        elif option is bool:
+            words.append("true or false")
+        else:
+            words.append(
+                {int: "an integer", float: "a number", str: "a string"}.get(
+                    option, getattr(option, "__name__", str(option))
+                )
+            )
+    return " or ".join(words)
+
+
+def _trap_hint(value: Any, options: tuple) -> str:
+    if isinstance(value, str) and value in YAML11_BOOLS and bool in options:
+        return f" (YAML 1.1 reads {value!r} as a boolean; graphcap reads YAML 1.2: write true or false)"
+    if isinstance(value, bool) and any(typing.get_origin(o) is Literal for o in options):
+        return " (write the word in quotes if you meant a choice)"
+    if isinstance(value, str) and (int in options or float in options):
+        try:
+            float(value)
+        except ValueError:
+            return ""
+        return " (a quoted number is a string: drop the quotes)"
+    return ""
+
+
+def _range_problem(value: Any, meta: Any) -> str:
+    if value is None or isinstance(value, (str, tuple)) or not meta:
+        return ""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be finite; got {value}"
+    # Name why an int32 bound exists: the number alone looks arbitrary.
+    if meta.get("min") is not None and value < meta["min"]:
+        note = " (the int32 range of the staging buffers)" if meta["min"] == INT32_MIN else ""
+        return f"must be >= {meta['min']}{note}; got {value}"
+    if meta.get("max") is not None and value > meta["max"]:
+        note = " (the int32 range of the staging buffers)" if meta["max"] == INT32_MAX else ""
+        return f"must be <= {meta['max']}{note}; got {value}"
+    if meta.get("gt") is not None and not value > meta["gt"]:
+        return f"must be > {meta['gt']}; got {value}"
+    return ""
+
+
+def show_value(value: Any) -> str:
+    kind = "null" if value is None else type(value).__name__
+    text = repr(value)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''} ({kind})" if value is not None else "null"
+
+
+_UnionType = type(int | None)
