@@ -162,13 +162,19 @@ def plot_capture(report: CaptureReport, timings, path: str | os.PathLike) -> Pat
             [r.key.num_tokens for r in with_speed], [speedups[r.key] for r in with_speed], marker=marker, label=label
         )
     axes[2].axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    titles = ("capture time per graph (ms)", "graph memory (MiB)", "replay speedup over eager (x)")
+    # Log scale: the first graph of a process also pays one-time setup (imports, lazy
+    # init) and would flatten every other point on a linear axis.
+    axes[0].set_yscale("log")
+    titles = ("capture time per graph (ms, log)", "graph memory (MiB)", "replay speedup over eager (x)")
     for axis, title in zip(axes, titles):
         axis.set_title(title)
         axis.set_xlabel("padded tokens per step")
         axis.grid(alpha=0.3)
         axis.legend()
-    fig.suptitle(f"graphcap: {len(report.captured)} graphs, {report.backend} backend on {report.device}")
+    note = ""
+    if report.backend == "emulated":
+        note = " (CPU emulation: replay runs the same kernels as eager, so ~1x is expected)"
+    fig.suptitle(f"graphcap: {len(report.captured)} graphs, {report.backend} backend on {report.device}{note}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.png")
