@@ -25,17 +25,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import os
 import platform
 import tempfile
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _sampling import measure
 
 from graphcap.batch import StepBatch
 from graphcap.config import load_config
@@ -52,24 +50,6 @@ def rank_batch(rank: int) -> StepBatch:
     else:
         q = np.full(8, 5, dtype=np.int32)
     return StepBatch(q, q + 100)
-
-
-def measure(fn: Callable[[], object], repeats: int, warmup: int) -> np.ndarray:
-    """Microseconds per call, one sample per call; every rank runs the same count."""
-    for _ in range(warmup):
-        fn()
-    dist.barrier()
-    samples = np.empty(repeats, dtype=np.int64)
-    clock = time.perf_counter_ns
-    gc.disable()
-    try:
-        for i in range(repeats):
-            start = clock()
-            fn()
-            samples[i] = clock() - start
-    finally:
-        gc.enable()
-    return samples / 1000.0
 
 
 def run_rank(rank: int, world_size: int, store: str, repeats: int, warmup: int) -> None:
@@ -101,7 +81,7 @@ def run_rank(rank: int, world_size: int, store: str, repeats: int, warmup: int) 
             ("dispatch + agree (DP step)", dispatch_and_agree),
         ]
         agreed, _ = dispatch_and_agree()
-        results = [(name, measure(fn, repeats, warmup)) for name, fn in rows]
+        results = [(name, measure(fn, repeats, warmup, before=dist.barrier)) for name, fn in rows]
         if rank == 0:
             print(
                 f"# bench_dp: torch {torch.__version__}, gloo, {world_size} ranks on "

@@ -15,13 +15,12 @@ Results are on stdout; see docs/BENCHMARKS.md for recorded numbers.
 from __future__ import annotations
 
 import argparse
-import gc
 import platform
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from _sampling import measure
 
 from graphcap.batch import GraphKey, StepBatch
 from graphcap.buffers import PersistentBuffers
@@ -163,23 +162,6 @@ def python_step(
         "block_table": rows,
     }
     return {name: torch.tensor(values, dtype=torch.int32) for name, values in fields.items()}
-
-
-def measure(fn, repeats: int, warmup: int) -> np.ndarray:
-    """Microseconds per call, one sample per call."""
-    for _ in range(warmup):
-        fn()
-    samples = np.empty(repeats, dtype=np.int64)
-    clock = time.perf_counter_ns
-    gc.disable()  # a collection inside one sample says nothing about staging
-    try:
-        for i in range(repeats):
-            start = clock()
-            fn()
-            samples[i] = clock() - start
-    finally:
-        gc.enable()
-    return samples / 1000.0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,6 +71,7 @@ from tests.reliability import (  # noqa: E402
     leftover_temp_files,
     make_config,
     make_manager,
+    nested,
     random_plan,
     run_threads,
     snapshot,
@@ -152,18 +153,7 @@ def log(message: str) -> None:
 SECTIONS = (ModelConfig, BatchingConfig, KVCacheConfig, CaptureOptions, ChecksConfig, ReportConfig, PadRules)
 
 
-def _nested(overrides: dict[str, Any]) -> dict[str, Any]:
-    doc: dict[str, Any] = {}
-    for dotted, value in overrides.items():
-        section, _, key = dotted.partition(".")
-        if key:
-            doc.setdefault(section, {})[key] = value
-        else:
-            doc[section] = value
-    return doc
-
-
-BASE = _nested(TINY)
+BASE = nested(TINY)
 
 
 def field_edits() -> list[tuple[str, Any, str]]:

@@ -55,6 +55,19 @@ TINY: dict[str, Any] = {
 # Fault injection: four keys (uniform and mixed at 4 then 2 tokens, the capture order).
 FAULT_SIZES = {"capture.sizes": [2, 4], "capture.max_size": 4}
 
+
+def nested(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Dotted overrides (`{"capture.max_size": 4}`) as a nested YAML document."""
+    doc: dict[str, Any] = {}
+    for dotted, value in overrides.items():
+        section, _, key = dotted.partition(".")
+        if key:
+            doc.setdefault(section, {})[key] = value
+        else:
+            doc[section] = value
+    return doc
+
+
 INT32_MAX = 2**31 - 1
 
 

@@ -21,6 +21,7 @@ from . import (
     check_plan,
     make_config,
     make_manager,
+    nested,
 )
 
 CONFIG = make_config()
@@ -111,18 +112,7 @@ def test_fuzzed_steps_long(manager, plan):
 # -- configs -----------------------------------------------------------------------------
 
 
-def _nested(overrides: dict) -> dict:
-    doc: dict = {}
-    for dotted, value in overrides.items():
-        section, _, key = dotted.partition(".")
-        if key:
-            doc.setdefault(section, {})[key] = value
-        else:
-            doc[section] = value
-    return doc
-
-
-BASE = _nested(TINY)
+BASE = nested(TINY)
 _SECTION_KEYS = {name: sorted(section) for name, section in BASE.items() if isinstance(section, dict)}
 _KNOWN = sorted({k for keys in _SECTION_KEYS.values() for k in keys} | {"on_error", "mode", "path", "slot", "dtype"})
 _scalars = (
