@@ -10,14 +10,12 @@ pinned array and the upload is one copy. On CPU the tensors *are* the host array
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import numpy as np
 import torch
 
 from graphcap.batch import GraphKey, StepBatch
 from graphcap.config import PAD_SLOT_ID, PadRules
+from graphcap.inputs import FIELDS, ForwardInputs, HostView, StagingLimits
 
 __all__ = ["PAD_SLOT_ID", "ForwardInputs", "HostView", "PadRules", "PersistentBuffers", "StagingLimits"]
 
@@ -25,7 +23,6 @@ __all__ = ["PAD_SLOT_ID", "ForwardInputs", "HostView", "PadRules", "PersistentBu
 # stays at it, an absurd value that invariants and kernels trip over at once.
 POISON = np.int32(-0x41414142)
 _MAX_CACHED_VIEWS = 1024
-_FIELDS = ("query_start_loc", "seq_lens", "input_ids", "positions", "slot_mapping", "block_table")
 
 
 def _copy(dst: np.ndarray, src: np.ndarray) -> None:
@@ -42,60 +39,6 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
         np.positive(src, out=dst)
     else:
         dst[...] = src
-
-
-class HostView(NamedTuple):
-    """Numpy views of the staged rows on the host (the rows `ForwardInputs` exposes)."""
-
-    input_ids: np.ndarray  # [T]
-    positions: np.ndarray  # [T]
-    slot_mapping: np.ndarray  # [T]
-    query_start_loc: np.ndarray  # [R+1]
-    seq_lens: np.ndarray  # [R]
-    block_table: np.ndarray  # [R, B]
-
-
-@dataclass(frozen=True, slots=True)
-class StagingLimits:
-    """Bounds the staged values must respect (None: unknown, not checked)."""
-
-    block_size: int
-    max_blocks_per_req: int
-    num_blocks: int | None
-    vocab_size: int | None
-    max_model_len: int | None
-    pad: PadRules
-
-    @property
-    def num_slots(self) -> int | None:
-        return None if self.num_blocks is None else self.num_blocks * self.block_size
-
-
-@dataclass(slots=True)
-class ForwardInputs:
-    """What `model.forward` receives: views of the persistent tensors for one key.
-
-    Tensor rows cover the padded shape (`T = key.num_tokens`, `R = key.num_reqs`); only the
-    first `num_tokens` tokens and `num_reqs` requests are real. The views alias persistent
-    storage: they stay valid, and keep their addresses, for the life of the buffers, and the
-    next `stage` overwrites them. A model must not resize or replace them.
-    """
-
-    input_ids: torch.Tensor  # [T] int32
-    positions: torch.Tensor  # [T] int32
-    slot_mapping: torch.Tensor  # [T] int32, PAD_SLOT_ID for tokens that must not write the cache
-    query_start_loc: torch.Tensor  # [R+1] int32, cumulative query lengths
-    seq_lens: torch.Tensor  # [R] int32, total lengths including this step
-    block_table: torch.Tensor  # [R, max_blocks_per_req] int32
-    num_tokens: int
-    num_reqs: int
-    key: GraphKey
-    host: HostView
-    limits: StagingLimits
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The static input tensors by name (what a graph records addresses of)."""
-        return {name: getattr(self, name) for name in _FIELDS}
 
 
 class PersistentBuffers:
@@ -146,7 +89,7 @@ class PersistentBuffers:
         }
         self._offsets: dict[str, int] = {}
         total = 0
-        for name in _FIELDS:
+        for name in FIELDS:
             self._offsets[name] = total
             total += sizes[name]
         on_cuda = self.device.type == "cuda"

@@ -7,12 +7,15 @@ in O(1) (one padding-table index and one list index) or to an explicit eager rea
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 from graphcap.batch import GraphKey, StepBatch
 from graphcap.sizes import CaptureSizes
 
-__all__ = ["EAGER_REASONS", "KeyRegistry"]
+__all__ = ["EAGER_REASONS", "KeyRegistry", "StepStats"]
 
 EAGER_REASONS = {
     "mode_none": "capture.mode is none",
@@ -126,3 +129,30 @@ class KeyRegistry:
 
     def __len__(self) -> int:
         return len(self.planned)
+
+
+@dataclass
+class StepStats:
+    """Counters of executed steps (graph hits per key, eager fallbacks by reason, waste)."""
+
+    graph_hits: Counter = field(default_factory=Counter)
+    """Replays per `GraphKey`."""
+    eager: Counter = field(default_factory=Counter)
+    """Eager steps per reason (keys of `graphcap.dispatch.EAGER_REASONS`)."""
+    real_tokens: int = 0
+    """Real tokens of replayed steps."""
+    padded_tokens: int = 0
+    """Tokens the replayed graphs computed (real + padding)."""
+
+    @property
+    def padded_token_waste(self) -> float:
+        """Fraction of replayed tokens that were padding."""
+        return 0.0 if not self.padded_tokens else 1.0 - self.real_tokens / self.padded_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "graph_hits": {str(k): v for k, v in sorted(self.graph_hits.items())},
+            "eager": dict(self.eager),
+            "steps": sum(self.graph_hits.values()) + sum(self.eager.values()),
+            "padded_token_waste": self.padded_token_waste,
+        }

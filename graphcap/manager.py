@@ -14,10 +14,8 @@ import logging
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,12 +26,12 @@ from graphcap.backends import CapturedGraph, CaptureError, CaptureUnsafeError, G
 from graphcap.batch import GraphKey, StepBatch, dummy_batch
 from graphcap.buffers import ForwardInputs, PersistentBuffers
 from graphcap.config import CaptureConfig, resolve_device
-from graphcap.dispatch import EAGER_REASONS, KeyRegistry
+from graphcap.dispatch import KeyRegistry, StepStats
 from graphcap.distributed import DataParallelSync
 from graphcap.invariants import check_invariants
 from graphcap.report import CaptureReport, GraphRecord, format_bytes
 
-__all__ = ["CaptureManager", "StepStats"]
+__all__ = ["CaptureManager"]
 
 log = logging.getLogger("graphcap")
 
@@ -41,33 +39,6 @@ _OOM_HINT = (
     "the GPU ran out of memory while capturing; capture fewer sizes (capture.sizes), "
     "lower capture.max_size, or set capture.on_error: skip to run this size eagerly"
 )
-
-
-@dataclass
-class StepStats:
-    """Counters of executed steps (graph hits per key, eager fallbacks by reason, waste)."""
-
-    graph_hits: Counter = field(default_factory=Counter)
-    """Replays per `GraphKey`."""
-    eager: Counter = field(default_factory=Counter)
-    """Eager steps per reason (keys of `graphcap.dispatch.EAGER_REASONS`)."""
-    real_tokens: int = 0
-    """Real tokens of replayed steps."""
-    padded_tokens: int = 0
-    """Tokens the replayed graphs computed (real + padding)."""
-
-    @property
-    def padded_token_waste(self) -> float:
-        """Fraction of replayed tokens that were padding."""
-        return 0.0 if not self.padded_tokens else 1.0 - self.real_tokens / self.padded_tokens
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "graph_hits": {str(k): v for k, v in sorted(self.graph_hits.items())},
-            "eager": dict(self.eager),
-            "steps": sum(self.graph_hits.values()) + sum(self.eager.values()),
-            "padded_token_waste": self.padded_token_waste,
-        }
 
 
 class CaptureManager:
@@ -323,9 +294,6 @@ class CaptureManager:
         with self._lock:
             self._release_all()
             self.backend.reset()
-
-    def describe_eager_reason(self, reason: str) -> str:
-        return EAGER_REASONS.get(reason, reason)
 
     def __repr__(self) -> str:
         return f"CaptureManager({len(self.graphs)} graphs, backend={self.backend.name}, device={self.device})"
