@@ -68,7 +68,11 @@ class CaptureManager:
         self.device = resolve_device(config)
         self.buffers = PersistentBuffers.from_config(config, self.device)
         self.registry = KeyRegistry.from_config(config)
-        self.backend = backend if isinstance(backend, GraphBackend) else get_backend(backend, self.device)
+        # A backend passed in may hold other managers' graphs: only one built here is reset.
+        self._owns_backend = not isinstance(backend, GraphBackend)
+        self.backend = (
+            get_backend(backend, self.device, sync_debug=config.checks.sync_debug) if self._owns_backend else backend
+        )
         self.graphs: dict[GraphKey, CapturedGraph] = {}
         self.stats = StepStats()
         self.progress = progress
@@ -284,16 +288,18 @@ class CaptureManager:
         return str(key) if free is None else f"{key} free {format_bytes(free)}"
 
     def _release_all(self) -> None:
+        """Drop every graph of this manager and, when the backend is ours, its memory pool."""
         for graph in self.graphs.values():
             graph.release()
         self.graphs.clear()
         self.registry.reset()
+        if self._owns_backend:
+            self.backend.reset()
 
     def reset(self) -> None:
         """Release every graph; later steps run eagerly until `capture()` runs again."""
         with self._lock:
             self._release_all()
-            self.backend.reset()
 
     def __repr__(self) -> str:
         return f"CaptureManager({len(self.graphs)} graphs, backend={self.backend.name}, device={self.device})"
