@@ -11,19 +11,7 @@ import torch
 from graphcap import CaptureManager, GraphKey, InvariantViolation, StepBatch, load_config
 from graphcap.models import build_model
 from graphcap.workload import Workload
-
-SMALL = {
-    "device": "cpu",
-    "model.hidden_size": 64,
-    "model.num_heads": 4,
-    "model.num_kv_heads": 2,
-    "model.vocab_size": 512,
-    "batching.max_num_seqs": 8,
-    "batching.max_num_tokens": 64,
-    "kv_cache.num_blocks": 64,
-    "kv_cache.max_model_len": 128,
-    "capture.max_size": 16,
-}
+from tests.configs import SMALL
 
 
 def make_manager(**overrides):

@@ -36,18 +36,22 @@ def add_common(parser: argparse.ArgumentParser, *, config: bool = True, device: 
     """`--config`, `--set`, `--device`, `-v/-q`, `--debug` (the options most commands share)."""
     if config:
         parser.add_argument("--config", metavar="PATH", help="YAML config (default: the embedded default)")
-        parser.add_argument(
-            "--set",
-            metavar="KEY=VALUE",
-            action="append",
-            default=[],
-            dest="overrides",
-            help="override one key, e.g. --set capture.max_size=16 (value read as YAML; repeatable)",
-        )
+        add_overrides(parser)
     if device:
         parser.add_argument("--device", metavar="DEVICE", help="auto | cpu | cuda | cuda:N (overrides the config)")
         add_backend(parser)
     add_logging(parser)
+
+
+def add_overrides(parser: argparse.ArgumentParser, help: str = "override one key") -> None:
+    parser.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        dest="overrides",
+        help=f"{help}, e.g. --set capture.max_size=16 (value read as YAML; repeatable)",
+    )
 
 
 def add_logging(parser: argparse.ArgumentParser) -> None:

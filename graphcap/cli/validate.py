@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from graphcap.cli._common import add_logging, parse_overrides
+from graphcap.cli._common import add_logging, add_overrides, parse_overrides
 from graphcap.config import ConfigError, load_config
 
 EPILOG = """example:
@@ -23,14 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("configs", nargs="+", metavar="CONFIG", help="YAML files to check")
-    parser.add_argument(
-        "--set",
-        metavar="KEY=VALUE",
-        action="append",
-        default=[],
-        dest="overrides",
-        help="override applied to every file",
-    )
+    add_overrides(parser, "override applied to every file")
     add_logging(parser)
     parser.set_defaults(run=run)
 

@@ -24,20 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-CONFIG = {
-    "device": "cpu",
-    "model.hidden_size": 64,
-    "model.num_layers": 1,
-    "model.num_heads": 4,
-    "model.num_kv_heads": 2,
-    "model.vocab_size": 512,
-    "batching.max_num_seqs": 8,
-    "batching.max_num_tokens": 64,
-    "kv_cache.num_blocks": 64,
-    "kv_cache.max_model_len": 128,
-    "capture.max_size": 16,  # sizes 1, 2, 4, 8, 16; uniform keys up to 8 (max_num_seqs)
-    "capture.on_error": "skip",
-}
+from tests.configs import SMALL
+
+CONFIG = {**SMALL, "model.num_layers": 1, "capture.on_error": "skip"}
 MAX_SIZE = 16
 MAX_NUM_SEQS = 8
 VOCAB = 512
