@@ -23,21 +23,26 @@ from graphcap.config import CaptureConfig, ModelConfig
 __all__ = ["DecoderLayer", "TinyLlama"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DRAW_ON_DEVICE = 200_000_000  # parameters
 
 
 class _WeightInit:
-    """Deterministic weights: drawn on the CPU in float32 from one generator, then moved.
+    """Deterministic weights from one generator, drawn in construction order.
 
-    Drawing on the CPU makes CPU and GPU builds of one seed hold the same weights; the
-    draw order is the construction order, so it must not depend on the device either.
+    Small models draw on the CPU in float32 and move, so CPU and GPU builds of one seed hold
+    the same weights. Models above `_DRAW_ON_DEVICE` parameters draw on a CUDA device with
+    its own generator: the CPU generator would take minutes for an 8B-shaped model. Same
+    seed, same weights on the same kind of device either way.
     """
 
-    def __init__(self, seed: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int, device: torch.device, dtype: torch.dtype, num_params: int) -> None:
+        on_device = device.type == "cuda" and num_params > _DRAW_ON_DEVICE
+        self.draw_device = device if on_device else torch.device("cpu")
+        self.generator = torch.Generator(device=self.draw_device).manual_seed(seed)
         self.device, self.dtype = device, dtype
 
     def normal(self, *shape: int, std: float, mean: float = 0.0) -> nn.Parameter:
-        w = torch.randn(shape, generator=self.generator) * std + mean
+        w = torch.randn(shape, generator=self.generator, device=self.draw_device) * std + mean
         return nn.Parameter(w.to(self.device, self.dtype), requires_grad=False)
 
     def linear(self, out_features: int, in_features: int) -> nn.Parameter:
@@ -118,7 +123,7 @@ class TinyLlama(nn.Module):
         super().__init__()
         cfg, kv = config.model, config.kv_cache
         device, dtype = torch.device(device), _DTYPES[cfg.dtype]
-        init = _WeightInit(cfg.seed, device, dtype)
+        init = _WeightInit(cfg.seed, device, dtype, _num_params(cfg))
         self.config = config
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.block_size, self.num_slots = kv.block_size, kv.num_slots
@@ -243,3 +248,12 @@ class TinyLlama(nn.Module):
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
         out = probs @ values  # out: [KV, T, G, D]
         return out.transpose(0, 1).reshape(T, self.num_heads * D)
+
+
+def _num_params(cfg) -> int:
+    """Parameters of the model `cfg` describes (embedding, layers, final norm, lm head)."""
+    kv_width = cfg.num_kv_heads * cfg.head_dim
+    attention = cfg.hidden_size * (cfg.hidden_size * 2 + kv_width * 2)
+    mlp = 3 * cfg.hidden_size * cfg.ffn_size
+    per_layer = attention + mlp + 2 * cfg.hidden_size
+    return 2 * cfg.vocab_size * cfg.hidden_size + cfg.num_layers * per_layer + cfg.hidden_size
