@@ -148,10 +148,8 @@ class CaptureManager:
         graph = None
         failure: BaseException | None = None
         try:
-            inputs = self.buffers.stage(dummy_batch(key, max_model_len=self.config.kv_cache.max_model_len), key)
-            check_invariants(inputs, self._level)
-            if self._prepare is not None:
-                self._prepare(inputs, capturing=True)
+            batch = dummy_batch(key, max_model_len=self.config.kv_cache.max_model_len)
+            inputs = self._stage(batch, key, capturing=True)
             forward = self._forward
 
             def run() -> torch.Tensor:
@@ -240,10 +238,7 @@ class CaptureManager:
                 output = self._run_eager(batch)
                 self.stats.eager[reason] += 1  # after the run: a refused batch is no step
                 return output
-            inputs = self.buffers.stage(batch, key)
-            check_invariants(inputs, self._level)
-            if self._prepare is not None:
-                self._prepare(inputs, capturing=False)
+            inputs = self._stage(batch, key)
             graph = self.graphs[key]
             if graph.num_replays == 0 or self._level == "full":
                 graph.check_addresses(self._static_inputs(inputs))
@@ -261,12 +256,17 @@ class CaptureManager:
             return self._run_eager(batch)
 
     def _run_eager(self, batch: StepBatch) -> torch.Tensor:
-        inputs = self.buffers.stage(batch, GraphKey(batch.num_tokens, batch.num_reqs, False))
-        check_invariants(inputs, self._level)
-        if self._prepare is not None:
-            self._prepare(inputs, capturing=False)
+        inputs = self._stage(batch, GraphKey(batch.num_tokens, batch.num_reqs, False))
         with torch.inference_mode():
             return self._forward(inputs)[: batch.num_tokens]
+
+    def _stage(self, batch: StepBatch, key: GraphKey, *, capturing: bool = False) -> ForwardInputs:
+        """The one staging path of capture, replay and eager: stage, prove, let the model plan."""
+        inputs = self.buffers.stage(batch, key)
+        check_invariants(inputs, self._level)
+        if self._prepare is not None:
+            self._prepare(inputs, capturing=capturing)
+        return inputs
 
     def _dispatch(self, batch: StepBatch) -> tuple[GraphKey | None, str]:
         key, reason = self.registry.dispatch(batch)
