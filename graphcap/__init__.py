@@ -2,14 +2,23 @@
 
 Layers, low to high: `PersistentBuffers.stage` + `check_invariants` (fill and prove the static
 inputs), the graph backends (`graphcap.backends`: capture one callable), and `CaptureManager`
-(capture every padded size, dispatch each step, replay or run eagerly).
+(capture every padded size, dispatch each step, replay or run eagerly). Most engines use only
+`CaptureManager`, `StepBatch`, `load_config` and, for their own buffers, `BufferSpec`.
 """
 
-from graphcap.backends import CaptureError, CaptureUnsafeError
 from graphcap.batch import GraphKey, StepBatch, dummy_batch
 from graphcap.buffers import PAD_SLOT_ID, ForwardInputs, PadRules, PersistentBuffers
-from graphcap.config import CaptureConfig, ConfigError, load_config
-from graphcap.invariants import InvariantViolation, check_invariants
+from graphcap.config import CaptureConfig, load_config
+from graphcap.errors import (
+    BatchError,
+    CaptureError,
+    CaptureUnsafeError,
+    ConfigError,
+    InvariantViolation,
+    StaticInputMovedError,
+)
+from graphcap.inputs import BufferSpec
+from graphcap.invariants import check_invariants
 from graphcap.manager import CaptureManager
 from graphcap.report import CaptureReport
 from graphcap.sizes import CaptureSizes, default_capture_sizes
@@ -18,18 +27,21 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PAD_SLOT_ID",
+    "BatchError",
+    "BufferSpec",
     "CaptureConfig",
     "CaptureError",
     "CaptureManager",
     "CaptureReport",
-    "CaptureUnsafeError",
     "CaptureSizes",
+    "CaptureUnsafeError",
     "ConfigError",
     "ForwardInputs",
     "GraphKey",
     "InvariantViolation",
     "PadRules",
     "PersistentBuffers",
+    "StaticInputMovedError",
     "StepBatch",
     "check_invariants",
     "default_capture_sizes",

@@ -8,17 +8,18 @@ already keeps numpy arrays pays no per-request Python loop.
 
 from __future__ import annotations
 
-from typing import NamedTuple, NoReturn
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
+from graphcap._fastnp import INT32_MAX, amax, amin, is_filled, unsigned_max
+from graphcap.errors import BatchError
+
 __all__ = ["GraphKey", "StepBatch", "dummy_batch"]
 
-_INT32_MAX = np.iinfo(np.int32).max
-# The ufunc reductions themselves: `array.min()` adds a Python-level wrapper per call.
-_min, _max = np.minimum.reduce, np.maximum.reduce
-_UNSIGNED = {np.dtype(f"i{size}"): np.dtype(f"u{size}") for size in (1, 2, 4, 8)}
-_ONES: dict[np.dtype, bytes] = {}  # the bytes of [1, 1, ...] per dtype, grown on demand
+_NO_EXTRAS: Mapping[str, np.ndarray] = MappingProxyType({})
 
 
 class GraphKey(NamedTuple):
@@ -50,10 +51,14 @@ class StepBatch:
     (dummy runs). Bounds that need the cache geometry are checked by
     `PersistentBuffers.stage`, before it writes anything.
 
-    Arrays are converted (not copied when already int32/int64 numpy); the caller must not
-    mutate them afterwards. Derived on construction: `num_reqs`, `num_tokens`,
-    `min_query_len`, `max_query_len`, `max_seq_len`, `max_token_id` and `max_block_id`
-    (-1 when there are no token ids or block ids).
+    `extras`: real rows of the engine's own buffers (`BufferSpec`), by name; their shape,
+    dtype and values are checked by `PersistentBuffers.stage`, before it writes anything.
+
+    The batch owns its arrays: each is copied on construction and made read-only, so what
+    was validated is what gets staged, whatever the caller does with its own arrays later.
+    Refusals raise `BatchError` (a `ValueError`) naming the field, the index and the value.
+    Derived on construction: `num_reqs`, `num_tokens`, `min_query_len`, `max_query_len`,
+    `max_seq_len`, `max_token_id` and `max_block_id` (-1 when there are no ids or blocks).
     """
 
     __slots__ = (
@@ -68,9 +73,10 @@ class StepBatch:
         "max_seq_len",
         "max_token_id",
         "max_block_id",
+        "extras",
     )
 
-    def __init__(self, query_lens, seq_lens, input_ids=None, block_table=None) -> None:
+    def __init__(self, query_lens, seq_lens, input_ids=None, block_table=None, *, extras=None) -> None:
         # Hot path (every step): a handful of numpy reductions, no per-request Python. The
         # maxima found here (`max_seq_len`, `max_token_id`, `max_block_id`) are kept so
         # `PersistentBuffers.stage` checks its bounds without scanning the arrays again.
@@ -78,30 +84,30 @@ class StepBatch:
         s = _int_array(seq_lens, "seq_lens", 1)
         num_reqs = len(q)
         if len(s) != num_reqs:
-            raise ValueError(
+            raise BatchError(
                 f"seq_lens has {len(s)} entries but query_lens has {num_reqs}; give one entry per request in both"
             )
         if num_reqs:
-            if _is_all_ones(q):  # pure decode, the hot step: one memcmp, not two reductions
+            if is_filled(q, 1):  # pure decode, the hot step: one memcmp, not two reductions
                 q_min = q_max = 1
             else:
-                q_min = int(_min(q))
+                q_min = int(amin(q))
                 if q_min < 1:
                     i = int(np.argmax(q < 1))
-                    raise ValueError(
+                    raise BatchError(
                         f"query_lens[{i}] is {int(q[i])}; every scheduled request computes at "
                         "least one token: drop requests with nothing to compute from the step"
                     )
-                q_max = int(_max(q))
+                q_max = int(amax(q))
             if q_max == 1:
                 # Pure decode: seq_lens >= query_lens is seq_lens >= 1, i.e. no entry negative
                 # (read as unsigned, a negative exceeds int32) and none zero.
-                max_seq_len = _unsigned_max(s)
-                if max_seq_len > _INT32_MAX or np.count_nonzero(s) != num_reqs:
+                max_seq_len = unsigned_max(s)
+                if max_seq_len > INT32_MAX or np.count_nonzero(s) != num_reqs:
                     _refuse_seq_lens(q, s)
             else:
-                max_seq_len = int(_max(s))
-                if max_seq_len > _INT32_MAX or np.less(s, q).any():
+                max_seq_len = int(amax(s))
+                if max_seq_len > INT32_MAX or np.less(s, q).any():
                     _refuse_seq_lens(q, s)
             num_tokens = num_reqs if q_max == 1 else int(q.sum())
         else:
@@ -112,30 +118,30 @@ class StepBatch:
             input_ids = _int_array(input_ids, "input_ids", 1)
             # One reduction finds negatives and values above int32 together: viewed as
             # unsigned, a negative id is larger than any id the buffers can hold.
-            max_token_id = _unsigned_max(input_ids)
-            if max_token_id > _INT32_MAX:
+            max_token_id = unsigned_max(input_ids)
+            if max_token_id > INT32_MAX:
                 _check_int32(input_ids, "input_ids")
             if len(input_ids) != num_tokens:
-                raise ValueError(
+                raise BatchError(
                     f"input_ids has {len(input_ids)} entries but query_lens sum to {num_tokens}; "
                     "give one token id per computed token, in request order"
                 )
-            if max_token_id > _INT32_MAX:
+            if max_token_id > INT32_MAX:
                 t = int(np.argmax(input_ids < 0))
-                raise ValueError(f"input_ids[{t}] is {int(input_ids[t])}; token ids are >= 0")
+                raise BatchError(f"input_ids[{t}] is {int(input_ids[t])}; token ids are >= 0")
         if block_table is not None:
             block_table = _int_array(block_table, "block_table", 2)
-            max_block_id = _unsigned_max(block_table)
-            if max_block_id > _INT32_MAX:
+            max_block_id = unsigned_max(block_table)
+            if max_block_id > INT32_MAX:
                 _check_int32(block_table, "block_table")
             if block_table.shape[0] != num_reqs:
-                raise ValueError(
+                raise BatchError(
                     f"block_table has {block_table.shape[0]} rows but the batch has {num_reqs} "
                     "requests; give one row per request"
                 )
-            if max_block_id > _INT32_MAX:
+            if max_block_id > INT32_MAX:
                 i, j = np.argwhere(block_table < 0)[0]
-                raise ValueError(f"block_table[{i}, {j}] is {int(block_table[i, j])}; block ids are >= 0")
+                raise BatchError(f"block_table[{i}, {j}] is {int(block_table[i, j])}; block ids are >= 0")
         self.query_lens = q
         self.seq_lens = s
         self.input_ids = input_ids
@@ -147,6 +153,7 @@ class StepBatch:
         self.max_seq_len = max_seq_len
         self.max_token_id = max_token_id
         self.max_block_id = max_block_id
+        self.extras = _NO_EXTRAS if not extras else _owned_extras(extras)
 
     def is_uniform(self, query_len: int) -> bool:
         """True when every request has exactly `query_len` tokens (an empty batch is uniform)."""
@@ -169,33 +176,34 @@ def dummy_batch(key: GraphKey, *, max_model_len: int | None = None) -> StepBatch
     T, R = key.num_tokens, key.num_reqs
     if key.uniform:
         if T % R:
-            raise ValueError(f"uniform {key} must have num_tokens divisible by num_reqs")
+            raise BatchError(f"uniform {key} must have num_tokens divisible by num_reqs")
         q = np.full(R, T // R, dtype=np.int32)
     else:
         limit = max_model_len or T
         num_real = max(1, R // 2, -(-T // limit))
         if num_real > R or num_real > T:
-            raise ValueError(f"{key} cannot hold {T} tokens in requests of at most {limit}")
+            raise BatchError(f"{key} cannot hold {T} tokens in requests of at most {limit}")
         q = np.full(num_real, T // num_real, dtype=np.int32)
         q[: T % num_real] += 1
     return StepBatch(q, q.copy())
 
 
 def _int_array(values, name: str, ndim: int) -> np.ndarray:
+    """`values` as an integer numpy array the batch owns: a read-only copy (or conversion)."""
     if isinstance(values, np.ndarray):
-        array = values
+        array = values.copy()  # ours: the caller may reuse its own array for the next step
     else:
         try:
             array = np.asarray(values)
         except (ValueError, TypeError, OverflowError) as exc:  # ragged lists, odd objects
-            raise ValueError(f"{name} must be a {ndim}-D array of integers; {exc}") from None
+            raise BatchError(f"{name} must be a {ndim}-D array of integers; {exc}") from None
     if array.ndim != ndim:
         if not (array.size == 0 and ndim == 2):
-            raise ValueError(f"{name} must be {ndim}-D; got shape {tuple(array.shape)}")
+            raise BatchError(f"{name} must be {ndim}-D; got shape {tuple(array.shape)}")
         array = array.reshape(0, 0)
     if array.dtype.kind not in "iu":
         if array.size != 0:
-            raise ValueError(f"{name} must hold integers; got dtype {array.dtype}")
+            raise BatchError(f"{name} must hold integers; got dtype {array.dtype}")
         array = array.astype(np.int64)  # np.asarray([]) is float64
     elif array.dtype.kind == "u" and array.itemsize == 8:
         # uint64 with int32 arithmetic promotes to float64 (staging would fail half-way):
@@ -207,46 +215,44 @@ def _int_array(values, name: str, ndim: int) -> np.ndarray:
         # int8/int16 are widened: the negative-id checks read negatives as unsigned, which
         # only exceeds the int32 range from 4 bytes up (int8 -1 would pass as block 255).
         array = array.astype(np.int32)
+    array.flags.writeable = False
     return array
 
 
+def _owned_extras(extras: Any) -> Mapping[str, np.ndarray]:
+    if not isinstance(extras, Mapping):
+        raise BatchError(f"extras must map buffer names to arrays; got {type(extras).__name__}")
+    out = {}
+    for name, values in extras.items():
+        try:
+            array = np.array(values, copy=True)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise BatchError(f"extras[{name!r}] must be an array of numbers; {exc}") from None
+        if array.dtype.kind not in "biuf":
+            raise BatchError(f"extras[{name!r}] must hold numbers or booleans; got dtype {array.dtype}")
+        array.flags.writeable = False
+        out[name] = array
+    return MappingProxyType(out)
+
+
 def _refuse_seq_lens(q: np.ndarray, s: np.ndarray) -> NoReturn:
-    max_seq_len = int(_max(s))
-    if max_seq_len > _INT32_MAX:
+    max_seq_len = int(amax(s))
+    if max_seq_len > INT32_MAX:
         i = int(np.argmax(s))
-        raise ValueError(f"seq_lens[{i}] is {max_seq_len}, above the int32 range of the buffers")
+        raise BatchError(f"seq_lens[{i}] is {max_seq_len}, above the int32 range of the buffers")
     i = int(np.argmax(s < q))
-    raise ValueError(
+    raise BatchError(
         f"seq_lens[{i}] is {int(s[i])} but query_lens[{i}] is {int(q[i])}; "
         "seq_lens count every token of the request including this step's, "
         "so seq_lens >= query_lens"
     )
 
 
-def _is_all_ones(array: np.ndarray) -> bool:
-    ones = _ONES.get(array.dtype)
-    if ones is None or len(ones) < array.nbytes:
-        ones = _ONES[array.dtype] = np.ones(max(len(array), 1024), array.dtype).tobytes()
-    return ones.startswith(array.tobytes())
-
-
-def _unsigned_max(array: np.ndarray) -> int:
-    """Largest entry with negatives read as unsigned (so they exceed every int32); -1 when empty."""
-    if not array.size:
-        return -1
-    unsigned = _UNSIGNED.get(array.dtype)
-    if unsigned is None and array.dtype.kind == "i":  # not native byte order
-        array, unsigned = array.astype(np.int64), _UNSIGNED[np.dtype(np.int64)]
-    if array.ndim > 1:
-        array = array.ravel()  # a view when contiguous; a 1-D reduction is the cheapest
-    return int(_max(array if unsigned is None else array.view(unsigned)))
-
-
 def _check_int32(array: np.ndarray, name: str) -> None:
     # uint32 is 4 bytes too, but holds values the int32 buffers cannot.
     top = int(array.max())
-    if top > _INT32_MAX:
-        raise ValueError(f"{name} holds {top}, above the int32 range of the buffers")
+    if top > INT32_MAX:
+        raise BatchError(f"{name} holds {top}, above the int32 range of the buffers")
 
 
 def _short(array: np.ndarray) -> str:

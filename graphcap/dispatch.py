@@ -1,8 +1,11 @@
 """`KeyRegistry`: the one source of truth for which graph keys exist, and step dispatch.
 
 Keys come from the config once (mode, sizes, uniform query length, request limit). The
-capture loop marks each key captured or skipped; `dispatch` maps a batch to a captured key
-in O(1) (one padding-table index and one list index) or to an explicit eager reason.
+capture loop marks each key captured or skipped; `dispatch` maps a step's counts to a
+captured key in O(1) (one padding-table index per kind) or to the named eager key with an
+explicit reason. The runtime contract, as in vLLM's dispatcher: graphs trust the key they
+are given, so every key used anywhere (planning, dispatch, data-parallel agreement, eager
+steps) comes from this class.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from graphcap.batch import GraphKey, StepBatch
-from graphcap.sizes import CaptureSizes
+from graphcap.sizes import CaptureSizes, uniform_sizes
 
 __all__ = ["EAGER_REASONS", "KeyRegistry", "StepStats"]
 
@@ -21,20 +24,21 @@ EAGER_REASONS = {
     "mode_none": "capture.mode is none",
     "above_max_size": "more tokens than the largest captured size (capture.max_size)",
     "too_many_requests": "more requests than the key holds (batching.max_num_seqs)",
-    "decode_only": "a mixed batch under capture.mode full_decode_only",
+    "decode_only": "a mixed (not uniform) batch under capture.mode full_decode_only",
     "skipped": "its key failed to capture and was skipped (capture.on_error: skip)",
     "not_captured": "its key has not been captured yet (call capture() first)",
     "peer": "another data-parallel rank could not use a graph this step",
 }
-"""Why a step ran eagerly; the keys of `CaptureManager.stats["eager"]`."""
+"""Why a step ran eagerly; the keys of `CaptureManager.stats.eager`."""
 
 
 class KeyRegistry:
     """Keys planned from a config, their capture state, and the dispatch table.
 
     Mixed keys: one per size, `num_reqs = min(size, max_num_seqs)` (mode `full`). Uniform
-    keys: `num_reqs = size / q` where `q` divides the size and the requests fit (modes
-    `full` and `full_decode_only`). Mode `none` plans nothing.
+    keys: `num_reqs = size / q` at every size `sizes.uniform_sizes` gives (modes `full` and
+    `full_decode_only`): sizes of whole requests within `max_num_seqs`, plus
+    `max_num_seqs * q` itself. Mode `none` plans nothing. Does not stage or run anything.
     """
 
     def __init__(self, sizes: CaptureSizes, mode: str, uniform_query_len: int, max_num_seqs: int) -> None:
@@ -43,34 +47,40 @@ class KeyRegistry:
         self.uniform_query_len = q = uniform_query_len
         self.max_num_seqs = max_num_seqs
         planned: list[GraphKey] = []
-        # Index by padded size: the dispatch hot path is one list index per kind.
+        # Index by token count: the dispatch hot path is one list index per kind.
         self._uniform: list[GraphKey | None] = [None] * (sizes.max_size + 1)
         self._mixed: list[GraphKey | None] = [None] * (sizes.max_size + 1)
         if mode != "none":
-            for size in sizes.sizes:
-                if size % q == 0 and size // q <= max_num_seqs:
-                    self._uniform[size] = key = GraphKey(size, size // q, True)
-                    planned.append(key)
-                if mode == "full":
-                    self._mixed[size] = key = GraphKey(size, min(size, max_num_seqs), False)
-                    planned.append(key)
-        self.planned: tuple[GraphKey, ...] = tuple(planned)
+            uniform = [GraphKey(size, size // q, True) for size in uniform_sizes(sizes, q, max_num_seqs)]
+            mixed = [GraphKey(size, min(size, max_num_seqs), False) for size in sizes] if mode == "full" else []
+            planned = uniform + mixed
+            # Each token count maps to the smallest key that holds it. A uniform key is used
+            # only where it pads no further than the schedule does (its size <= pad(n)).
+            fill = iter(uniform)
+            key = next(fill, None)
+            for n in range(sizes.max_size + 1):
+                while key is not None and key.num_tokens < n:
+                    key = next(fill, None)
+                if key is not None and key.num_tokens <= sizes.pad(n):
+                    self._uniform[n] = key
+            if mixed:
+                by_size = {k.num_tokens: k for k in mixed}
+                self._mixed = [by_size[sizes.pad(n)] for n in range(sizes.max_size + 1)]
+        self.planned: tuple[GraphKey, ...] = tuple(sorted(planned, key=lambda k: (k.num_tokens, not k.uniform)))
         self.captured: set[GraphKey] = set()
         self.skipped: dict[GraphKey, str] = {}
 
     @classmethod
     def from_config(cls, config) -> KeyRegistry:
         return cls(
-            config.capture_sizes
-            if config.capture.mode != "none"
-            else CaptureSizes([1], config.batching.max_num_tokens),
+            config.capture_sizes,
             config.capture.mode,
             config.capture.uniform_query_len,
             config.batching.max_num_seqs,
         )
 
     def capture_order(self) -> list[GraphKey]:
-        """Largest first (smaller graphs then reuse the shared pool); uniform before mixed."""
+        """Largest first (smaller graphs then reuse the pool); uniform before mixed."""
         return sorted(self.planned, key=lambda k: (-k.num_tokens, not k.uniform))
 
     def mark_captured(self, key: GraphKey) -> None:
@@ -88,34 +98,41 @@ class KeyRegistry:
         self.captured.clear()
         self.skipped.clear()
 
-    def dispatch(self, batch: StepBatch) -> tuple[GraphKey | None, str]:
-        """`(key, "")` for a captured key that holds `batch`, else `(None, reason)`."""
+    def dispatch(self, num_tokens: int, num_reqs: int, uniform: bool) -> tuple[GraphKey | None, str]:
+        """`(key, "")` for the captured key that holds a step, else `(None, reason)`.
+
+        `uniform`: every request of the step has exactly `uniform_query_len` tokens (an empty
+        step is uniform). A uniform step prefers its uniform key and falls back to the mixed
+        key of its size; a key that was skipped or not captured yet is never returned.
+        """
         if self.mode == "none":
             return None, "mode_none"
-        size = self.sizes.pad(batch.num_tokens)
-        if size is None:
+        if num_tokens > self.sizes.max_size:
             return None, "above_max_size"
-        uniform = self._uniform[size] if batch.is_uniform(self.uniform_query_len) else None
-        if uniform is not None and uniform in self.captured:
-            return uniform, ""
-        key = self._mixed[size]
+        if uniform:
+            key = self._uniform[num_tokens]
+            if key is not None and key in self.captured:
+                return key, ""
+            fallback = key
+        else:
+            fallback = None
+        key = self._mixed[num_tokens]
         if key is None:  # full_decode_only plans no mixed keys
-            return None, "decode_only" if uniform is None else self._state(uniform)
-        if batch.num_reqs > key.num_reqs:
+            return None, "decode_only" if fallback is None else self._state(fallback)
+        if num_reqs > key.num_reqs:
             return None, "too_many_requests"
         if key in self.captured:
             return key, ""
         return None, self._state(key)
 
-    def captured_key(self, size: int, uniform: bool) -> GraphKey | None:
-        """The captured key for a padded `size`: uniform when asked and captured, else mixed."""
-        if size > self.sizes.max_size:
-            return None
-        key = self._uniform[size] if uniform else None
-        if key is not None and key in self.captured:
-            return key
-        key = self._mixed[size]
-        return key if key is not None and key in self.captured else None
+    def key_for(self, batch: StepBatch) -> tuple[GraphKey | None, str]:
+        """`dispatch` for a `StepBatch` (its counts and whether it is uniform)."""
+        return self.dispatch(batch.num_tokens, batch.num_reqs, batch.is_uniform(self.uniform_query_len))
+
+    @staticmethod
+    def eager_key(num_tokens: int, num_reqs: int) -> GraphKey:
+        """The key of an eager step: the step's own counts, unpadded, mixed (no graph has it)."""
+        return GraphKey(num_tokens, num_reqs, False)
 
     def _state(self, key: GraphKey) -> str:
         return "skipped" if key in self.skipped else "not_captured"

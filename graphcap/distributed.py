@@ -1,87 +1,68 @@
-"""Data-parallel agreement: every rank replays the same key in a step, or every rank runs eagerly.
+"""The collective behind data-parallel agreement: a MAX all-reduce of a few ints per step.
 
 Each rank's graph may hold collectives (expert parallelism, DP attention), so ranks that
-pad differently would deadlock or corrupt them. One all-reduce (MAX) of a small int tensor
-per step carries: the padded token count, whether this rank cannot use a graph (MIN of
-"can" is MAX of "cannot"), whether this rank's batch is not uniform, and its request count.
-Every rank then derives the same key from the same reduced values, so the decision is
-symmetric by construction. A timeout surfaces as an error naming the step.
+pad differently would deadlock or corrupt them. `CaptureManager` therefore reduces, once
+per step, the values every rank needs to derive the same key (its token and request
+counts, whether it cannot use a graph, whether its batch is not uniform) and dispatches on
+the reduced values. This module only moves the ints.
+
+The reduction runs on a CPU (gloo) group even when the model's own collectives use NCCL,
+as vLLM does: a host tensor in, a host tensor out, one round trip and no device sync, so
+the host keeps running ahead of the GPU. Given an NCCL group, a gloo group over the same
+ranks is made once (a collective call: every rank builds its manager at the same point).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from graphcap.backends import CaptureError
-from graphcap.batch import GraphKey, StepBatch
+from graphcap.errors import DistributedTimeoutError
 
 __all__ = ["DataParallelSync", "DistributedTimeoutError"]
 
-
-class DistributedTimeoutError(CaptureError):
-    """A collective did not complete in time: some rank stopped stepping (or died)."""
+_MAX_VALUES = 8
 
 
 class DataParallelSync:
-    """Per-step agreement over a `torch.distributed` process group (gloo on CPU, NCCL on GPUs)."""
+    """MAX all-reduce of a few ints over a CPU group; `first_failed_rank` for lockstep capture."""
 
     def __init__(self, group: Any, timeout: float = 300.0) -> None:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group given, but torch.distributed is not initialized; call init_process_group first")
-        if not timeout > 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"dp_timeout must be > 0 seconds; got {timeout!r}")
         self._dist = dist
-        self.group = group
         self.timeout = _dt.timedelta(seconds=timeout)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        backend = dist.get_backend(group)
-        # NCCL reduces device tensors; gloo reduces host tensors.
-        self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.backend = dist.get_backend(group)
+        if self.backend != "gloo":
+            ranks = dist.get_process_group_ranks(group)
+            group = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
+        self.group = group
+        self._values = torch.zeros(_MAX_VALUES, dtype=torch.int64)  # host tensor, reused every step
         self.step = 0
 
-    def agree(self, registry, batch: StepBatch, key: GraphKey | None, reason: str) -> tuple[GraphKey | None, str]:
-        """The key every rank uses this step (or None for all), given this rank's own choice.
-
-        Collective: every rank of the group must call it once per step, an idle rank with an
-        empty batch (it joins any key: its rows are all padding). `reason` is this rank's own
-        eager reason; a rank that could have used a graph but runs eagerly because of a peer
-        gets "peer". Requires equal captured keys on every rank (lockstep capture).
-        """
+    def reduce_max(self, values: Sequence[int], what: str) -> list[int]:
+        """The element-wise MAX of `values` over every rank (collective: every rank calls it)."""
+        if len(values) > _MAX_VALUES:
+            raise ValueError(f"reduce_max takes at most {_MAX_VALUES} values; got {len(values)}")
         self.step += 1
-        size = registry.sizes.pad(batch.num_tokens)
-        cannot = 1 if key is None else 0
-        not_uniform = 0 if key is not None and key.uniform else 1
-        if batch.num_reqs == 0 and size is not None and registry.mode != "none":
-            cannot, not_uniform = 0, 0  # an idle rank can join any key
-        # [padded tokens, cannot use a graph, not uniform, requests], reduced with MAX
-        packed = torch.tensor(
-            [size if size is not None else 0, cannot, not_uniform, batch.num_reqs],
-            dtype=torch.int64,
-            device=self._device,
-        )
-        self._all_reduce_max(packed, f"step {self.step}: dispatch")
-        agreed_size, any_cannot, any_not_uniform, max_num_reqs = (int(v) for v in packed.tolist())
-        own_reason = reason if key is None else "peer"
-        if any_cannot:
-            return None, own_reason
-        agreed = registry.captured_key(agreed_size, uniform=not any_not_uniform)
-        # Only reduced values decide here (and the captured sets, equal after lockstep
-        # capture), so every rank takes the same branch.
-        if agreed is None or max_num_reqs > agreed.num_reqs:
-            return None, own_reason
-        return agreed, ""
+        buffer = self._values[: len(values)]
+        for i, value in enumerate(values):
+            buffer[i] = value
+        self._all_reduce_max(buffer, f"step {self.step}: {what}")
+        return buffer.tolist()
 
     def first_failed_rank(self, failed: bool, what: str) -> int | None:
         """All-reduce a failure flag; the lowest failing rank, or None when all succeeded."""
-        flag = torch.tensor([self.world_size - self.rank if failed else 0], dtype=torch.int64, device=self._device)
-        self._all_reduce_max(flag, what)
-        value = int(flag.item())
+        (value,) = self.reduce_max([self.world_size - self.rank if failed else 0], what)
         return None if value == 0 else self.world_size - value
 
     def _all_reduce_max(self, tensor: torch.Tensor, what: str) -> None:

@@ -1,12 +1,20 @@
-"""The types a model's forward sees: `ForwardInputs`, its host mirror, and the staging bounds.
+"""What a model's forward sees (`ForwardInputs`), and the one table of the staged buffers.
 
-`PersistentBuffers.stage` (buffers.py) makes them; `check_invariants` and models read them.
+`FIELD_TABLE` lists every built-in static input once: its name, what its rows are, its
+trailing shape, its dtype and its pad rule. `PersistentBuffers` (buffers.py) lays out the
+packed buffer, builds the host and device views, poisons and uploads from this table, and
+an engine's own buffers (`BufferSpec`) extend it: a new field costs one row.
+
+`PersistentBuffers.stage` makes `ForwardInputs`; `check_invariants` and models read them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -14,10 +22,121 @@ import torch
 from graphcap.batch import GraphKey
 from graphcap.config import PadRules
 
-__all__ = ["FIELDS", "ForwardInputs", "HostView", "StagingLimits"]
+__all__ = [
+    "BUFFER_DTYPES",
+    "FIELDS",
+    "FIELD_TABLE",
+    "BufferSpec",
+    "Field",
+    "ForwardInputs",
+    "HostView",
+    "StagingLimits",
+]
 
-FIELDS = ("query_start_loc", "seq_lens", "input_ids", "positions", "slot_mapping", "block_table")
-"""The static input tensors of every graph, in their packed-buffer order."""
+Rows = Literal["tokens", "reqs", "reqs+1", "none"]
+
+
+class Field(NamedTuple):
+    """One built-in static input: a row of `FIELD_TABLE`."""
+
+    name: str
+    rows: Rows
+    """`tokens`: one row per padded token (T); `reqs`: per padded request (R); `reqs+1`: R + 1."""
+    width: str | None
+    """Trailing dimension: None (1-D), or `blocks` (`max_blocks_per_req` columns)."""
+    pad: str
+    """The `PadRules` field that fills its padded rows."""
+    why: str
+    """Why the padded rows hold that value."""
+
+
+FIELD_TABLE: tuple[Field, ...] = (
+    Field("query_start_loc", "reqs+1", None, "query_len", "padded requests add padding.query_len tokens (0: none)"),
+    Field("seq_lens", "reqs", None, "seq_len", "padded requests attend to padding.seq_len keys"),
+    Field("input_ids", "tokens", None, "token_id", "a valid token id"),
+    Field("positions", "tokens", None, "position", "any index computed from it stays in range"),
+    Field("slot_mapping", "tokens", None, "slot", "negative: padded tokens never write the KV cache"),
+    Field("block_table", "reqs", "blocks", "block_id", "the null block, a valid index"),
+)
+"""Every built-in static input, in packed-buffer order (the block table last, so one upload of
+a prefix covers a key's rows). All int32."""
+
+FIELDS = tuple(f.name for f in FIELD_TABLE)
+"""The built-in static input names, in packed-buffer order."""
+
+BUFFER_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64", "bool")
+"""Dtypes an engine buffer may have (numpy and torch both hold them; numpy has no bfloat16)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BufferSpec:
+    """An engine-declared persistent buffer, staged, padded, checked and uploaded like the built-ins.
+
+    `rows`: `tokens` (one row per padded token), `reqs` (one per padded request) or `none`
+    (a fixed-shape tensor given whole every step). `shape`: the trailing dims. `row_dim`:
+    where the row axis sits among the dims (0: first; mrope positions `[3, T]` use
+    `shape=(3,), row_dim=1`). `pad` fills padded rows (and the whole tensor of a `none`
+    buffer a step does not give). `check(host_view, num_real_rows)` runs at the configured
+    invariant level (`basic` and `full`) on the staged host rows and raises to refuse them.
+    """
+
+    name: str
+    rows: Literal["tokens", "reqs", "none"]
+    shape: tuple[int, ...] = ()
+    dtype: str = "int32"
+    pad: int | float | bool = 0
+    row_dim: int = 0
+    check: Callable[[np.ndarray, int], Any] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        problems = spec_problems(self.name, self.rows, self.shape, self.dtype, self.pad, self.row_dim)
+        if self.check is not None and not callable(self.check):
+            problems.append(("check", f"must be callable(host_view, num_real_rows); got {type(self.check).__name__}"))
+        if problems:
+            detail = "; ".join(f"{key}: {message}" for key, message in problems)
+            raise ValueError(f"BufferSpec {self.name!r}: {detail}")
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
+
+
+def spec_problems(name: Any, rows: Any, shape: Any, dtype: Any, pad: Any, row_dim: Any) -> list[tuple[str, str]]:
+    """`(field, message)` for every problem of a buffer declaration (shared with the YAML loader)."""
+    out: list[tuple[str, str]] = []
+    if not isinstance(name, str) or not name.isidentifier():
+        out.append(("name", f"must be a Python identifier (it names ForwardInputs.extras[...]); got {name!r}"))
+    elif name in FIELDS:
+        out.append(("name", f"{name!r} is a built-in field; pick another name"))
+    if rows not in ("tokens", "reqs", "none"):
+        out.append(("rows", f"must be tokens, reqs or none; got {rows!r}"))
+    dims_ok = isinstance(shape, (tuple, list)) and all(
+        isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= 1 << 20 for d in shape
+    )
+    if not dims_ok or len(shape) > 4:
+        out.append(("shape", f"must be a list of up to 4 dimensions in 1..1048576; got {shape!r}"))
+    if dtype not in BUFFER_DTYPES:
+        out.append(("dtype", f"must be one of {', '.join(BUFFER_DTYPES)}; got {dtype!r}"))
+    elif not _pad_fits(pad, np.dtype(dtype)):
+        out.append(("pad", f"{pad!r} is not a value of dtype {dtype}"))
+    max_dim = len(shape) if dims_ok and rows in ("tokens", "reqs") else 0
+    if isinstance(row_dim, bool) or not isinstance(row_dim, int) or not 0 <= row_dim <= max_dim:
+        out.append(("row_dim", f"must be an integer in 0..{max_dim} (where the row axis sits); got {row_dim!r}"))
+    return out
+
+
+def _pad_fits(pad: Any, dtype: np.dtype) -> bool:
+    if dtype.kind == "b":
+        return isinstance(pad, bool) or pad in (0, 1)
+    if isinstance(pad, bool) or not isinstance(pad, (int, float)):
+        return False
+    if dtype.kind in "iu":
+        if isinstance(pad, float) and not pad.is_integer():
+            return False
+        info = np.iinfo(dtype)
+        return info.min <= pad <= info.max
+    return (not math.isnan(pad) and abs(pad) <= np.finfo(dtype).max) or math.isinf(pad)
 
 
 class HostView(NamedTuple):
@@ -29,6 +148,8 @@ class HostView(NamedTuple):
     query_start_loc: np.ndarray  # [R+1]
     seq_lens: np.ndarray  # [R]
     block_table: np.ndarray  # [R, B]
+    extras: Mapping[str, np.ndarray] = MappingProxyType({})
+    """Engine buffers (`BufferSpec`) by name, padded rows included."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +162,8 @@ class StagingLimits:
     vocab_size: int | None
     max_model_len: int | None
     pad: PadRules
+    extras: tuple[BufferSpec, ...] = ()
+    """The engine's buffers: their pad values and checks."""
 
     @property
     def num_slots(self) -> int | None:
@@ -52,9 +175,11 @@ class ForwardInputs:
     """What `model.forward` receives: views of the persistent tensors for one key.
 
     Tensor rows cover the padded shape (`T = key.num_tokens`, `R = key.num_reqs`); only the
-    first `num_tokens` tokens and `num_reqs` requests are real. The views alias persistent
-    storage: they stay valid, and keep their addresses, for the life of the buffers, and the
-    next `stage` overwrites them. A model must not resize or replace them.
+    first `num_tokens` tokens and `num_reqs` requests are real. Padded tokens after
+    `query_start_loc[num_reqs]` belong to no real request: a forward must give them a sink
+    and never slice by the Python counts (a graph freezes them). The views alias persistent
+    storage: they stay valid, and keep their addresses, for the life of the buffers, and
+    the next `stage` overwrites them. A model must not resize or replace them.
     """
 
     input_ids: torch.Tensor  # [T] int32
@@ -68,7 +193,11 @@ class ForwardInputs:
     key: GraphKey
     host: HostView
     limits: StagingLimits
+    extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """Engine buffers (`BufferSpec`) by name: views of their padded rows."""
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The static input tensors by name (what a graph records addresses of)."""
-        return {name: getattr(self, name) for name in FIELDS}
+        """The static input tensors by name (built-ins in packed order, then the extras)."""
+        out = {name: getattr(self, name) for name in FIELDS}
+        out.update(self.extras)
+        return out

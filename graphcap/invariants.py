@@ -28,27 +28,16 @@ from typing import Any, Literal
 
 import numpy as np
 
-from graphcap.buffers import ForwardInputs
+from graphcap._fastnp import amax as _max
+from graphcap._fastnp import amin as _min
+from graphcap._fastnp import is_filled as _is_filled
+from graphcap._fastnp import is_ramp as _is_ramp
+from graphcap.errors import InvariantViolation
+from graphcap.inputs import ForwardInputs
 
 __all__ = ["LEVELS", "InvariantViolation", "check_invariants"]
 
 LEVELS = ("off", "basic", "full")
-# The ufunc reductions themselves: `array.min()` adds a Python-level wrapper per call.
-_min, _max = np.minimum.reduce, np.maximum.reduce
-# int32 bytes of `[0, q, 2q, ...]` and `[v, v, ...]`, grown on demand: comparing a staged
-# array with one is a single exact memcmp, cheaper than any two numpy reductions.
-_RAMPS: dict[int, bytes] = {}
-_FILLS: dict[int, bytes] = {}
-
-
-class InvariantViolation(RuntimeError):
-    """Staged metadata broke a rule. `.field`, `.index`, `.expected`, `.actual` say where."""
-
-    def __init__(self, field: str, index: Any, expected: Any, actual: Any, why: str, key: Any = None) -> None:
-        self.field, self.index, self.expected, self.actual = field, index, expected, actual
-        where = f"{field}[{index}]" if index is not None else field
-        suffix = f" (key {key})" if key is not None else ""
-        super().__init__(f"{where} is {actual}, expected {expected}: {why}{suffix}")
 
 
 def check_invariants(inputs: ForwardInputs, level: Literal["off", "basic", "full"] = "basic") -> None:
@@ -65,6 +54,33 @@ def check_invariants(inputs: ForwardInputs, level: Literal["off", "basic", "full
         _check_basic(inputs)  # finds and names the first broken rule
     if level == "full":
         _check_full(inputs, _lengths(inputs.host.query_start_loc))
+    if inputs.limits.extras:
+        _check_extras(inputs, level)
+
+
+def _check_extras(inputs: ForwardInputs, level: str) -> None:
+    """Engine buffers: padded rows hold their pad (`full`); each buffer's own check (any level)."""
+    for spec in inputs.limits.extras:
+        view = inputs.host.extras[spec.name]
+        real = {"tokens": inputs.num_tokens, "reqs": inputs.num_reqs, "none": None}[spec.rows]
+        if level == "full" and real is not None:
+            tail = view[(slice(None),) * spec.row_dim + (slice(real, None),)]
+            bad = np.argwhere(tail != spec.pad)
+            if bad.size:
+                index = [int(i) for i in bad[0]]
+                index[spec.row_dim] += real
+                actual = view[tuple(index)].item()
+                _fail(spec.name, ", ".join(map(str, index)), spec.pad, actual, "padded rows hold the buffer's pad",
+                      inputs.key)  # fmt: skip
+        if spec.check is not None:
+            try:
+                spec.check(view, view.shape[spec.row_dim] if real is None else real)
+            except Exception as exc:  # the engine's own check: any exception refuses the step
+                raise InvariantViolation(
+                    spec.name, None, "its check to pass", f"refused ({type(exc).__name__}: {exc})",
+                    f"the buffer's check ({getattr(spec.check, '__name__', 'check')}) refused the staged rows",
+                    inputs.key,
+                ) from exc  # fmt: skip
 
 
 def _basic_holds(inputs: ForwardInputs) -> bool:
@@ -104,22 +120,6 @@ def _basic_holds(inputs: ForwardInputs) -> bool:
         if not _is_filled(seq[r:], pad.seq_len):
             return False
     return n == T or _is_filled(host.slot_mapping[n:], pad.slot)
-
-
-def _is_ramp(array: np.ndarray, step: int) -> bool:
-    """`array == step * arange(len(array))` exactly, for an int32 array."""
-    ramp = _RAMPS.get(step)
-    if ramp is None or len(ramp) < array.nbytes:
-        ramp = _RAMPS[step] = (step * np.arange(max(len(array), 1024), dtype=np.int32)).tobytes()
-    return array.dtype == np.int32 and ramp.startswith(array.tobytes())
-
-
-def _is_filled(array: np.ndarray, value: int) -> bool:
-    """Every entry of an int32 array equals `value`."""
-    fill = _FILLS.get(value)
-    if fill is None or len(fill) < array.nbytes:
-        fill = _FILLS[value] = np.full(max(len(array), 1024), value, dtype=np.int32).tobytes()
-    return array.dtype == np.int32 and fill.startswith(array.tobytes())
 
 
 def _check_basic(inputs: ForwardInputs) -> None:

@@ -22,12 +22,13 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from graphcap.backends import CapturedGraph, CaptureError, CaptureUnsafeError, GraphBackend, get_backend
+from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_device
 from graphcap.batch import GraphKey, StepBatch, dummy_batch
 from graphcap.buffers import ForwardInputs, PersistentBuffers
-from graphcap.config import CaptureConfig, resolve_device
+from graphcap.config import CaptureConfig
 from graphcap.dispatch import KeyRegistry, StepStats
 from graphcap.distributed import DataParallelSync
+from graphcap.errors import CaptureError, CaptureUnsafeError
 from graphcap.invariants import check_invariants
 from graphcap.report import CaptureReport, GraphRecord, format_bytes
 
@@ -81,6 +82,20 @@ class CaptureManager:
         self._prepare = getattr(model, "prepare", None)
         self._lock = threading.RLock()
         self._sync = DataParallelSync(group, timeout=dp_timeout) if group is not None else None
+        self._counting = True
+        self.last_key: GraphKey | None = None
+        """The key the last `execute`/`eager` step ran with (a captured key, or the unpadded
+        eager key); read it instead of dispatching the same batch twice."""
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Steps inside are not counted in `stats` (benchmarks, health checks)."""
+        with self._lock:
+            was, self._counting = self._counting, False
+            try:
+                yield
+            finally:
+                self._counting = was
 
     @property
     def lock(self) -> threading.RLock:
@@ -197,10 +212,8 @@ class CaptureManager:
         with torch.inference_mode():
             expected = run()[: inputs.num_tokens]
         seconds = time.perf_counter() - t0
-        checks = self.config.checks
-        tolerance = {} if checks.atol is None else {"atol": checks.atol, "rtol": checks.rtol}
         try:
-            torch.testing.assert_close(replayed, expected, **tolerance)
+            torch.testing.assert_close(replayed, expected, **self.config.checks.tolerance)
         except AssertionError as exc:
             first = str(exc).strip().splitlines()
             raise CaptureError(
@@ -236,17 +249,20 @@ class CaptureManager:
             key, reason = self._dispatch(batch)
             if key is None:
                 output = self._run_eager(batch)
-                self.stats.eager[reason] += 1  # after the run: a refused batch is no step
+                if self._counting:  # after the run: a refused batch is no step
+                    self.stats.eager[reason] += 1
                 return output
+            self.last_key = key
             inputs = self._stage(batch, key)
             graph = self.graphs[key]
             if graph.num_replays == 0 or self._level == "full":
                 graph.check_addresses(self._static_inputs(inputs))
             output = graph.replay()
-            stats = self.stats
-            stats.graph_hits[key] += 1
-            stats.real_tokens += batch.num_tokens
-            stats.padded_tokens += key.num_tokens
+            if self._counting:
+                stats = self.stats
+                stats.graph_hits[key] += 1
+                stats.real_tokens += batch.num_tokens
+                stats.padded_tokens += key.num_tokens
             return output[: batch.num_tokens]
 
     def eager(self, batch: StepBatch) -> torch.Tensor:
@@ -256,7 +272,9 @@ class CaptureManager:
             return self._run_eager(batch)
 
     def _run_eager(self, batch: StepBatch) -> torch.Tensor:
-        inputs = self._stage(batch, GraphKey(batch.num_tokens, batch.num_reqs, False))
+        key = self.registry.eager_key(batch.num_tokens, batch.num_reqs)
+        self.last_key = key
+        inputs = self._stage(batch, key)
         with torch.inference_mode():
             return self._forward(inputs)[: batch.num_tokens]
 
@@ -269,10 +287,22 @@ class CaptureManager:
         return inputs
 
     def _dispatch(self, batch: StepBatch) -> tuple[GraphKey | None, str]:
-        key, reason = self.registry.dispatch(batch)
-        if self._sync is not None:
-            key, reason = self._sync.agree(self.registry, batch, key, reason)
-        return key, reason
+        registry = self.registry
+        uniform = batch.is_uniform(registry.uniform_query_len)
+        key, reason = registry.dispatch(batch.num_tokens, batch.num_reqs, uniform)
+        if self._sync is None:
+            return key, reason
+        # Data-parallel agreement: every rank dispatches on the same reduced counts, so all
+        # replay one key or all run eagerly. An idle rank (no requests) joins any key.
+        cannot = key is None and not (batch.num_reqs == 0 and registry.mode != "none")
+        num_tokens, any_cannot, any_mixed, num_reqs = self._sync.reduce_max(
+            [batch.num_tokens, int(cannot), int(not uniform), batch.num_reqs], "dispatch"
+        )
+        own_reason = reason if key is None else "peer"
+        if any_cannot:
+            return None, own_reason
+        agreed, _ = registry.dispatch(num_tokens, num_reqs, not any_mixed)
+        return (agreed, "") if agreed is not None else (None, own_reason)
 
     # -- bookkeeping ---------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-__all__ = ["CaptureSizes", "default_capture_sizes"]
+__all__ = ["CaptureSizes", "default_capture_sizes", "uniform_sizes"]
 
 # Where real decode batches concentrate, the schedule is dense; above, padding waste
 # matters less than capture time and graph memory, so it thins out.
@@ -47,6 +47,22 @@ def default_capture_sizes(max_size: int, uniform_query_len: int = 1) -> list[int
     sizes = {size for size in sizes if size <= max_size}
     sizes.add(max_size)
     return sorted(sizes)
+
+
+def uniform_sizes(sizes: Iterable[int], uniform_query_len: int, max_num_seqs: int) -> list[int]:
+    """Token counts of the uniform (decode / spec-decode) keys, ascending.
+
+    Every captured size that is whole requests of `uniform_query_len` tokens, at most
+    `max_num_seqs` of them; plus `max_num_seqs * uniform_query_len` itself when it lies within
+    the largest size, so the biggest decode step the request pool allows always has its own
+    key (as SGLang captures it), even when `max_num_seqs` is not a captured size.
+    """
+    sizes = list(sizes)
+    q, top = uniform_query_len, max_num_seqs * uniform_query_len
+    out = [size for size in sizes if size % q == 0 and size <= top]
+    if sizes and top <= sizes[-1] and top not in out:
+        out.append(top)
+    return out
 
 
 class CaptureSizes:

@@ -25,10 +25,16 @@ def test_step_batch_accepts_lists_and_integer_arrays(dtype):
     assert batch.block_table.shape == (3, 2)
 
 
-def test_step_batch_does_not_copy_numpy_int_arrays():
+def test_step_batch_owns_read_only_copies_so_later_caller_writes_cannot_slip_past_validation():
     q, s = np.array([1, 1], np.int32), np.array([4, 9], np.int64)
-    batch = StepBatch(q, s)
-    assert batch.query_lens is q and batch.seq_lens is s
+    ids, table = np.array([3, 4], np.int32), np.array([[1], [2]], np.int32)
+    batch = StepBatch(q, s, ids, table)
+    q[0], s[0], ids[0], table[0, 0] = 0, -5, -1, -1  # the scheduler reuses its arrays
+    assert batch.query_lens.tolist() == [1, 1] and batch.seq_lens.tolist() == [4, 9]
+    assert batch.input_ids.tolist() == [3, 4] and batch.block_table.tolist() == [[1], [2]]
+    for array in (batch.query_lens, batch.seq_lens, batch.input_ids, batch.block_table):
+        with pytest.raises(ValueError, match="read-only"):
+            array[0] = 7
 
 
 def test_step_batch_without_ids_or_blocks():

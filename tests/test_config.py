@@ -222,8 +222,10 @@ def test_explicit_sizes_with_a_zero_name_the_entry():
 def test_huge_sizes_are_refused_quickly_instead_of_building_a_table():
     # Regression: a typo'd size of 1e30 raised OverflowError, and 1e9 tried to allocate a table.
     start = time.perf_counter()
-    with pytest.raises(ConfigError, match=r"capture\.sizes: largest size 10{30} exceeds capture\.max_size 64"):
+    with pytest.raises(ConfigError, match=r"capture\.sizes: largest size 10{30} is above 65536"):
         config_from_text(f"capture:\n  sizes: [1, {10**30}]\n")
+    with pytest.raises(ConfigError, match=r"capture\.sizes: largest size 10{30} exceeds capture\.max_size 64"):
+        config_from_text(f"capture:\n  sizes: [1, {10**30}]\n  max_size: 64\n")
     with pytest.raises(ConfigError, match=r"capture\.max_size: must be <= 65536; got 1000000000"):
         config_from_text("batching:\n  max_num_tokens: 1000000000\ncapture:\n  max_size: 1000000000\n")
     assert time.perf_counter() - start < 1.0

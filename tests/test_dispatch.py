@@ -71,26 +71,26 @@ def test_from_config_plans_the_default_schedule():
 
 
 def test_uniform_batch_dispatches_to_the_uniform_key():
-    assert registry().dispatch(decode(3)) == (GraphKey(4, 4, True), "")
-    assert registry(q=4).dispatch(decode(3, q=4)) == (GraphKey(16, 4, True), "")
+    assert registry().key_for(decode(3)) == (GraphKey(4, 4, True), "")
+    assert registry(q=4).key_for(decode(3, q=4)) == (GraphKey(16, 4, True), "")
 
 
 def test_mixed_batch_dispatches_to_the_mixed_key():
-    assert registry().dispatch(StepBatch([2, 1], [5, 5])) == (GraphKey(4, 4, False), "")
+    assert registry().key_for(StepBatch([2, 1], [5, 5])) == (GraphKey(4, 4, False), "")
 
 
 def test_uniform_batch_at_a_size_without_a_uniform_key_uses_the_mixed_key():
     keys = registry(q=2, sizes=CaptureSizes([3, 6, 12], 64))
-    assert keys.dispatch(decode(1, q=2)) == (GraphKey(3, 3, False), "")  # 3 is not a multiple of 2
-    assert keys.dispatch(decode(3, q=2)) == (GraphKey(6, 3, True), "")
+    assert keys.key_for(decode(1, q=2)) == (GraphKey(3, 3, False), "")  # 3 is not a multiple of 2
+    assert keys.key_for(decode(3, q=2)) == (GraphKey(6, 3, True), "")
     # 16 decode requests would need 16 rows; max_num_seqs 8 leaves no uniform key at 16
-    assert registry(max_num_seqs=8).dispatch(StepBatch([2] * 8, [9] * 8)) == (GraphKey(16, 8, False), "")
+    assert registry(max_num_seqs=8).key_for(StepBatch([2] * 8, [9] * 8)) == (GraphKey(16, 8, False), "")
 
 
 def test_skipped_uniform_key_falls_back_to_the_mixed_key():
     keys = registry()
     keys.mark_skipped(GraphKey(4, 4, True), "out of memory")
-    assert keys.dispatch(decode(3)) == (GraphKey(4, 4, False), "")
+    assert keys.key_for(decode(3)) == (GraphKey(4, 4, False), "")
     assert keys.skipped == {GraphKey(4, 4, True): "out of memory"}
 
 
@@ -108,17 +108,17 @@ def test_skipped_uniform_key_falls_back_to_the_mixed_key():
     ],
 )
 def test_dispatch_runs_eagerly_with_the_reason(keys, batch, reason):
-    assert keys.dispatch(batch) == (None, reason)
+    assert keys.key_for(batch) == (None, reason)
     assert reason in EAGER_REASONS
 
 
 def test_skipped_key_runs_eagerly_with_reason_skipped():
     keys = registry()
     keys.mark_skipped(GraphKey(4, 4, False), "capture failed")
-    assert keys.dispatch(StepBatch([2, 1], [2, 1])) == (None, "skipped")
+    assert keys.key_for(StepBatch([2, 1], [2, 1])) == (None, "skipped")
     keys = registry(mode="full_decode_only")
     keys.mark_skipped(GraphKey(2, 2, True), "capture failed")
-    assert keys.dispatch(decode(2)) == (None, "skipped")
+    assert keys.key_for(decode(2)) == (None, "skipped")
 
 
 def test_mark_captured_after_skip_clears_the_skip_and_reset_forgets_everything():
@@ -154,7 +154,7 @@ def _batches(draw, max_tokens=40, max_reqs=8):
 @settings(max_examples=300, deadline=None)
 def test_dispatched_key_holds_the_batch_at_the_smallest_captured_size(batch, mode, q):
     keys = registry(mode=mode, q=q, max_num_seqs=8)
-    key, reason = keys.dispatch(batch)
+    key, reason = keys.key_for(batch)
     if batch.num_tokens > SIZES.max_size:
         assert (key, reason) == (None, "above_max_size")
         return

@@ -10,7 +10,7 @@ import torch
 
 from graphcap import CaptureManager, GraphKey, InvariantViolation, StepBatch, load_config
 from graphcap.models import build_model
-from graphcap.workload import Workload
+from graphcap.testing import Workload
 from tests.configs import SMALL
 
 
@@ -165,9 +165,9 @@ def _break_query_start_loc_tail(monkeypatch, manager):
     buffers = manager.buffers
     fill = buffers._fill_padding
 
-    def buggy_fill(key, n, r):
-        fill(key, n, r)
-        buffers._h_qsl[r + 1 : key.num_reqs + 1] = 0
+    def buggy_fill(T, R, n, r):
+        fill(T, R, n, r)
+        buffers.host["query_start_loc"][r + 1 : R + 1] = 0
 
     monkeypatch.setattr(buffers, "_fill_padding", buggy_fill)
 

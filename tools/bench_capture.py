@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from graphcap import CaptureManager, load_config
 from graphcap.models import build_model
-from graphcap.timing import time_key
+from graphcap.testing import time_key
 
 
 def main() -> int:

@@ -1,14 +1,14 @@
 """Per-step cost of data-parallel agreement: one gloo all-reduce per step, against none.
 
-With a process group, `CaptureManager.dispatch` adds `DataParallelSync.agree` to every
-step: one all-reduce (MAX) of four int64 values (padded tokens, cannot use a graph, not
-uniform, requests), then one padding-table lookup. This spawns a gloo world on the CPU
-(file store in a temporary directory) and times, on every rank, in lockstep:
+With a process group, `CaptureManager.dispatch` adds one all-reduce (MAX) of four int64
+values (tokens, cannot use a graph, not uniform, requests) on a CPU group to every step,
+then dispatches again on the reduced values. This spawns a gloo world on the CPU (file
+store in a temporary directory) and times, on every rank, in lockstep:
 
-- `KeyRegistry.dispatch`: what a step pays without a group;
-- `dist.all_reduce` of the same four int64 values: the transport floor;
-- `DataParallelSync.agree`: the coordination itself;
-- `dispatch + agree`: what a data-parallel step pays in `CaptureManager.dispatch`.
+- `KeyRegistry.key_for` and `CaptureManager.dispatch` without a group: a step without DP;
+- `dist.all_reduce` of four int64 values: the transport floor;
+- `DataParallelSync.reduce_max`: the collective as graphcap calls it;
+- `CaptureManager.dispatch` with the group: what a data-parallel step pays.
 
 Ranks use different batches (rank 0 decodes, rank 1 runs a mixed step), as in serving.
 Rank 0 prints its own samples; the numbers are host latency of a loopback collective, so
@@ -35,12 +35,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _sampling import measure
 
-from graphcap.batch import StepBatch
-from graphcap.config import load_config
-from graphcap.dispatch import KeyRegistry
+from graphcap import CaptureManager, StepBatch, load_config
 from graphcap.distributed import DataParallelSync
+from graphcap.models import build_model
 
-OVERRIDES = {"device": "cpu", "capture.max_size": 64, "batching.max_num_seqs": 32}
+OVERRIDES = {
+    "device": "cpu",
+    "capture.max_size": 64,
+    "batching.max_num_seqs": 32,
+    "model.num_layers": 1,
+    "model.hidden_size": 64,
+}
 
 
 def rank_batch(rank: int) -> StepBatch:
@@ -63,24 +68,26 @@ def run_rank(rank: int, world_size: int, store: str, repeats: int, warmup: int) 
     )
     try:
         config = load_config(overrides=OVERRIDES)
-        registry = KeyRegistry.from_config(config)
-        for key in registry.planned:
-            registry.mark_captured(key)
+        model = build_model(config)
+        solo = CaptureManager(model, config, progress=False)
+        manager = CaptureManager(model, config, group=dist.group.WORLD, dp_timeout=120.0, progress=False)
+        for registry in (solo.registry, manager.registry):
+            for key in registry.planned:  # dispatch only: mark every key captured, capture nothing
+                registry.mark_captured(key)
         sync = DataParallelSync(dist.group.WORLD, timeout=120.0)
         batch = rank_batch(rank)
-        own_key, reason = registry.dispatch(batch)
+        own_key, _ = solo.registry.key_for(batch)
         packed = torch.zeros(4, dtype=torch.int64)
-
-        def dispatch_and_agree():
-            return sync.agree(registry, batch, *registry.dispatch(batch))
+        values = [batch.num_tokens, 0, 1, batch.num_reqs]
 
         rows = [
-            ("KeyRegistry.dispatch (no group)", lambda: registry.dispatch(batch)),
+            ("KeyRegistry.key_for (no group)", lambda: solo.registry.key_for(batch)),
+            ("CaptureManager.dispatch (no group)", lambda: solo.dispatch(batch)),
             ("dist.all_reduce 4 x int64 (gloo)", lambda: dist.all_reduce(packed, op=dist.ReduceOp.MAX)),
-            ("DataParallelSync.agree", lambda: sync.agree(registry, batch, own_key, reason)),
-            ("dispatch + agree (DP step)", dispatch_and_agree),
+            ("DataParallelSync.reduce_max", lambda: sync.reduce_max(values, "bench")),
+            ("CaptureManager.dispatch (DP step)", lambda: manager.dispatch(batch)),
         ]
-        agreed, _ = dispatch_and_agree()
+        agreed = manager.dispatch(batch)
         results = [(name, measure(fn, repeats, warmup, before=dist.barrier)) for name, fn in rows]
         if rank == 0:
             print(
@@ -88,11 +95,11 @@ def run_rank(rank: int, world_size: int, store: str, repeats: int, warmup: int) 
                 f"{os.cpu_count()} CPUs, python {platform.python_version()}"
             )
             print(f"# rank 0 key {own_key}, agreed {agreed}; {repeats} steps per row after {warmup} warm-up")
-            header = f"{'per step (rank 0)':<34} {'median':>9} {'p90':>9}"
+            header = f"{'per step (rank 0)':<36} {'median':>9} {'p90':>9}"
             print(header)
             print("-" * len(header))
             for name, samples in results:
-                print(f"{name:<34} {np.median(samples):>7.1f}us {np.percentile(samples, 90):>7.1f}us")
+                print(f"{name:<36} {np.median(samples):>7.1f}us {np.percentile(samples, 90):>7.1f}us")
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -14,16 +14,13 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graphcap import GraphKey, PersistentBuffers, load_config
 from graphcap.backends import get_backend
 from graphcap.models import build_model
-from graphcap.timing import full_batch
+from graphcap.testing import fill_batch
 
 
 def main() -> int:
@@ -43,7 +40,7 @@ def main() -> int:
     print(f"{'tokens':>6} {'ops':>5} {'eager us':>9} {'replay us':>9} {'replay/eager':>12}")
     for size in args.sizes:
         key = GraphKey(size, min(size, config.batching.max_num_seqs), size <= config.batching.max_num_seqs)
-        inputs = buffers.stage(full_batch(key, config), key)
+        inputs = buffers.stage(fill_batch(key, config), key)
         graph = backend.capture(lambda inputs=inputs: model.forward(inputs), inputs.tensors(), name=str(key))
         eager, replay = [], []
         with torch.inference_mode():

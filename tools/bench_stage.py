@@ -8,6 +8,14 @@ per-request Python builder (lists filled in a loop per request and token, then o
 
     python tools/bench_stage.py            # the full table (about a minute)
     python tools/bench_stage.py --quick    # a few repetitions, to see that it runs
+    python tools/bench_stage.py --compare  # graphcap vs a vLLM-style host step (tools/vllm_prep.py)
+
+`--compare` times graphcap's step against a numpy re-implementation of vLLM v1's host-side
+input preparation (`tools/vllm_prep.py`; its docstring lists the vLLM steps it includes and
+omits) on decode steps of 1 to 1024 requests and one mixed step. Both first must produce the
+same real rows; then they run interleaved in rounds (one block of calls each per round, the
+order alternating), so drift in the machine's speed hits both alike. The ratio is graphcap's
+median over the vLLM-style median; the spread is that of the per-round median ratios.
 
 Results are on stdout; see docs/BENCHMARKS.md for recorded numbers.
 """
@@ -15,12 +23,14 @@ Results are on stdout; see docs/BENCHMARKS.md for recorded numbers.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from _sampling import measure
+from vllm_prep import VllmStylePrep, graphcap_real_rows, load_step, metadata_mismatches
 
 from graphcap.batch import GraphKey, StepBatch
 from graphcap.buffers import PersistentBuffers
@@ -40,6 +50,11 @@ OVERRIDES = {
 }
 DECODE_REQS = (1, 64, 256, 1024)
 PREFILL = (8, 2048)  # requests, tokens
+# --compare: 1024 decode requests with 128 blocks each (max_model_len 2048 at block_size 16),
+# every request owning distinct blocks.
+COMPARE_OVERRIDES = {**OVERRIDES, "kv_cache.max_model_len": 2048, "kv_cache.num_blocks": 1024 * 128 + 1}
+COMPARE_DECODE_REQS = (1, 8, 64, 256, 1024)
+COMPARE_MIXED = (4, 512, 252)  # prefills, tokens per prefill, decodes
 
 
 @dataclass
@@ -91,11 +106,58 @@ def make_cases(config: CaptureConfig, registry: KeyRegistry, seed: int = 0) -> l
     return cases
 
 
+def make_compare_cases(config: CaptureConfig, registry: KeyRegistry, seed: int = 0) -> list[Case]:
+    """Decode steps of `COMPARE_DECODE_REQS` requests and one mixed step (decodes, then prefill chunks).
+
+    Every request owns distinct blocks, a full row of `max_blocks_per_req` of them.
+    """
+    rng = np.random.default_rng(seed)
+    kv = config.kv_cache
+    width = kv.max_blocks_per_req
+    vocab = config.model.vocab_size
+    blocks = rng.permutation(np.arange(1, kv.num_blocks, dtype=np.int32))
+    cases = []
+    for num_reqs in COMPARE_DECODE_REQS:
+        q = np.ones(num_reqs, dtype=np.int32)
+        s = rng.integers(1, kv.max_model_len + 1, num_reqs).astype(np.int32)
+        cases.append(
+            Case(
+                f"decode {num_reqs} reqs",
+                _key_for(registry, q, s),
+                q,
+                s,
+                rng.integers(0, vocab, num_reqs).astype(np.int32),
+                blocks[: num_reqs * width].reshape(num_reqs, width),
+            )
+        )
+    prefills, chunk, decodes = COMPARE_MIXED
+    num_reqs = prefills + decodes
+    # Decodes first, as engines that split decodes from prefills order the batch.
+    q = np.concatenate([np.ones(decodes, dtype=np.int32), np.full(prefills, chunk, dtype=np.int32)])
+    s = q + np.concatenate(
+        [
+            rng.integers(0, kv.max_model_len, decodes),  # decode: any context below max_model_len
+            rng.integers(0, kv.max_model_len - chunk + 1, prefills),  # chunked prefill: a chunk after its context
+        ]
+    ).astype(np.int32)
+    cases.append(
+        Case(
+            f"mixed {prefills}x{chunk} + {decodes} dec",
+            _key_for(registry, q, s),
+            q,
+            s,
+            rng.integers(0, vocab, int(q.sum())).astype(np.int32),
+            blocks[: num_reqs * width].reshape(num_reqs, width),
+        )
+    )
+    return cases
+
+
 def _key_for(registry: KeyRegistry, query_lens: np.ndarray, seq_lens: np.ndarray) -> GraphKey:
     # The key a captured engine would replay: every planned key marked captured, then dispatch.
     for key in registry.planned:
         registry.mark_captured(key)
-    key, reason = registry.dispatch(StepBatch(query_lens, seq_lens))
+    key, reason = registry.key_for(StepBatch(query_lens, seq_lens))
     if key is None:
         raise SystemExit(f"bench_stage: no key for the batch ({reason})")
     return key
@@ -164,11 +226,87 @@ def python_step(
     return {name: torch.tensor(values, dtype=torch.int32) for name, values in fields.items()}
 
 
+def interleaved(first, second, rounds: int, calls: int, warmup: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-call microseconds of two step functions timed in alternating blocks: [rounds, calls] each.
+
+    Each round times `calls` calls of one, then `calls` of the other; the order flips every
+    round, so neither always follows the other's cache footprint.
+    """
+    for _ in range(warmup):
+        first()
+        second()
+    a = np.empty((rounds, calls))
+    b = np.empty((rounds, calls))
+    for i in range(rounds):
+        if i % 2 == 0:
+            a[i] = measure(first, calls, 0)
+            b[i] = measure(second, calls, 0)
+        else:
+            b[i] = measure(second, calls, 0)
+            a[i] = measure(first, calls, 0)
+    return a, b
+
+
+def compare(rounds: int, calls: int, warmup: int) -> int:
+    """graphcap's step vs the vLLM-style host step (tools/vllm_prep.py): same rows first, then time."""
+    # vLLM's multiprocess workers run torch with one intra-op thread unless OMP_NUM_THREADS says
+    # otherwise; do the same. (With more, each large upload `copy_` is an OpenMP region that
+    # stalls for a whole scheduler slice, milliseconds, whenever another process holds a core.)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    config = load_config(overrides=COMPARE_OVERRIDES)
+    registry = KeyRegistry.from_config(config)
+    buffers = PersistentBuffers.from_config(config, "cpu")
+    kv = config.kv_cache
+    prep = VllmStylePrep(config.batching.max_num_seqs, config.batching.max_num_tokens, kv.max_model_len, kv.block_size)
+
+    print(
+        f"# bench_stage --compare: torch {torch.__version__}, numpy {np.__version__}, python {platform.python_version()}"
+    )
+    print("# graphcap: StepBatch + stage + check_invariants(basic); vllm-style: tools/vllm_prep.py prepare_inputs")
+    print(f"# interleaved: {rounds} rounds x {calls} calls each, after {warmup} warm-up calls each")
+    print(f"# torch intra-op threads: {torch.get_num_threads()}; ratio = graphcap median / vllm-style median")
+    header = (
+        f"{'case':<26} {'key':<32} {'graphcap med':>12} {'p90':>8} {'vllm med':>9} {'p90':>8} "
+        f"{'ratio':>6} {'round ratio p10-p90':>20} {'min-max':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for case in make_compare_cases(config, registry):
+        width = case.block_table.shape[1]
+        loaded = load_step(prep, case.query_lens, case.seq_lens, case.input_ids, case.block_table)
+        ours = graphcap_step(buffers, case)
+        # Same real rows before any timing: the comparison is like for like.
+        inputs = buffers.stage(StepBatch(case.query_lens, case.seq_lens, case.input_ids, case.block_table), case.key)
+        loaded.step()
+        expected = graphcap_real_rows(inputs.host, inputs.num_reqs, inputs.num_tokens, width)
+        bad = metadata_mismatches(expected, loaded.metadata(), width)
+        if bad:
+            raise SystemExit(f"bench_stage: {case.name}: graphcap and vllm-style rows differ in {', '.join(bad)}")
+        g, v = interleaved(ours, loaded.step, rounds, calls, warmup)
+        gmed, gp90 = np.median(g), np.percentile(g, 90)
+        vmed, vp90 = np.median(v), np.percentile(v, 90)
+        per_round = np.median(g, axis=1) / np.median(v, axis=1)
+        lo, hi = np.percentile(per_round, [10, 90])
+        print(
+            f"{case.name:<26} {case.key!s:<32} {gmed:>10.1f}us {gp90:>6.1f}us {vmed:>7.1f}us {vp90:>6.1f}us "
+            f"{gmed / vmed:>6.2f} {lo:>13.2f} - {hi:<4.2f} {per_round.min():>5.2f}-{per_round.max():<4.2f}"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few repetitions (seconds, for tests)")
     parser.add_argument("--repeats", type=int, default=3000, help="timed steps per case (graphcap)")
+    parser.add_argument("--compare", action="store_true", help="graphcap vs a vLLM-style host step (vllm_prep.py)")
+    parser.add_argument("--rounds", type=int, default=50, help="--compare: interleaved rounds per case")
+    parser.add_argument("--calls", type=int, default=100, help="--compare: timed calls per side per round")
     args = parser.parse_args(argv)
+    if args.compare:
+        if args.quick:
+            return compare(rounds=4, calls=10, warmup=5)
+        return compare(args.rounds, args.calls, warmup=200)
     repeats = 20 if args.quick else args.repeats
     warmup = 5 if args.quick else 300
     # The Python builder is ~100x slower; fewer samples give the same median precision.

@@ -24,16 +24,13 @@ from pathlib import Path
 
 import torch
 
+from graphcap import CaptureManager, CaptureUnsafeError, load_config
+from graphcap.backends import StaticInputMovedError, resolve_device
+from graphcap.models import build_model
+from graphcap.report import atomic_write, format_bytes
+from graphcap.testing import fill_batch, time_key
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from graphcap import CaptureManager, CaptureUnsafeError, load_config  # noqa: E402
-from graphcap.backends import StaticInputMovedError  # noqa: E402
-from graphcap.config import resolve_device  # noqa: E402
-from graphcap.models import build_model  # noqa: E402
-from graphcap.report import atomic_write, format_bytes  # noqa: E402
-from graphcap.timing import full_batch, time_key  # noqa: E402
-
 LLAMA_8B = ROOT / "capture_configs" / "llama3-8b-h200.yaml"
 LLAMA_8B_MIN_FREE = 60 * 2**30  # weights 16 GiB + KV 16 GiB + activations and graph pool
 
@@ -161,7 +158,7 @@ def check_safety(overrides: dict) -> dict:
     key = next(iter(manager.graphs))
     model.kv_cache = torch.zeros_like(model.kv_cache)  # a buffer replaced after capture
     try:
-        manager.execute(full_batch(key, config))
+        manager.execute(fill_batch(key, config))
         out["moved_refused"] = False
     except StaticInputMovedError as exc:
         out["moved_refused"] = "kv_cache" in str(exc)

@@ -9,8 +9,8 @@ any outcome is short of its count (the failures are listed in the document).
     python tools/reliability.py --quick --out /tmp/R.md   # smoke test (seconds)
 
 The checks themselves (fault-injecting model, hostile steps and their oracle, the poisoned
-stress loop, the threaded runs) live in `tests/reliability/__init__.py`, shared with the
-tests, so the campaign and the suite cannot drift apart. Progress goes to stderr.
+stress loop, the threaded runs) live in `graphcap.testing`, shared with the tests, so the
+campaign and the suite cannot drift apart. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -33,17 +33,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # graphcap and the shared checks in tests/reliability
+import numpy as np
+import torch
+import yaml
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
-
-from graphcap import CaptureError, StepBatch  # noqa: E402
-from graphcap.config import (  # noqa: E402
+from graphcap import CaptureError, StepBatch
+from graphcap.config import (
     BatchingConfig,
-    CaptureOptions,
+    CaptureSectionConfig,
     ChecksConfig,
     ConfigError,
     KVCacheConfig,
@@ -53,8 +50,8 @@ from graphcap.config import (  # noqa: E402
     config_from_text,
     load_config,
 )
-from graphcap.report import atomic_write  # noqa: E402
-from tests.reliability import (  # noqa: E402
+from graphcap.report import atomic_write
+from graphcap.testing import (
     FAULT_SIZES,
     FAULTS,
     REFUSALS,
@@ -79,6 +76,7 @@ from tests.reliability import (  # noqa: E402
     violations,
 )
 
+REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "tests" / "assets"
 SPEC = {"capture.uniform_query_len": 4, "capture.sizes": [4, 8]}
 OLD_REPORT = '{"note": "the complete report of an earlier pass"}\n'
@@ -150,7 +148,7 @@ def log(message: str) -> None:
 
 # -- configs -----------------------------------------------------------------------------
 
-SECTIONS = (ModelConfig, BatchingConfig, KVCacheConfig, CaptureOptions, ChecksConfig, ReportConfig, PadRules)
+SECTIONS = (ModelConfig, BatchingConfig, KVCacheConfig, CaptureSectionConfig, ChecksConfig, ReportConfig, PadRules)
 
 
 BASE = nested(TINY)
@@ -673,7 +671,7 @@ def render(rows: list[Row], command: str, seconds: float) -> str:
         "  dummy batch for every planned key with full invariants.",
         "- steps: a refused step leaves the persistent buffers, the KV cache and the step counters",
         "  byte-identical; an accepted one matches an eager run of the same step. Validity is decided",
-        "  by an oracle in `tests/reliability/__init__.py` written without graphcap's code.",
+        "  by an oracle in `graphcap/testing/fuzz.py` written without graphcap's code.",
         "- faults: injected by a model wrapper that raises during one phase (warmup, capture, or the",
         "  eager run of the replay check) of the keys of one size; after each, the fault is disarmed and",
         "  the same manager must capture every key again.",

@@ -9,17 +9,17 @@ Both refuse ops a CUDA graph cannot hold (`graphcap.backends.unsafe`) with
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from graphcap.backends.base import (
-    CapturedGraph,
-    CaptureError,
-    CaptureUnsafeError,
-    GraphBackend,
-    StaticInputMovedError,
-)
+from graphcap.backends.base import CapturedGraph, GraphBackend
 from graphcap.backends.emulated import EmulatedBackend, EmulatedGraph
 from graphcap.backends.unsafe import UNSAFE_OPS, UnsafeOp
+from graphcap.errors import CaptureError, CaptureUnsafeError, ConfigError, ConfigProblem, StaticInputMovedError
+
+if TYPE_CHECKING:
+    from graphcap.config import CaptureConfig
 
 __all__ = [
     "BACKEND_NAMES",
@@ -33,6 +33,7 @@ __all__ = [
     "StaticInputMovedError",
     "UnsafeOp",
     "get_backend",
+    "resolve_device",
 ]
 
 BACKEND_NAMES = ("auto", "cuda", "emulated")
@@ -57,3 +58,32 @@ def get_backend(name: str, device: torch.device | str, *, sync_debug: bool = Fal
     from graphcap.backends.cuda import CUDAGraphBackend  # touches torch.cuda only when asked
 
     return CUDAGraphBackend(device, sync_debug=sync_debug)
+
+
+def resolve_device(config: CaptureConfig | str) -> torch.device:
+    """The `torch.device` that `config.device` (or a device string) names.
+
+    `auto` is cuda when available, else cpu. Raises `ConfigError` (key `device`) when cuda
+    is requested and unavailable, or when `cuda:N` names a GPU that does not exist.
+    """
+    requested = config if isinstance(config, str) else config.device
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        message = (
+            f"{requested!r} requested but CUDA is not available (torch {torch.__version__}, {built}); "
+            "use device: cpu or auto"
+        )
+        raise ConfigError([ConfigProblem("device", message)])
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        message = (
+            f"{requested!r} names GPU {device.index} but {count} visible; use cuda:0 to cuda:{count - 1}, "
+            "or check CUDA_VISIBLE_DEVICES"
+        )
+        raise ConfigError([ConfigProblem("device", message)])
+    return device

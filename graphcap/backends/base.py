@@ -20,6 +20,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from graphcap.backends.unsafe import unsafe_op_checker
+from graphcap.errors import CaptureError, CaptureUnsafeError, StaticInputMovedError
+
 __all__ = [
     "CaptureError",
     "CaptureUnsafeError",
@@ -36,44 +39,6 @@ _MOVED_FIX = (
     "a persistent buffer was replaced by a new tensor after capture; "
     "write into it in place with copy_() or capture again"
 )
-
-
-class CaptureError(RuntimeError):
-    """A graph could not be captured or replayed (misuse, failed capture, released graph)."""
-
-
-class CaptureUnsafeError(CaptureError):
-    """An op that CUDA graph capture cannot hold, named with its reason and the user's file:line.
-
-    Attributes: `op` (e.g. "aten.nonzero" or "Tensor.item"), `location` ("path:line"),
-    `reason` (why a CUDA graph cannot hold it).
-    """
-
-    def __init__(self, op: str, location: str, reason: str, fix: str) -> None:
-        super().__init__(f"{op} at {location}: {reason}. {fix}.")
-        self.op = op
-        self.location = location
-        self.reason = reason
-
-
-class StaticInputMovedError(CaptureError):
-    """A static input's address differs from the one recorded at capture (or it is missing/new).
-
-    Attributes: `input_name`, `recorded_ptr` and `current_ptr` (None where the input is
-    missing now, respectively was absent at capture).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        input_name: str,
-        recorded_ptr: int | None,
-        current_ptr: int | None,
-    ) -> None:
-        super().__init__(message)
-        self.input_name = input_name
-        self.recorded_ptr = recorded_ptr
-        self.current_ptr = current_ptr
 
 
 def _record_input_ptrs(static_inputs: Mapping[str, torch.Tensor]) -> dict[str, int]:
@@ -219,9 +184,6 @@ class GraphBackend:
         Runs under `torch.inference_mode()`, like capture. The checked first call names an
         op a CUDA graph cannot hold (op, reason, user file:line) as `CaptureUnsafeError`.
         """
-        # Imported here: unsafe.py imports this module for CaptureUnsafeError.
-        from graphcap.backends.unsafe import unsafe_op_checker
-
         if isinstance(num_warmups, bool) or not isinstance(num_warmups, int) or num_warmups < 0:
             raise ValueError(f"num_warmups must be an int >= 0; got {num_warmups!r}")
         _check_callable(fn)

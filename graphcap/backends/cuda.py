@@ -18,8 +18,9 @@ from collections.abc import Iterator
 
 import torch
 
-from graphcap.backends.base import CapturedGraph, CaptureError, Forward, GraphBackend, check_output
+from graphcap.backends.base import CapturedGraph, Forward, GraphBackend, check_output
 from graphcap.backends.unsafe import unsafe_op_checker
+from graphcap.errors import CaptureError
 
 __all__ = ["CUDAGraphBackend", "CUDACapturedGraph"]
 

@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from graphcap.backends.base import CaptureError
 from graphcap.backends.bindings import native_binding
 from graphcap.backends.unsafe import UnsafeOpMode
+from graphcap.errors import CaptureError
 
 __all__ = ["Tape", "TapeRecorder", "compile_tape"]
 

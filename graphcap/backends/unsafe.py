@@ -47,7 +47,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphcap.backends.base import CaptureUnsafeError
+from graphcap.errors import CaptureUnsafeError
 
 __all__ = ["UNSAFE_OPS", "UnsafeOp", "UnsafeOpMode", "check_op", "unsafe_op_checker"]
 

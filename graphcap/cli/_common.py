@@ -7,8 +7,8 @@ import importlib
 import logging
 from types import ModuleType
 
-from graphcap._yaml import YamlSyntaxError, parse_scalar
 from graphcap.config import CaptureConfig, load_config
+from graphcap.config._yaml import YamlSyntaxError, parse_scalar
 
 log = logging.getLogger("graphcap")
 

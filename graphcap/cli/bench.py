@@ -6,7 +6,7 @@ import argparse
 
 from graphcap.cli._common import UserError, add_common, build_manager
 from graphcap.report import format_bytes, plot_capture
-from graphcap.timing import time_key
+from graphcap.testing.timing import time_key
 
 EPILOG = """examples:
   graphcap bench --steps 50

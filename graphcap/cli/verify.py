@@ -8,10 +8,10 @@ import logging
 import numpy as np
 import torch
 
-from graphcap.batch import GraphKey, StepBatch
 from graphcap.cli._common import UserError, add_common, build_manager
-from graphcap.invariants import InvariantViolation, check_invariants
-from graphcap.workload import Workload
+from graphcap.errors import InvariantViolation
+from graphcap.invariants import check_invariants
+from graphcap.testing.workload import Workload, fill_batch
 
 log = logging.getLogger("graphcap")
 
@@ -70,40 +70,20 @@ def sweep_keys(manager) -> int:
     count = 0
     for key in sorted(manager.graphs):
         for num_reqs in range(key.num_reqs + 1):
-            batch = _fill(key, num_reqs, config, rng)
+            batch = fill_batch(key, config, rng, num_reqs)
             try:
                 check_invariants(manager.buffers.stage(batch, key), "full")
             except InvariantViolation as exc:
-                raise InvariantViolation(
-                    exc.field, exc.index, exc.expected, exc.actual, f"{exc} while staging {batch}", key
-                ) from None
+                why = f"{exc.why} (while staging {batch})"
+                raise InvariantViolation(exc.field, exc.index, exc.expected, exc.actual, why, key) from None
             count += 1
     return count
-
-
-def _fill(key: GraphKey, num_reqs: int, config, rng: np.random.Generator) -> StepBatch:
-    """`num_reqs` real requests that fit `key`, with random lengths and block tables."""
-    if num_reqs == 0:
-        return StepBatch([], [])
-    T, R = key.num_tokens, key.num_reqs
-    if key.uniform:
-        q = np.full(num_reqs, T // R)
-    else:
-        q = np.ones(num_reqs, dtype=np.int64)
-        extra = int(rng.integers(0, T - num_reqs + 1))
-        np.add.at(q, rng.integers(0, num_reqs, extra), 1)
-    kv = config.kv_cache
-    context = rng.integers(0, np.maximum(1, kv.max_model_len - q + 1))
-    seq = q + context
-    blocks = rng.integers(1, kv.num_blocks, (num_reqs, kv.max_blocks_per_req))
-    ids = rng.integers(0, config.model.vocab_size, int(q.sum()))
-    return StepBatch(q, seq, ids, blocks)
 
 
 def replay_sequences(manager, num_sequences: int, num_steps: int, seed: int) -> tuple[list[str], int]:
     """Random step sequences through `execute` vs `eager`; returns (failures, steps compared)."""
     config = manager.config
-    tolerance = {} if config.checks.atol is None else {"atol": config.checks.atol, "rtol": config.checks.rtol}
+    tolerance = config.checks.tolerance
     q = config.capture.uniform_query_len
     max_size = manager.registry.sizes.max_size
     failures: list[str] = []
@@ -120,9 +100,10 @@ def replay_sequences(manager, num_sequences: int, num_steps: int, seed: int) -> 
             batch = workload.next_batch(max_tokens=int(workload.rng.integers(1, top + 1)))
             if batch.num_reqs == 0:
                 break
-            key = manager.dispatch(batch)
+            key = None
             try:
                 got = manager.execute(batch).clone()
+                key = manager.last_key
                 want = manager.eager(batch)
                 torch.testing.assert_close(got, want, **tolerance)
             except (AssertionError, InvariantViolation) as exc:

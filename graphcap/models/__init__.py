@@ -14,7 +14,9 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
-from graphcap.config import CaptureConfig, ConfigError, ConfigProblem, resolve_device
+from graphcap.backends import resolve_device
+from graphcap.config import CaptureConfig
+from graphcap.errors import ConfigError, ConfigProblem
 from graphcap.models.llama import TinyLlama
 from graphcap.models.reference import dense_reference
 

@@ -16,8 +16,15 @@ import torch
 import yaml
 
 from graphcap import CaptureError, GraphKey, StepBatch
-
-from . import FAULT_SIZES, FAULTS, PHASES, assert_nothing_left, leftover_temp_files, make_config, make_manager
+from graphcap.testing import (
+    FAULT_SIZES,
+    FAULTS,
+    PHASES,
+    assert_nothing_left,
+    leftover_temp_files,
+    make_config,
+    make_manager,
+)
 
 OLD_REPORT = '{"note": "the complete report of an earlier pass"}\n'
 LARGE = {GraphKey(4, 4, True), GraphKey(4, 4, False)}

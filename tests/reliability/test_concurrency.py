@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import pytest
 
-from . import NUM_THREADS, STEPS_PER_THREAD, EventLog, NoLock, expected_outputs, make_config, make_manager, run_threads
+from graphcap.testing import (
+    NUM_THREADS,
+    STEPS_PER_THREAD,
+    EventLog,
+    NoLock,
+    expected_outputs,
+    make_config,
+    make_manager,
+    run_threads,
+)
 
 
 @pytest.fixture(scope="module")

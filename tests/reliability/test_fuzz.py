@@ -10,8 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphcap.config import ConfigError, config_from_text, load_config
-
-from . import (
+from graphcap.testing import (
     BAD_FORMS,
     INT_FORMS,
     TINY,
@@ -192,7 +191,7 @@ def valid_overrides(draw) -> dict:
     sizes = "auto"
     if draw(st.booleans()):
         sizes = sorted({*draw(st.lists(st.integers(1, max_size), max_size=5)), q, max_size})
-    query_len = draw(st.integers(0, 2))
+    query_len = draw(st.integers(0, min(2, max_model_len)))
     return {
         "batching.max_num_seqs": seqs,
         "batching.max_num_tokens": tokens,
@@ -205,7 +204,7 @@ def valid_overrides(draw) -> dict:
         "capture.sizes": sizes,
         "checks.invariants": draw(st.sampled_from(["off", "basic", "full"])),
         "padding.query_len": query_len,
-        "padding.seq_len": query_len + draw(st.integers(0, 2)),
+        "padding.seq_len": draw(st.integers(query_len, min(query_len + 2, max_model_len))),
         "padding.position": draw(st.integers(0, max_model_len - 1)),
         "padding.token_id": draw(st.integers(0, TINY["model.vocab_size"] - 1)),
         "padding.block_id": draw(st.integers(0, num_blocks - 1)),

@@ -8,8 +8,7 @@ import torch
 
 from graphcap import StepBatch
 from graphcap.models import dense_reference
-
-from . import REFUSALS, assert_unchanged, hostile_batches, kv_cache, make_config, make_manager, snapshot
+from graphcap.testing import REFUSALS, assert_unchanged, hostile_batches, kv_cache, make_config, make_manager, snapshot
 
 CONFIG = make_config()
 HOSTILE = {h.name: h for h in hostile_batches(CONFIG)}
@@ -84,7 +83,7 @@ def test_any_integer_dtype_stages_like_int64(manager, dtype):
     """uint64 once failed half-way through staging (float64 promotion) with a TypeError."""
     args = ([2, 1], [6, 3], [1, 2, 3], [[4, 5], [6, 0]])
     reference = manager.execute(StepBatch(*(np.array(a, np.int64) for a in args))).clone()
-    host = manager.buffers._host.copy()
+    host = manager.buffers.packed_host.copy()
     out = manager.execute(StepBatch(*(np.array(a, dtype) for a in args))).clone()
-    assert np.array_equal(manager.buffers._host, host)
+    assert np.array_equal(manager.buffers.packed_host, host)
     torch.testing.assert_close(out, reference)

@@ -10,8 +10,7 @@ import torch
 
 from graphcap import StepBatch
 from graphcap.buffers import POISON
-
-from . import FAULT_SIZES, make_config, make_manager, stress
+from graphcap.testing import FAULT_SIZES, make_config, make_manager, stress
 
 SPEC = {"capture.uniform_query_len": 4, "capture.sizes": [4, 8]}
 
@@ -33,14 +32,14 @@ def test_poisoning_fills_every_row_outside_the_staged_key(poisoned):
     buffers = manager.buffers
     T, R = key.num_tokens, key.num_reqs
     for rows in (
-        buffers._h_ids[T:],
-        buffers._h_pos[T:],
-        buffers._h_slot[T:],
-        buffers._h_qsl[R + 1 :],
-        buffers._h_seq[R:],
+        buffers.host["input_ids"][T:],
+        buffers.host["positions"][T:],
+        buffers.host["slot_mapping"][T:],
+        buffers.host["query_start_loc"][R + 1 :],
+        buffers.host["seq_lens"][R:],
     ):
         assert rows.size and (rows == POISON).all()
-    assert (buffers._h_bt[R:] == POISON).all()
+    assert (buffers.host["block_table"][R:] == POISON).all()
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -69,10 +68,10 @@ def test_poison_turns_a_forgotten_pad_rule_into_a_loud_failure(monkeypatch):
     buffers = manager.buffers
     fill = buffers._fill_padding
 
-    def forgetful(key, n, r):
-        stale = buffers._h_pos[n : key.num_tokens].copy()
-        fill(key, n, r)
-        buffers._h_pos[n : key.num_tokens] = stale  # the rule for positions is never applied
+    def forgetful(T, R, n, r):
+        stale = buffers.host["positions"][n:T].copy()
+        fill(T, R, n, r)
+        buffers.host["positions"][n:T] = stale  # the rule for positions is never applied
 
     monkeypatch.setattr(buffers, "_fill_padding", forgetful)
     batch = StepBatch([2, 1], [6, 3], [1, 2, 3], [[1, 2], [3, 0]])  # 3 tokens padded to 4
@@ -81,4 +80,4 @@ def test_poison_turns_a_forgotten_pad_rule_into_a_loud_failure(monkeypatch):
     buffers.poison = True
     with pytest.raises(IndexError, match="out of range"):
         manager.execute(batch)
-    assert np.any(buffers._h_pos[3:4] == POISON)
+    assert np.any(buffers.host["positions"][3:4] == POISON)

@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.tools import run_tool
 
 
 def test_quick_campaign_writes_a_complete_table(tmp_path):
     out = tmp_path / "docs" / "RELIABILITY.md"
-    path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else "")}
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "reliability.py"), "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=600,
-    )
+    result = run_tool("reliability.py", "--quick", "--out", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     text = out.read_text()
     assert text.startswith("# Reliability")

@@ -1,23 +1,13 @@
 """`tools/gpu_check.py` runs end to end on the CPU (emulated backend), so it never rots."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.tools import run_tool
 
 
 def test_gpu_check_quick_on_cpu_writes_json_and_passes(tmp_path):
     out = tmp_path / "gpu_check.json"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--device", "cpu", "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    result = run_tool("gpu_check.py", "--device", "cpu", "--quick", "--out", str(out), OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "gpu_check: ok" in result.stdout
     assert "size  reqs capture ms  graph mem  eager ms replay ms  speedup" in result.stdout

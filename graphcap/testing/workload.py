@@ -12,10 +12,38 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from graphcap.batch import StepBatch
+from graphcap.batch import GraphKey, StepBatch, dummy_batch
 from graphcap.config import CaptureConfig
 
-__all__ = ["Request", "Workload"]
+__all__ = ["Request", "Workload", "fill_batch"]
+
+
+def fill_batch(
+    key: GraphKey, config: CaptureConfig, rng: np.random.Generator | int = 0, num_reqs: int | None = None
+) -> StepBatch:
+    """A real batch for `key` with `num_reqs` requests (None: the dummy batch's layout, which
+    fills the key), random context lengths, token ids and blocks (never the null block 0).
+
+    Uniform keys get `T / R` tokens per request; mixed keys spread up to `T` tokens over the
+    requests at random. `num_reqs=0` is the empty batch.
+    """
+    rng = np.random.default_rng(rng) if isinstance(rng, int) else rng
+    kv = config.kv_cache
+    if num_reqs is None:
+        q = dummy_batch(key, max_model_len=kv.max_model_len).query_lens.astype(np.int64)
+    elif num_reqs == 0:
+        return StepBatch([], [])
+    elif key.uniform:
+        q = np.full(num_reqs, key.num_tokens // key.num_reqs, dtype=np.int64)
+    else:
+        q = np.ones(num_reqs, dtype=np.int64)
+        extra = int(rng.integers(0, key.num_tokens - num_reqs + 1))
+        np.add.at(q, rng.integers(0, num_reqs, extra), 1)
+        q = np.minimum(q, kv.max_model_len)
+    context = rng.integers(0, np.maximum(1, kv.max_model_len - q + 1))
+    blocks = rng.integers(1, kv.num_blocks, (len(q), kv.max_blocks_per_req))
+    ids = rng.integers(0, config.model.vocab_size, int(q.sum()))
+    return StepBatch(q, q + context, ids, blocks)
 
 
 @dataclass

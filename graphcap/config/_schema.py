@@ -1,4 +1,4 @@
-"""The validation machinery behind `graphcap.config`: problems, errors, typed sections.
+"""The validation machinery behind `graphcap.config`: typed sections and their problems.
 
 A section is a frozen dataclass whose `__post_init__` checks every field against its type
 hint (YAML 1.2 scalars: no bool where an int belongs, no quoted numbers) and its range
@@ -10,40 +10,18 @@ from __future__ import annotations
 import math
 import typing
 from dataclasses import field, fields
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal
 
-from graphcap._yaml import YAML11_BOOLS
+from graphcap.config._yaml import YAML11_BOOLS
+from graphcap.errors import INT32_MAX, INT32_MIN, ConfigError, ConfigProblem
 
-__all__ = ["INT32_MAX", "INT32_MIN", "ConfigError", "ConfigProblem", "Section", "show_value", "spec"]
-
-# Values that land in the int32 staging buffers (ids, lengths, slots) are bounded at load,
-# so an absurd config is refused here rather than overflowing or wrapping in `stage`.
-INT32_MAX = 2**31 - 1
-INT32_MIN = -(2**31)
+__all__ = ["INT32_MAX", "INT32_MIN", "ConfigError", "ConfigProblem", "Section", "problem", "show_value", "spec"]
 
 
-class ConfigProblem(NamedTuple):
-    """One thing wrong with a config: the dotted key and a message with value and fix."""
-
-    key: str
-    message: str
-    where: str | None = None
-    """`file:line` when the YAML gives one, `override` for an override, else None."""
-
-    def __str__(self) -> str:
-        prefix = f"{self.where}: " if self.where else ""
-        return f"{prefix}{self.key}: {self.message}"
-
-
-class ConfigError(ValueError):
-    """Every problem found in a config, at once. `.problems` lists them in file order."""
-
-    def __init__(self, problems: list[ConfigProblem], source: str | None = None) -> None:
-        self.problems = list(problems)
-        self.source = source
-        head = f"{len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}"
-        head += f" in {source}" if source else " in the config"
-        super().__init__(head + ":\n" + "\n".join(f"  {p}" for p in self.problems))
+def problem(key: str, message: str, *, involves: tuple[str, ...] = ()) -> ConfigProblem:
+    """One problem of a section's `_check`: `key` is the field (dotted keys are kept as given),
+    `involves` the other sections a cross-section rule compares with."""
+    return ConfigProblem(key, message, involves=involves)
 
 
 def spec(default: Any, *, min: float | None = None, max: float | None = None, gt: float | None = None):
@@ -61,6 +39,8 @@ class Section:
         problems: list[ConfigProblem] = []
         hints = _hints(type(self))
         for f in fields(self):
+            if not f.init:  # derived on construction (e.g. the resolved capture schedule)
+                continue
             key = f"{self._key}.{f.name}" if self._key else f.name
             value = getattr(self, f.name)
             ok, converted, message = _convert(value, hints[f.name], key)
@@ -73,15 +53,15 @@ class Section:
             if message:
                 problems.append(ConfigProblem(key, message))
         if not problems:
-            problems = [ConfigProblem(self._dotted(k), m) for k, m in self._check()]
+            problems = [p._replace(key=self._dotted(p.key)) for p in self._check()]
         if problems:
             raise ConfigError(problems)
 
     def _dotted(self, name: str) -> str:
         return f"{self._key}.{name}" if self._key and "." not in name else name
 
-    def _check(self) -> list[tuple[str, str]]:
-        """Checks across this section's fields: `(field, message)` pairs."""
+    def _check(self) -> list[ConfigProblem]:
+        """Checks across this section's fields (built with `problem`); runs after the type checks."""
         return []
 
 

@@ -1,0 +1,63 @@
+"""`CaptureConfig`: a frozen dataclass tree, validated on construction, loaded from strict YAML.
+
+| module | holds |
+|---|---|
+| `sections.py` | the section dataclasses and the root `CaptureConfig` (with their checks) |
+| `_load.py` | `load_config`, `config_from_text`: reading, overrides, unknown keys, `file:line` |
+| `_schema.py` | the validation machinery every section shares (types, ranges, problems) |
+| `_yaml.py` | strict YAML 1.2 reading with a line for every key |
+
+Importing this package does not import torch (the CLI's `validate` and `sizes` stay fast).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphcap.config._load import DEFAULT_CONFIG, config_from_text, load_config
+from graphcap.config.sections import (
+    BUILTIN_MODELS,
+    PAD_SLOT_ID,
+    SECTIONS,
+    BatchingConfig,
+    CaptureConfig,
+    CaptureOptions,
+    CaptureSectionConfig,
+    ChecksConfig,
+    KVCacheConfig,
+    ModelConfig,
+    PadRules,
+    ReportConfig,
+)
+from graphcap.errors import ConfigError, ConfigProblem
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "DEFAULT_CONFIG",
+    "PAD_SLOT_ID",
+    "SECTIONS",
+    "BatchingConfig",
+    "CaptureConfig",
+    "CaptureOptions",
+    "CaptureSectionConfig",
+    "ChecksConfig",
+    "ConfigError",
+    "ConfigProblem",
+    "KVCacheConfig",
+    "ModelConfig",
+    "PadRules",
+    "ReportConfig",
+    "config_from_text",
+    "load_config",
+    "resolve_device",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # `resolve_device` lives with the backends (it needs torch); imported on first use so
+    # that loading a config never imports torch.
+    if name == "resolve_device":
+        from graphcap.backends import resolve_device
+
+        return resolve_device
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,148 @@
+"""Loading a `CaptureConfig` from YAML text, a file or the embedded default, with overrides.
+
+The sections validate themselves (`sections.py`); this module reads the document strictly
+(`_yaml.py`), applies dotted overrides, finds unknown keys, builds every section, and turns
+all problems into one `ConfigError`, each located at `file:line` (or `override`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from graphcap.config._schema import show_value
+from graphcap.config._yaml import YamlSyntaxError, read_yaml
+from graphcap.config.sections import SECTIONS, CaptureConfig
+from graphcap.errors import ConfigError, ConfigProblem
+
+__all__ = ["DEFAULT_CONFIG", "config_from_text", "load_config"]
+
+DEFAULT_CONFIG = "default.yaml"
+"""The embedded default, shipped inside the package (`graphcap/configs/`)."""
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> CaptureConfig:
+    """Load a `CaptureConfig` from YAML; `path=None` is the embedded default.
+
+    `overrides` maps dotted keys to values (`{"capture.max_size": 16}`) applied on top of
+    the file and validated the same way. Raises `ConfigError` listing every problem (dotted
+    key, bad value, what is allowed, `file:line`), `FileNotFoundError` for a missing file, or
+    `TypeError` when `overrides` is not a mapping.
+    """
+    if path is None:
+        text = resources.files("graphcap").joinpath("configs", DEFAULT_CONFIG).read_text()
+        source = f"<embedded {DEFAULT_CONFIG}>"
+    else:
+        source = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"config file not found: {path}") from None
+        except (IsADirectoryError, UnicodeDecodeError) as exc:
+            raise ConfigError([ConfigProblem("<file>", f"cannot read {path}: {exc}")], source) from None
+    return config_from_text(text, source, overrides)
+
+
+def config_from_text(text: str, source: str = "<string>", overrides: dict[str, Any] | None = None) -> CaptureConfig:
+    """`load_config` on YAML text already in memory."""
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise TypeError(f"overrides must map dotted keys to values; got {type(overrides).__name__}")
+    try:
+        doc = read_yaml(text, source)
+    except YamlSyntaxError as exc:
+        raise ConfigError([ConfigProblem(exc.key or "<yaml>", exc.message, exc.where)], source) from None
+    data = {} if doc.data is None else doc.data
+    if not isinstance(data, dict):
+        message = f"the root must be a mapping of sections; got {type(data).__name__}"
+        raise ConfigError([ConfigProblem("<root>", message, f"{source}:1")], source)
+    problems: list[ConfigProblem] = []
+    data, override_keys = _apply_overrides(data, overrides or {}, problems)
+
+    def where(key: str) -> str | None:
+        if key in override_keys or key.split("[")[0] in override_keys:
+            return "override"
+        while key:
+            if key in doc.lines:
+                return f"{source}:{doc.lines[key]}"
+            key = key.rpartition(".")[0] if "." in key else key.partition("[")[0] if "[" in key else ""
+        return None
+
+    kwargs: dict[str, Any] = {}
+    valid_top = ["device", *SECTIONS]
+    for name, value in data.items():
+        if name == "device":
+            kwargs["device"] = value
+        elif name not in SECTIONS:
+            problems.append(_unknown(name, "", valid_top))
+        elif value is None:
+            continue  # an empty section means its defaults
+        elif not isinstance(value, dict):
+            problems.append(ConfigProblem(name, f"must be a mapping of keys; got {show_value(value)}"))
+        else:
+            cls = SECTIONS[name]
+            valid = [f.name for f in fields(cls) if f.init]
+            problems += [_unknown(k, name, valid) for k in value if k not in valid]
+            try:
+                kwargs[name] = cls(**{k: v for k, v in value.items() if k in valid})
+            except ConfigError as exc:
+                problems += exc.problems
+    failed = {_section_of(p.key) for p in problems}
+    config = None
+    try:
+        config = CaptureConfig(**kwargs)
+    except ConfigError as exc:
+        # Sections that failed were left at their defaults: keep only the cross-section
+        # problems that involve none of them, so each problem reported is real.
+        problems += [p for p in exc.problems if failed.isdisjoint((_section_of(p.key), *p.involves))]
+    if problems:
+        located = [p._replace(where=p.where or where(p.key)) for p in problems]
+        located.sort(key=lambda p: _line_of(p.where))
+        raise ConfigError(located, source)
+    return config
+
+
+def _section_of(key: str) -> str:
+    return key.partition(".")[0].partition("[")[0]
+
+
+def _apply_overrides(data: dict, overrides: Mapping[str, Any], problems: list[ConfigProblem]):
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    applied = set()
+    for dotted, value in overrides.items():
+        parts = str(dotted).split(".")
+        if len(parts) == 1 and parts[0] == "device":
+            data["device"] = value
+        elif len(parts) == 2 and parts[0] in SECTIONS:
+            section = data.get(parts[0])
+            if section is None:
+                section = data[parts[0]] = {}
+            if not isinstance(section, dict):
+                continue  # the section's own problem is reported
+            section[parts[1]] = value
+        else:
+            valid = ["device", *(f"{s}.KEY" for s in SECTIONS)]
+            message = f"not a config key; overrides look like {', '.join(valid)}"
+            problems.append(ConfigProblem(str(dotted), message, "override"))
+            continue
+        applied.add(str(dotted))
+    return data, applied
+
+
+def _unknown(name: str, section: str, valid: list[str]) -> ConfigProblem:
+    key = f"{section}.{name}" if section else name
+    hint = difflib.get_close_matches(str(name), valid, n=1)
+    did_you_mean = f" (did you mean {hint[0]}?)" if hint else ""
+    where = f" in {section}" if section else ""
+    return ConfigProblem(key, f"unknown key{did_you_mean}; valid keys{where}: {', '.join(valid)}")
+
+
+def _line_of(where: str | None) -> tuple[int, str]:
+    if where and ":" in where:
+        tail = where.rpartition(":")[2]
+        if tail.isdigit():
+            return int(tail), where
+    return 1 << 30, where or ""

@@ -1,0 +1,133 @@
+"""Every public exception of graphcap, in one leaf module (it imports nothing of graphcap).
+
+| exception | base | raised when |
+|---|---|---|
+| `ConfigError` | `ValueError` | a config has problems; `.problems` lists every one (`ConfigProblem`) |
+| `BatchError` | `ValueError` | a step is refused before anything is written (it does not fit the buffers or the key) |
+| `InvariantViolation` | `RuntimeError` | staged metadata breaks a rule; `.field`, `.index`, `.expected`, `.actual` |
+| `CaptureError` | `RuntimeError` | a graph could not be captured or replayed |
+| `CaptureUnsafeError` | `CaptureError` | an op a CUDA graph cannot hold; `.op`, `.location`, `.reason` |
+| `StaticInputMovedError` | `CaptureError` | a tensor a graph reads moved or was replaced after capture |
+| `DistributedTimeoutError` | `CaptureError` | a data-parallel collective failed or timed out |
+
+The older homes (`graphcap.config`, `graphcap.backends`, `graphcap.invariants`,
+`graphcap.distributed`) re-export them, so existing imports keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+__all__ = [
+    "INT32_MAX",
+    "INT32_MIN",
+    "BatchError",
+    "CaptureError",
+    "CaptureUnsafeError",
+    "ConfigError",
+    "ConfigProblem",
+    "DistributedTimeoutError",
+    "InvariantViolation",
+    "StaticInputMovedError",
+]
+
+INT32_MAX = 2**31 - 1
+"""Largest value the int32 staging buffers hold (ids, lengths, slots, offsets)."""
+INT32_MIN = -(2**31)
+
+
+class ConfigProblem(NamedTuple):
+    """One thing wrong with a config: the dotted key and a message with value and fix."""
+
+    key: str
+    message: str
+    where: str | None = None
+    """`file:line` when the YAML gives one, `override` for an override, else None."""
+    involves: tuple[str, ...] = ()
+    """Other sections a cross-section problem depends on (a problem about `capture.max_size`
+    that compares it with `batching.max_num_tokens` involves `batching`). The loader drops it
+    when one of them failed on its own, so every problem it reports is real."""
+
+    def __str__(self) -> str:
+        prefix = f"{self.where}: " if self.where else ""
+        return f"{prefix}{self.key}: {self.message}"
+
+
+class ConfigError(ValueError):
+    """Every problem found in a config, at once. `.problems` lists them in file order."""
+
+    def __init__(self, problems: list[ConfigProblem], source: str | None = None) -> None:
+        self.problems = list(problems)
+        self.source = source
+        head = f"{len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}"
+        head += f" in {source}" if source else " in the config"
+        super().__init__(head + ":\n" + "\n".join(f"  {p}" for p in self.problems))
+
+
+class BatchError(ValueError):
+    """A step refused before any buffer or KV-cache slot was written.
+
+    The message names the field, the request (or token) index, the value and the fix. It is
+    a `ValueError`, so code that caught `ValueError` before keeps working; catch `BatchError`
+    to tell a refused step from a bug.
+    """
+
+
+class InvariantViolation(RuntimeError):
+    """Staged metadata broke a rule. `.field`, `.index`, `.expected`, `.actual` say where."""
+
+    def __init__(self, field: str, index: Any, expected: Any, actual: Any, why: str, key: Any = None) -> None:
+        self.field, self.index, self.expected, self.actual = field, index, expected, actual
+        self.why, self.key = why, key
+        where = f"{field}[{index}]" if index is not None else field
+        suffix = f" (key {key})" if key is not None else ""
+        super().__init__(f"{where} is {actual}, expected {expected}: {why}{suffix}")
+
+
+class CaptureError(RuntimeError):
+    """A graph could not be captured or replayed (misuse, failed capture, released graph)."""
+
+
+class CaptureUnsafeError(CaptureError):
+    """An op that CUDA graph capture cannot hold, named with its reason and the user's file:line.
+
+    Attributes: `op` (e.g. "aten.nonzero" or "Tensor.item"), `location` ("path:line"),
+    `reason` (why a CUDA graph cannot hold it), `fix` (what to write instead).
+    """
+
+    def __init__(self, op: str, location: str, reason: str, fix: str) -> None:
+        super().__init__(f"{op} at {location}: {reason}. {fix}.")
+        self.op = op
+        self.location = location
+        self.reason = reason
+        self.fix = fix
+
+    def with_context(self, context: str) -> CaptureUnsafeError:
+        """The same error (same fields) with `context` ("capturing KEY failed") in front."""
+        error = CaptureUnsafeError(self.op, self.location, self.reason, self.fix)
+        error.args = (f"{context}: {self}",)
+        return error
+
+
+class StaticInputMovedError(CaptureError):
+    """A static input's address differs from the one recorded at capture (or it is missing/new).
+
+    Attributes: `input_name`, `recorded_ptr` and `current_ptr` (None where the input is
+    missing now, respectively was absent at capture).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        input_name: str,
+        recorded_ptr: int | None,
+        current_ptr: int | None,
+    ) -> None:
+        super().__init__(message)
+        self.input_name = input_name
+        self.recorded_ptr = recorded_ptr
+        self.current_ptr = current_ptr
+
+
+class DistributedTimeoutError(CaptureError):
+    """A collective did not complete in time: some rank stopped stepping (or died)."""

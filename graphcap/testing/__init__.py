@@ -1,0 +1,154 @@
+"""Test helpers engines can use on their own model and pad rules (the `torch.testing` idea).
+
+| module | holds |
+|---|---|
+| `workload.py` | `Workload` (a random engine-like step stream), `fill_batch` (a real batch for a key) |
+| `timing.py` | `time_key`: eager vs replay per key through the real step path |
+| `faults.py` | `FaultyModel` (fails on demand), snapshots, hostile batches |
+| `fuzz.py` | the batch fuzzer and its independent validity oracle |
+| `stress.py` | the poisoned stress loop (graph == eager on every real row) |
+| `threads.py` | several threads on one manager, and the interleaving detector |
+
+`TINY` is the small configuration the test suite and `tools/reliability.py` share, and
+`make_config` / `make_manager` build on it. Importing this package imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from graphcap.config import CaptureConfig, load_config
+from graphcap.manager import CaptureManager
+from graphcap.models import build_model
+from graphcap.testing.faults import (
+    FAULTS,
+    PHASES,
+    FaultyModel,
+    Hostile,
+    Snapshot,
+    assert_nothing_left,
+    assert_unchanged,
+    hostile_batches,
+    kv_cache,
+    leftover_temp_files,
+    snapshot,
+)
+from graphcap.testing.fuzz import (
+    BAD_FORMS,
+    INT_FORMS,
+    REFUSALS,
+    BatchPlan,
+    Limits,
+    assert_config_works,
+    check_plan,
+    random_plan,
+    violations,
+)
+from graphcap.testing.stress import StressResult, stress
+from graphcap.testing.threads import (
+    NUM_THREADS,
+    STEPS_PER_THREAD,
+    EventLog,
+    NoLock,
+    expected_outputs,
+    run_threads,
+    thread_batches,
+)
+from graphcap.testing.timing import KeyTiming, time_key
+from graphcap.testing.workload import Request, Workload, fill_batch
+
+__all__ = [
+    "BAD_FORMS",
+    "FAULTS",
+    "FAULT_SIZES",
+    "INT_FORMS",
+    "NUM_THREADS",
+    "PHASES",
+    "REFUSALS",
+    "STEPS_PER_THREAD",
+    "TINY",
+    "BatchPlan",
+    "EventLog",
+    "FaultyModel",
+    "Hostile",
+    "KeyTiming",
+    "Limits",
+    "NoLock",
+    "Request",
+    "Snapshot",
+    "StressResult",
+    "Workload",
+    "assert_config_works",
+    "assert_nothing_left",
+    "assert_unchanged",
+    "check_plan",
+    "expected_outputs",
+    "fill_batch",
+    "hostile_batches",
+    "kv_cache",
+    "leftover_temp_files",
+    "make_config",
+    "make_manager",
+    "nested",
+    "random_plan",
+    "run_threads",
+    "snapshot",
+    "stress",
+    "thread_batches",
+    "time_key",
+    "violations",
+]
+
+TINY: dict[str, Any] = {
+    "device": "cpu",
+    "model.hidden_size": 32,
+    "model.num_layers": 1,
+    "model.num_heads": 2,
+    "model.num_kv_heads": 1,
+    "model.vocab_size": 128,
+    "batching.max_num_seqs": 8,
+    "batching.max_num_tokens": 32,
+    "kv_cache.block_size": 4,
+    "kv_cache.num_blocks": 72,
+    "kv_cache.max_model_len": 32,
+    "capture.sizes": [2, 4, 8],
+    "capture.num_warmups": 1,
+    "checks.invariants": "full",
+    "checks.verify_replay": True,
+}
+"""A 1-layer, 32-wide model over a cache of 4-token blocks, as dotted overrides: small enough
+that capturing its keys takes well under a second on one CPU thread, big enough for padded
+tails, block crossings and eager fallbacks (steps above the largest size). 72 blocks hold 8
+requests of max_model_len, so a stress workload never starves for blocks."""
+
+FAULT_SIZES = {"capture.sizes": [2, 4]}
+"""Four keys (uniform and mixed at 4 then 2 tokens, the capture order), for fault injection."""
+
+
+def nested(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Dotted overrides (`{"capture.max_size": 4}`) as a nested YAML document."""
+    doc: dict[str, Any] = {}
+    for dotted, value in overrides.items():
+        section, _, key = dotted.partition(".")
+        if key:
+            doc.setdefault(section, {})[key] = value
+        else:
+            doc[section] = value
+    return doc
+
+
+def make_config(overrides: Mapping[str, Any] | None = None, /, **kwargs: Any) -> CaptureConfig:
+    """TINY plus dotted `overrides`, plus keyword overrides with `__` for the dot."""
+    extra = {k.replace("__", "."): v for k, v in kwargs.items()}
+    return load_config(overrides={**TINY, **(overrides or {}), **extra})
+
+
+def make_manager(config: CaptureConfig, *, faulty: bool = False, **kwargs: Any) -> CaptureManager:
+    """A manager over the reference model (wrapped in `FaultyModel` when `faulty`); one thread."""
+    torch.set_num_threads(1)  # CI machines share few cores between jobs
+    model = build_model(config)
+    kwargs.setdefault("progress", False)
+    return CaptureManager(FaultyModel(model) if faulty else model, config, **kwargs)

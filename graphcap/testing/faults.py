@@ -1,0 +1,170 @@
+"""Faults and snapshots: a model that fails on demand, and checks that a failure left nothing.
+
+`FaultyModel` wraps a model and raises an armed exception from `forward` in one phase of one
+size's capture (warmup, capture, verification); `snapshot`/`assert_unchanged` prove a refused
+step wrote nothing; `hostile_batches` is a catalogue of steps that must be refused.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from graphcap.config import CaptureConfig
+from graphcap.manager import CaptureManager
+
+__all__ = [
+    "FAULTS",
+    "PHASES",
+    "FaultyModel",
+    "Hostile",
+    "Snapshot",
+    "assert_nothing_left",
+    "assert_unchanged",
+    "hostile_batches",
+    "kv_cache",
+    "leftover_temp_files",
+    "snapshot",
+]
+
+
+def kv_cache(manager: CaptureManager) -> torch.Tensor:
+    """The reference model's KV cache (through a `FaultyModel` wrapper too)."""
+    return manager.model.kv_cache
+
+
+class FaultyModel(torch.nn.Module):
+    """The reference model with at most one armed fault, raised from `forward`.
+
+    Calls are counted per key since `arm`: with one warmup and `verify_replay`, call 1 of a
+    key is its warmup, call 2 its capture (under the backend's recorder) and call 3 the eager
+    run verification compares the replay with, so `on_call` picks the phase that fails.
+    """
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.fault: tuple[int, Callable[[], BaseException], int | None] | None = None
+        self.calls: Counter = Counter()
+
+    def arm(self, num_tokens: int, make_exc: Callable[[], BaseException], on_call: int | None = None) -> None:
+        """Raise `make_exc()` when a key of `num_tokens` runs (on its `on_call`-th call, or every call)."""
+        self.fault = (num_tokens, make_exc, on_call)
+        self.calls.clear()
+
+    def disarm(self) -> None:
+        self.fault = None
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.inner.kv_cache
+
+    def forward(self, inputs) -> torch.Tensor:
+        key = inputs.key
+        self.calls[key] += 1
+        if self.fault is not None:
+            num_tokens, make_exc, on_call = self.fault
+            if key.num_tokens == num_tokens and on_call in (None, self.calls[key]):
+                raise make_exc()
+        return self.inner(inputs)
+
+
+FAULTS: dict[str, Callable[[], BaseException]] = {
+    "error": lambda: RuntimeError("injected fault: the forward failed"),
+    "oom": lambda: torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 139.8 GiB"
+    ),
+    "oom_no_message": lambda: torch.OutOfMemoryError(),
+    "interrupt": KeyboardInterrupt,
+}
+PHASES = {1: "warmup", 2: "capture", 3: "verify"}
+
+
+def leftover_temp_files(path: Path) -> list[Path]:
+    """Temporary files `atomic_write` would leave next to `path` if it failed to clean up."""
+    return sorted(path.parent.glob(f".{path.name}.*"))
+
+
+def assert_nothing_left(manager: CaptureManager) -> None:
+    """After a failed or interrupted pass: GC restored, no graph registered or holding memory."""
+    assert gc.isenabled(), "GC left disabled"
+    assert gc.get_freeze_count() == 0, "GC left frozen"
+    assert manager.graphs == {}, f"graphs left registered: {list(manager.graphs)}"
+    assert manager.registry.captured == set()
+    assert manager.backend.graphs == (), "the backend still holds live graphs"
+    assert manager.backend.memory_in_use() == 0
+
+
+class Snapshot(NamedTuple):
+    host: np.ndarray
+    kv_cache: torch.Tensor
+    stats: dict
+
+
+def snapshot(manager: CaptureManager) -> Snapshot:
+    return Snapshot(manager.buffers.packed_host.copy(), kv_cache(manager).clone(), manager.stats.as_dict())
+
+
+def assert_unchanged(manager: CaptureManager, before: Snapshot) -> None:
+    """Buffers and KV cache byte-identical, and no step counted."""
+    assert np.array_equal(manager.buffers.packed_host, before.host), "a refused batch wrote the persistent buffers"
+    assert torch.equal(kv_cache(manager), before.kv_cache), "a refused batch wrote the KV cache"
+    assert manager.stats.as_dict() == before.stats, "a refused batch was counted as a step"
+
+
+class Hostile(NamedTuple):
+    """A batch that must be refused: its arguments, and the message naming field and index."""
+
+    name: str
+    args: tuple
+    match: str
+    """Regex the error message must match (names the field, and the request index if any)."""
+
+
+def hostile_batches(config: CaptureConfig) -> list[Hostile]:
+    """Hostile steps for `config` (TINY): each is refused by `StepBatch` or by staging."""
+    vocab, nb = config.model.vocab_size, config.kv_cache.num_blocks
+    mml, bs = config.kv_cache.max_model_len, config.kv_cache.block_size
+    seqs, tokens = config.batching.max_num_seqs, config.batching.max_num_tokens
+    width = config.kv_cache.max_blocks_per_req
+    bt = [[1, 2], [3, 4]]
+    return [
+        Hostile("token id = vocab_size", ([1, 2], [5, 6], [1, vocab, 2], bt), rf"input_ids\[1\] \(request 1\) is {vocab}"),
+        Hostile("token id far above vocab", ([2, 1], [5, 6], [1, 2, 10**6], bt), r"input_ids\[2\] \(request 1\)"),
+        Hostile("negative token id", ([2, 1], [5, 6], [1, -3, 2], bt), r"input_ids\[1\] is -3"),
+        Hostile("token id above int32", ([1, 1], [5, 6], [1, 2**40], bt), r"input_ids holds \d+, above the int32"),
+        Hostile("negative query_len", ([1, -2], [5, 6], None, bt), r"query_lens\[1\] is -2"),
+        Hostile("zero query_len", ([0, 1], [5, 6], None, bt), r"query_lens\[0\] is 0"),
+        Hostile("negative seq_len", ([1, 1], [5, -6], None, bt), r"seq_lens\[1\] is -6"),
+        Hostile("seq_len below query_len", ([1, 3], [5, 2], None, bt), r"seq_lens\[1\] is 2 but query_lens\[1\] is 3"),
+        Hostile("seq_len above int32", ([1, 1], [5, 2**33], None, bt), r"seq_lens\[1\] is \d+, above the int32"),
+        Hostile("seq_len above max_model_len", ([1, 1], [5, mml + 1], None, [[1] * width] * 2), rf"seq_lens\[1\] is {mml + 1}, above max_model_len"),
+        Hostile("huge seq_len in a big block table", ([1], [10**6], None, [[1] * width]), r"seq_lens\[0\] is 1000000, above max_model_len"),
+        Hostile("block id = num_blocks", ([1, 1], [5, 6], None, [[1, 2], [3, nb]]), rf"block_table\[1, 1\] is {nb}, outside the KV cache"),
+        Hostile("negative block id", ([1, 1], [5, 6], None, [[1, -1], [3, 4]]), r"block_table\[0, 1\] is -1"),
+        Hostile("block id above int32", ([1, 1], [5, 6], None, [[1, 2**35], [3, 4]]), r"block_table holds \d+, above the int32"),
+        Hostile("block table too narrow", ([1, 1], [5, 3 * bs], None, bt), r"request 1 has seq_len 12, which needs 3 blocks.*block_table has 2 columns"),
+        Hostile("block table too wide", ([1], [5], None, [[1] * (width + 1)]), rf"block_table has {width + 1} columns"),
+        Hostile("more requests than max_num_seqs", ([1] * (seqs + 1), [3] * (seqs + 1), None, None), rf"{seqs + 1} requests, above batching\.max_num_seqs"),
+        Hostile("more tokens than max_num_tokens", ([tokens + 1], [tokens + 1], None, None), rf"{tokens + 1} tokens, above batching\.max_num_tokens"),
+        Hostile("fewer seq_lens than query_lens", ([1, 1, 1], [5, 6], None, None), r"seq_lens has 2 entries but query_lens has 3"),
+        Hostile("too few token ids", ([2, 1], [5, 6], [1, 2], bt), r"input_ids has 2 entries but query_lens sum to 3"),
+        Hostile("block table rows != requests", ([1, 1], [5, 6], None, [[1, 2]]), r"block_table has 1 rows but the batch has 2"),
+        Hostile("float query_lens", (np.array([1.0, 2.0]), [5, 6], None, bt), r"query_lens must hold integers; got dtype float64"),
+        Hostile("float token ids", ([1, 1], [5, 6], np.array([1.0, 2.0]), bt), r"input_ids must hold integers"),
+        Hostile("bool seq_lens", ([1, 1], np.array([True, True]), None, bt), r"seq_lens must hold integers; got dtype bool"),
+        Hostile("string token ids", ([1, 1], [5, 6], ["a", "b"], bt), r"input_ids must hold integers"),
+        Hostile("2-D query_lens", ([[1, 1]], [5, 6], None, bt), r"query_lens must be 1-D"),
+        Hostile("1-D block table", ([1, 1], [5, 6], None, [1, 2]), r"block_table must be 2-D"),
+        Hostile("ragged block table", ([1, 1], [5, 6], None, [[1, 2], [3]]), r"block_table must be a 2-D array of integers"),
+        Hostile("uint64 above int32", (np.array([1, 1], np.uint64), np.array([5, 2**40], np.uint64), None, bt), r"seq_lens holds \d+, above the int32"),
+        Hostile("int8 negative block id", ([1, 1], [5, 6], None, np.array([[1, -1], [3, 4]], np.int8)), r"block_table\[0, 1\] is -1"),
+        Hostile("int16 negative token id", ([1, 1], [5, 6], np.array([7, -1], np.int16), bt), r"input_ids\[1\] is -1"),
+        Hostile("byte-swapped negative token id", ([1, 1], [5, 6], np.array([7, -(2**31)], ">i4"), bt), r"input_ids\[1\] is -2147483648"),
+    ]  # fmt: skip
