@@ -7,17 +7,17 @@ for every production step; `full` adds the O(tokens) checks on real rows.
 | rule | level | why it matters |
 |---|---|---|
 | `query_start_loc[0] == 0` | basic | offsets are relative to the batch start |
-| `query_start_loc` non-decreasing over all R+1 entries | basic | query lengths are its differences: a drop is a negative length (the founding bug) |
-| `query_start_loc[num_reqs] == num_tokens`, `query_start_loc[R] <= T` | basic | real requests own exactly the real tokens; no offset past the buffer |
+| `query_start_loc` non-decreasing over all R+1 entries | basic | a drop is a negative query length (the founding bug) |
+| `query_start_loc[num_reqs] == num_tokens`, `[R] <= T` | basic | real requests own exactly the real tokens |
 | padded `query_start_loc` rows follow the pad rule | basic | a stale tail is the founding bug |
-| `seq_lens >= 0`, real `seq_lens >= query_len`, padded rows per rule | basic | attention reads `seq_len` keys including this step's |
-| padded `slot_mapping` rows are the pad slot (negative) | basic | a padded token must never write a live request's KV cache |
+| `seq_lens >= 0`, real `seq_lens >= query_len`, padded per rule | basic | attention reads `seq_len` keys |
+| padded `slot_mapping` rows are the pad slot (negative) | basic | a padded token never writes a live KV cache slot |
 | uniform key: every real request has `T / R` tokens | basic | uniform kernels assume it |
 | `num_tokens <= T`, `num_reqs <= R` | basic | real rows fit the key |
 | real `slot_mapping` in `[0, num_slots)` | full | an out-of-range slot is an illegal memory access |
-| real `positions == seq_len - query_len + offset` | full | rotary and cache slots are computed from them |
-| padded `positions`, `input_ids` per rule; real `input_ids` in `[0, vocab_size)` | full | embedding/rotary lookups stay in range |
-| `block_table` in `[0, num_blocks)`; padded rows per rule | full | an out-of-range block is an illegal memory access |
+| real `positions == seq_len - query_len + offset` | full | rotary and cache slots come from them |
+| padded `positions`, `input_ids` per rule; ids in vocab | full | embedding and rotary lookups stay in range |
+| `block_table` in `[0, num_blocks)`; padded rows per rule | full | an out-of-range block is an illegal access |
 
 Address checks (a static input replaced after capture) live with the graphs (`backends`).
 """

@@ -58,7 +58,8 @@ def main() -> int:
         )
     ratios.sort()
     print(
-        f"median ratio {ratios[len(ratios) // 2]:.2f}x over {len(ratios)} graphs; total capture {report.total_seconds:.2f} s"
+        f"median ratio {ratios[len(ratios) // 2]:.2f}x over {len(ratios)} graphs; "
+        f"total capture {report.total_seconds:.2f} s"
     )
     print()
     print("per step, median ms (staging + invariants + forward or replay)")

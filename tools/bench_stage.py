@@ -261,7 +261,8 @@ def compare(rounds: int, calls: int, warmup: int) -> int:
     prep = VllmStylePrep(config.batching.max_num_seqs, config.batching.max_num_tokens, kv.max_model_len, kv.block_size)
 
     print(
-        f"# bench_stage --compare: torch {torch.__version__}, numpy {np.__version__}, python {platform.python_version()}"
+        f"# bench_stage --compare: torch {torch.__version__}, numpy {np.__version__}, "
+        f"python {platform.python_version()}"
     )
     print("# graphcap: StepBatch + stage + check_invariants(basic); vllm-style: tools/vllm_prep.py prepare_inputs")
     print(f"# interleaved: {rounds} rounds x {calls} calls each, after {warmup} warm-up calls each")

@@ -101,7 +101,8 @@ def check_model(title: str, path, overrides: dict, steps: int) -> dict:
         )
     print(f"\n## {title}: {len(report.captured)} graphs on {report.device} ({report.backend} backend)")
     print(
-        f"{'key':<8} {'size':>5} {'reqs':>5} {'capture ms':>10} {'graph mem':>10} {'eager ms':>9} {'replay ms':>9} {'speedup':>8}"
+        f"{'key':<8} {'size':>5} {'reqs':>5} {'capture ms':>10} {'graph mem':>10} "
+        f"{'eager ms':>9} {'replay ms':>9} {'speedup':>8}"
     )
     for row in rows:
         key = row["key"]
@@ -134,7 +135,8 @@ def check_model(title: str, path, overrides: dict, steps: int) -> dict:
 
 
 def check_safety(overrides: dict) -> dict:
-    """The unsafe-op check (CUDA: preflight in warmup; CPU: emulated capture) names `.item()`; a replaced KV cache is refused."""
+    """The unsafe-op check (CUDA: preflight in warmup; CPU: emulated capture) names `.item()`;
+    a replaced KV cache is refused."""
     config = load_config(None, {**overrides, "capture.max_size": 2})
     model = build_model(config)
     forward = model.forward
@@ -164,7 +166,8 @@ def check_safety(overrides: dict) -> dict:
         out["moved_refused"] = "kv_cache" in str(exc)
     out["ok"] = out["unsafe_named"] is True and out["moved_refused"] is True
     print(
-        f"\nsafety: unsafe op named before capture: {out['unsafe_named']}; replaced KV cache refused: {out['moved_refused']}"
+        f"\nsafety: unsafe op named before capture: {out['unsafe_named']}; "
+        f"replaced KV cache refused: {out['moved_refused']}"
     )
     return out
 

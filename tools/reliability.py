@@ -578,7 +578,10 @@ def stress_rows(scale: Scale) -> list[Row]:
                 ):
                     done[field] += value
         total = scale.stress_seeds * scale.stress_steps
-        detail = f"{done['uniform']} uniform and {done['mixed']} mixed replays, {done['eager']} eager; {done['rows']} real rows"
+        detail = (
+            f"{done['uniform']} uniform and {done['mixed']} mixed replays, {done['eager']} eager; "
+            f"{done['rows']} real rows"
+        )
         what = f"poisoned random streams, {name}: {scale.stress_seeds} streams x {scale.stress_steps} steps"
         outcome = f"graph == eager on every real row: {done['steps']}/{total} steps ({detail})"
         rows.append(Row("stale data", what, total, outcome, done["steps"], tally.failures[:5]))
@@ -604,7 +607,8 @@ def thread_rows(scale: Scale) -> list[Row]:
     rows = [
         tally.row(
             "threads",
-            f"3 threads x 40 `execute` steps, {scale.thread_rounds} rounds (every 4th with a recapture in a 4th thread)",
+            f"3 threads x 40 `execute` steps, {scale.thread_rounds} rounds "
+            "(every 4th with a recapture in a 4th thread)",
             "no interleaving, outputs bit-exact",
         )
     ]
@@ -640,7 +644,8 @@ def machine() -> str:
         pass
     return (
         f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs ({cpu}); Python "
-        f"{platform.python_version()}, torch {torch.__version__} ({torch.get_num_threads()} thread), numpy {np.__version__}"
+        f"{platform.python_version()}, torch {torch.__version__} ({torch.get_num_threads()} thread), "
+        f"numpy {np.__version__}"
     )
 
 
@@ -655,7 +660,8 @@ def render(rows: list[Row], command: str, seconds: float) -> str:
         f"- date: {now}",
         f"- machine: {machine()}",
         f"- command: `{command}`",
-        f"- wall time: {seconds:.0f} s; backend: emulated (CPU); all checks {'passed' if all(r.ok for r in rows) else 'DID NOT pass'}",
+        f"- wall time: {seconds:.0f} s; backend: emulated (CPU); "
+        f"all checks {'passed' if all(r.ok for r in rows) else 'DID NOT pass'}",
         "",
         "| area | what was tried | count | outcome |",
         "|---|---|---:|---|",

@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     timings = [t for t in timed.values() if t is not None]
     by_key = {r.key: r for r in report.records}
     print(
-        f"{'key':<8} {'tokens':>6} {'reqs':>5} {'capture ms':>10} {'memory':>10} {'eager ms':>9} {'replay ms':>9} {'speedup':>7}"
+        f"{'key':<8} {'tokens':>6} {'reqs':>5} {'capture ms':>10} {'memory':>10} "
+        f"{'eager ms':>9} {'replay ms':>9} {'speedup':>7}"
     )
     for t in timings:
         r = by_key[t.key]
