@@ -17,7 +17,7 @@ import numpy as np
 from graphcap._fastnp import INT32_MAX, amax, amin, is_filled, unsigned_max
 from graphcap.errors import BatchError
 
-__all__ = ["GraphKey", "StepBatch", "dummy_batch"]
+__all__ = ["GraphKey", "StepBatch", "distinct_blocks", "dummy_batch", "probe_batch"]
 
 _NO_EXTRAS: Mapping[str, np.ndarray] = MappingProxyType({})
 
@@ -186,6 +186,61 @@ def dummy_batch(key: GraphKey, *, max_model_len: int | None = None) -> StepBatch
         q = np.full(num_real, T // num_real, dtype=np.int32)
         q[: T % num_real] += 1
     return StepBatch(q, q.copy())
+
+
+def probe_batch(
+    key: GraphKey, *, max_model_len: int, block_size: int, num_blocks: int, vocab_size: int, seed: int = 0
+) -> StepBatch:
+    """A second verification batch for `key`: partly filled, unlike the dummy batch in every value.
+
+    Fewer real requests than `R` (and fewer tokens than `T`, for mixed keys) wherever the key
+    allows, so padded rows exist; random token ids, context lengths and block tables. A graph
+    that froze a host value at capture (a Python count, a value read from the host metadata)
+    or lets padded rows leak into real ones gives different real rows than an eager run of
+    this batch. Every request gets its own blocks (from 1 up: never the null block), so no two
+    tokens write one KV slot; the batch writes the KV cache of those blocks.
+    """
+    rng = np.random.default_rng([seed, key.num_tokens, key.num_reqs, int(key.uniform)])
+    T, R = key.num_tokens, key.num_reqs
+    if key.uniform:
+        q_len = T // R
+        q = np.full(max(1, R - 1), q_len, dtype=np.int64)
+    else:
+        num_tokens = T - max(1, T // 4) if T > 1 else 1
+        num_reqs = min(max(1, R - max(1, R // 3)), num_tokens) if R > 1 else 1
+        num_reqs = max(num_reqs, -(-num_tokens // max_model_len))
+        num_tokens = min(num_tokens, num_reqs * max_model_len)
+        q = np.ones(num_reqs, dtype=np.int64)
+        extra = rng.integers(0, num_reqs, num_tokens - num_reqs)
+        np.add.at(q, extra, 1)
+        while q.max() > max_model_len:  # move tokens of an over-long request to the shortest one
+            q[int(np.argmax(q))] -= 1
+            q[int(np.argmin(q))] += 1
+    context = rng.integers(0, np.maximum(1, max_model_len - q + 1))
+    if (-(-(context + q) // block_size)).sum() > num_blocks - 1:  # too few blocks for random context
+        context[:] = 0
+    blocks = distinct_blocks(q + context, block_size, num_blocks, rng)
+    ids = rng.integers(0, vocab_size, int(q.sum()))
+    return StepBatch(q, q + context, ids, blocks)
+
+
+def distinct_blocks(seq_lens: np.ndarray, block_size: int, num_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """A block table giving every request its own blocks (random, never the null block 0).
+
+    Request i gets `ceil(seq_lens[i] / block_size)` blocks, so no two tokens share a KV slot.
+    When the cache has fewer blocks than that in all, blocks are reused from the start (a test
+    batch on a tiny cache; its slots may then collide).
+    """
+    need = -(-np.asarray(seq_lens, dtype=np.int64) // block_size)
+    usable = num_blocks - 1
+    table = np.zeros((len(need), max(1, int(need.max(initial=1)))), dtype=np.int64)
+    order = rng.permutation(usable) + 1
+    start = 0
+    for i, count in enumerate(need.tolist()):
+        taken = order[start : start + count] if start + count <= usable else order[:count]
+        table[i, :count] = taken
+        start += count
+    return table
 
 
 def _int_array(values, name: str, ndim: int) -> np.ndarray:

@@ -145,12 +145,13 @@ class PersistentBuffers:
 
     # -- staging ---------------------------------------------------------------------------
 
-    def stage(self, batch: StepBatch, key: GraphKey) -> ForwardInputs:
+    def stage(self, batch: StepBatch, key: GraphKey, *, upload: bool = True) -> ForwardInputs:
         """Fill the buffers for `batch` padded to `key` and return the views for `key`.
 
         Real rows come from the batch; padded rows follow `limits.pad` (engine buffers: their
         `pad`). Every check runs before the first write: a refused batch (`BatchError` naming
-        the field and request) leaves the buffers byte-identical.
+        the field and request) leaves the buffers byte-identical. `upload=False` leaves the
+        device copy to a later `upload(key)` (the manager checks the host rows in between).
         """
         self._check_fits(batch, key)
         if self._copy_done is not None:
@@ -206,9 +207,14 @@ class PersistentBuffers:
         for spec in self.extras:
             self._stage_extra(spec, batch.extras.get(spec.name), T, R, n, r)
         views, host, extras, end = self._views_for(key)
-        if self._device_tensor is not self._host_tensor:
+        if upload and self._device_tensor is not self._host_tensor:
             self._upload(end)
         return ForwardInputs(*views, n, r, key, host, self.limits, extras)
+
+    def upload(self, key: GraphKey) -> None:
+        """Copy the staged host rows of `key` to the device (one copy; nothing on CPU)."""
+        if self._device_tensor is not self._host_tensor:
+            self._upload(self._views_for(key)[3])
 
     def _make_token_rows(self, n: int) -> tuple:
         # n <= max_num_tokens: _check_fits ran first.

@@ -40,11 +40,16 @@ __all__ = ["LEVELS", "InvariantViolation", "check_invariants"]
 LEVELS = ("off", "basic", "full")
 
 
-def check_invariants(inputs: ForwardInputs, level: Literal["off", "basic", "full"] = "basic") -> None:
+def check_invariants(
+    inputs: ForwardInputs, level: Literal["off", "basic", "full"] = "basic", *, dummy: bool = False
+) -> None:
     """Raise `InvariantViolation` for the first broken rule in `inputs` (see the module table).
 
     Reads only `inputs.host`; never touches the device, so it is safe while a previous
-    graph still runs.
+    graph still runs. `dummy`: the batch is one graphcap made for capture or verification
+    (or a step given without a block table), whose requests share the null block by design;
+    the `full` rules on KV writes that only real steps must keep (no null block, no slot
+    written twice) are skipped for it. Normally `CaptureManager` calls this on every step.
     """
     if level == "off":
         return
@@ -53,7 +58,9 @@ def check_invariants(inputs: ForwardInputs, level: Literal["off", "basic", "full
     if not _basic_holds(inputs):
         _check_basic(inputs)  # finds and names the first broken rule
     if level == "full":
-        _check_full(inputs, _lengths(inputs.host.query_start_loc))
+        lens = _lengths(inputs.host.query_start_loc)
+        _check_full(inputs, lens)
+        _check_kv_writes(inputs, lens, dummy)
     if inputs.limits.extras:
         _check_extras(inputs, level)
 
@@ -258,6 +265,62 @@ def _check_full(inputs: ForwardInputs, lens: np.ndarray) -> None:
             "padded requests point at the pad block (padding.block_id)",
             key,
         )
+
+
+def _check_kv_writes(inputs: ForwardInputs, lens: np.ndarray, dummy: bool) -> None:
+    """Where real tokens write the KV cache: within max_model_len, in their own request's blocks,
+    never in the null block, never two tokens into one slot (O(tokens), vectorized)."""
+    host, key, lim = inputs.host, inputs.key, inputs.limits
+    n, r = inputs.num_tokens, inputs.num_reqs
+    if not n:
+        return
+    if lim.max_model_len is not None:
+        seq = host.seq_lens[:r]
+        if r and seq.max() > lim.max_model_len:
+            i = int(np.argmax(seq > lim.max_model_len))
+            _fail("seq_lens", i, f"<= {lim.max_model_len}", int(seq[i]), "a request fits kv_cache.max_model_len", key)
+        positions = host.positions[:n]
+        if positions.max() >= lim.max_model_len:
+            t = int(np.argmax(positions >= lim.max_model_len))
+            why = "rotary tables end at max_model_len"
+            _fail("positions", t, f"< {lim.max_model_len}", int(positions[t]), why, key)
+    bs = lim.block_size
+    slots, positions = host.slot_mapping[:n].astype(np.int64), host.positions[:n].astype(np.int64)
+    width = host.block_table.shape[1] * bs
+    if positions.max() >= width:
+        t = int(np.argmax(positions >= width))
+        _fail("positions", t, f"< {width}", int(positions[t]), "a position lies within the block table's columns", key)
+    req = np.repeat(np.arange(r), lens[:r])  # req: [n], the request of each real token
+    blocks = host.block_table[req, positions // bs].astype(np.int64)  # the block each token's position lies in
+    expected = blocks * bs + positions % bs
+    bad = np.flatnonzero(slots != expected)
+    if bad.size:
+        t = int(bad[0])
+        _fail(
+            "slot_mapping", t, int(expected[t]), int(slots[t]),
+            f"a real token writes its own request's block (request {int(req[t])}, block_table[{int(req[t])}, "
+            f"{int(positions[t] // bs)}] = {int(blocks[t])}); any other slot overwrites another request's KV cache",
+            key,
+        )  # fmt: skip
+    if dummy:
+        return
+    null = np.flatnonzero(blocks == 0)
+    if null.size:
+        t = int(null[0])
+        _fail(
+            "slot_mapping", t, f"outside block 0 (slots >= {bs})", int(slots[t]),
+            f"request {int(req[t])} writes the null block 0, which padded rows and dummy runs share; "
+            "an engine never hands block 0 to a live request", key,
+        )  # fmt: skip
+    order = np.argsort(slots, kind="stable")
+    same = np.flatnonzero(slots[order[1:]] == slots[order[:-1]])
+    if same.size:
+        first, second = int(order[same[0]]), int(order[same[0] + 1])
+        _fail(
+            "slot_mapping", second, f"a slot no other token writes (token {first} writes it)", int(slots[second]),
+            f"two tokens of one step write one KV slot (requests {int(req[first])} and {int(req[second])} share "
+            "a block): one overwrites the other's keys and values", key,
+        )  # fmt: skip
 
 
 def _lengths(qsl: np.ndarray) -> np.ndarray:

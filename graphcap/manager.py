@@ -23,12 +23,13 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_device
-from graphcap.batch import GraphKey, StepBatch, dummy_batch
+from graphcap.batch import GraphKey, StepBatch, dummy_batch, probe_batch
 from graphcap.buffers import ForwardInputs, PersistentBuffers
 from graphcap.config import CaptureConfig
 from graphcap.dispatch import KeyRegistry, StepStats
 from graphcap.distributed import DataParallelSync
 from graphcap.errors import CaptureError, CaptureUnsafeError
+from graphcap.guard import StaticGuard
 from graphcap.invariants import check_invariants
 from graphcap.report import CaptureReport, GraphRecord, format_bytes
 
@@ -83,6 +84,8 @@ class CaptureManager:
         self._lock = threading.RLock()
         self._sync = DataParallelSync(group, timeout=dp_timeout) if group is not None else None
         self._counting = True
+        self._in_step: str | None = None
+        self._guard = StaticGuard()
         self.last_key: GraphKey | None = None
         """The key the last `execute`/`eager` step ran with (a captured key, or the unpadded
         eager key); read it instead of dispatching the same batch twice."""
@@ -116,8 +119,9 @@ class CaptureManager:
         hint. `skip`: the key is recorded as skipped and runs eagerly. On every exit path GC
         is unfrozen and re-enabled and no partial graph stays registered.
         """
-        with self._lock:
+        with self._lock, self._step("capture"):
             self._release_all()
+            self._guard.arm(self._guard.collect(self.model, self.buffers.storage()), self.model)
             order = self.registry.capture_order()
             records: list[GraphRecord] = []
             start = time.perf_counter()
@@ -164,7 +168,7 @@ class CaptureManager:
         failure: BaseException | None = None
         try:
             batch = dummy_batch(key, max_model_len=self.config.kv_cache.max_model_len)
-            inputs = self._stage(batch, key, capturing=True)
+            inputs = self._stage(batch, key, capturing=True, dummy=True)
             forward = self._forward
 
             def run() -> torch.Tensor:
@@ -177,6 +181,7 @@ class CaptureManager:
             verified = False
             if self.config.checks.verify_replay:
                 eager_seconds += self._verify(graph, run, inputs)
+                eager_seconds += self._verify_probe(graph, key)
                 verified = True
         except (KeyboardInterrupt, SystemExit):
             if graph is not None:
@@ -205,8 +210,7 @@ class CaptureManager:
         )
 
     def _verify(self, graph: CapturedGraph, run: Callable[[], torch.Tensor], inputs: ForwardInputs) -> float:
-        """Replay once and compare with an eager run on the same staged inputs."""
-        graph.check_addresses(self._static_inputs(inputs))
+        """Replay the capture's own dummy inputs once and compare with an eager run of them."""
         replayed = graph.replay()[: inputs.num_tokens].clone()
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -219,6 +223,40 @@ class CaptureManager:
             raise CaptureError(
                 f"replay differs from eager on the same inputs ({'; '.join(first[:3])}); the forward "
                 "depends on something the graph froze (a Python value, a host tensor, randomness)"
+            ) from None
+        return seconds
+
+    def _verify_probe(self, graph: CapturedGraph, key: GraphKey) -> float:
+        """Replay a second, partly filled batch (other ids, lengths, blocks) and compare its real
+        rows with an eager run of it: padded rows run, and a value frozen at capture shows."""
+        kv = self.config.kv_cache
+        batch = probe_batch(
+            key,
+            max_model_len=kv.max_model_len,
+            block_size=kv.block_size,
+            num_blocks=kv.num_blocks,
+            vocab_size=self.config.model.vocab_size,
+        )
+        self._stage(batch, key, capturing=True, dummy=True)
+        replayed = graph.replay()[: batch.num_tokens].clone()
+        t0 = time.perf_counter()
+        eager_key = self.registry.eager_key(batch.num_tokens, batch.num_reqs)
+        eager_inputs = self._stage(batch, eager_key, capturing=True, dummy=True)
+        with torch.inference_mode():
+            expected = self._forward(eager_inputs)[: batch.num_tokens]
+        seconds = time.perf_counter() - t0
+        try:
+            torch.testing.assert_close(replayed, expected, **self.config.checks.tolerance)
+        except AssertionError as exc:
+            first = str(exc).strip().splitlines()
+            raise CaptureError(
+                f"replay differs from eager on a partly filled batch ({batch.num_tokens} of {key.num_tokens} "
+                f"tokens, {batch.num_reqs} of {key.num_reqs} requests, other token ids, lengths and blocks: "
+                f"{'; '.join(first[:3])}). The graph froze a host value at capture (a Python number read "
+                "from inputs.host or inputs.num_tokens / num_reqs, a value prepare() computed, an .item()), "
+                "or padded rows leak into real ones. Read per-step values only as tensors of ForwardInputs "
+                "(or of your own BufferSpec buffers that prepare() fills), give padded tokens a sink, and "
+                "never slice by a Python count"
             ) from None
         return seconds
 
@@ -235,17 +273,19 @@ class CaptureManager:
 
     def dispatch(self, batch: StepBatch | None) -> GraphKey | None:
         """The captured key `batch` replays with, or None (eager). Collective with a group."""
-        with self._lock:  # with a group, a step's collective must not interleave with another's
+        with self._lock, self._step("dispatch"):  # with a group, a step's collective must not interleave
             return self._dispatch(_or_empty(batch))[0]
 
     def execute(self, batch: StepBatch | None) -> torch.Tensor:
-        """Run one step: dispatch, stage, check invariants, prepare, replay or run eagerly.
+        """Run one step: dispatch, stage, prepare, check invariants, replay or run eagerly.
 
-        Returns the real rows `[:batch.num_tokens]` (a view valid until the next step).
-        `None` is an idle data-parallel rank: it joins the agreed key with no real rows.
+        Before every replay the static inputs are checked (`StaticInputMovedError` when one
+        moved since capture). Returns the real rows `[:batch.num_tokens]` (a view valid until
+        the next step). `None` is an idle data-parallel rank: it joins the agreed key with no
+        real rows.
         """
         batch = _or_empty(batch)
-        with self._lock:
+        with self._lock, self._step("execute"):
             key, reason = self._dispatch(batch)
             if key is None:
                 output = self._run_eager(batch)
@@ -253,10 +293,9 @@ class CaptureManager:
                     self.stats.eager[reason] += 1
                 return output
             self.last_key = key
-            inputs = self._stage(batch, key)
+            self._stage(batch, key)
             graph = self.graphs[key]
-            if graph.num_replays == 0 or self._level == "full":
-                graph.check_addresses(self._static_inputs(inputs))
+            self._guard.check(sweep=self._level != "off")
             output = graph.replay()
             if self._counting:
                 stats = self.stats
@@ -268,7 +307,7 @@ class CaptureManager:
     def eager(self, batch: StepBatch) -> torch.Tensor:
         """The reference: the model on the same staging path, unpadded, with no graph."""
         batch = _or_empty(batch)
-        with self._lock:
+        with self._lock, self._step("eager"):
             return self._run_eager(batch)
 
     def _run_eager(self, batch: StepBatch) -> torch.Tensor:
@@ -278,12 +317,18 @@ class CaptureManager:
         with torch.inference_mode():
             return self._forward(inputs)[: batch.num_tokens]
 
-    def _stage(self, batch: StepBatch, key: GraphKey, *, capturing: bool = False) -> ForwardInputs:
-        """The one staging path of capture, replay and eager: stage, prove, let the model plan."""
-        inputs = self.buffers.stage(batch, key)
-        check_invariants(inputs, self._level)
+    def _stage(self, batch: StepBatch, key: GraphKey, *, capturing: bool = False, dummy: bool = False) -> ForwardInputs:
+        """The one staging path of capture, replay and eager: stage, let the model plan, prove, upload.
+
+        The invariants run after `prepare`, on the host rows the upload then copies, so nothing
+        `prepare` writes reaches a graph unchecked. `dummy`: a batch graphcap made (its requests
+        share the null block by design).
+        """
+        inputs = self.buffers.stage(batch, key, upload=False)
         if self._prepare is not None:
             self._prepare(inputs, capturing=capturing)
+        check_invariants(inputs, self._level, dummy=dummy or batch.block_table is None)
+        self.buffers.upload(key)
         return inputs
 
     def _dispatch(self, batch: StepBatch) -> tuple[GraphKey | None, str]:
@@ -306,12 +351,37 @@ class CaptureManager:
 
     # -- bookkeeping ---------------------------------------------------------------------
 
+    def register_static(self, name: str, tensor: torch.Tensor) -> None:
+        """Add a tensor the graphs read that is not a parameter or buffer of an `nn.Module` model.
+
+        A KV cache held in a plain list (as vLLM holds it), a plain tensor attribute, any tensor
+        of a non-Module model, an engine buffer: registered tensors are address-checked like
+        parameters, at capture and before every replay, and errors name them (`static.NAME`).
+        Register before `capture()`. Registering `name` again with a tensor at another address,
+        or replacing a registered tensor's storage (`t.data = ...`, `set_`), makes every replay
+        raise `StaticInputMovedError` until `capture()` runs again. A name first registered
+        after capture is checked from then on at its current address.
+        """
+        with self._lock:
+            self._guard.register(name, tensor)
+
     def _static_inputs(self, inputs: ForwardInputs) -> dict[str, torch.Tensor]:
-        tensors = inputs.tensors()
-        if isinstance(self.model, torch.nn.Module):
-            tensors.update({f"model.{n}": t for n, t in self.model.named_parameters()})
-            tensors.update({f"model.{n}": t for n, t in self.model.named_buffers()})
-        return tensors
+        return self._guard.collect(self.model, inputs.tensors())
+
+    @contextmanager
+    def _step(self, what: str) -> Iterator[None]:
+        """Refuse a step started from inside another one (prepare() or forward() calling back)."""
+        if self._in_step is not None:
+            raise CaptureError(
+                f"manager.{what}() was called from inside {self._in_step}() (from the model's prepare() or "
+                "forward()); steps do not nest: it would restage the persistent buffers under the outer "
+                f"step. Call {what}() outside the model, after the outer step returns"
+            )
+        self._in_step = what
+        try:
+            yield
+        finally:
+            self._in_step = None
 
     def _progress_note(self, key: GraphKey) -> str:
         free = self.backend.free_memory()
@@ -323,12 +393,13 @@ class CaptureManager:
             graph.release()
         self.graphs.clear()
         self.registry.reset()
+        self._guard.disarm()
         if self._owns_backend:
             self.backend.reset()
 
     def reset(self) -> None:
         """Release every graph; later steps run eagerly until `capture()` runs again."""
-        with self._lock:
+        with self._lock, self._step("reset"):
             self._release_all()
 
     def __repr__(self) -> str:

@@ -20,7 +20,7 @@ MAX_REQS = 8
 MAX_TOKENS = 32
 MAX_BLOCKS = 6
 MAX_MODEL_LEN = MAX_BLOCKS * BLOCK_SIZE
-NUM_BLOCKS = 40
+NUM_BLOCKS = 64  # every request of a full batch gets its own blocks: 8 x 6 < 63
 VOCAB = 50
 
 PAD_RULES = {
@@ -64,15 +64,11 @@ def step_batches(draw, *, uniform_query_len: int | None = None, max_tokens: int 
     input_ids = draw(st.none() | st.lists(st.integers(0, VOCAB - 1), min_size=num_tokens, max_size=num_tokens))
     block_table = None
     if draw(st.booleans()):
+        # Every request its own blocks (never the null block): no two tokens write one KV slot.
         need = max((-(-s // BLOCK_SIZE) for s in seq_lens), default=0)
         width = draw(st.integers(need, MAX_BLOCKS))
-        block_table = draw(
-            st.lists(
-                st.lists(st.integers(1, NUM_BLOCKS - 1), min_size=width, max_size=width),
-                min_size=num_reqs,
-                max_size=num_reqs,
-            )
-        )
+        blocks = draw(st.permutations(range(1, NUM_BLOCKS)))
+        block_table = [blocks[i * width : (i + 1) * width] for i in range(num_reqs)]
     dtype = draw(st.sampled_from([None, np.int32, np.int64]))
     if dtype is not None:
         query_lens, seq_lens = np.array(query_lens, dtype), np.array(seq_lens, dtype)

@@ -82,7 +82,7 @@ def tail_rows(name: str, batch: StepBatch) -> slice:
 def test_any_valid_batch_staged_into_any_key_it_fits_passes_full_invariants(case, rules):
     batch, key = case
     inputs = _SHARED[rules].stage(batch, key)
-    check_invariants(inputs, "full")
+    check_invariants(inputs, "full", dummy=batch.block_table is None)  # no block table: the null block
     assert (inputs.num_tokens, inputs.num_reqs, inputs.key) == (batch.num_tokens, batch.num_reqs, key)
     assert inputs.input_ids.shape == (key.num_tokens,) and inputs.query_start_loc.shape == (key.num_reqs + 1,)
     assert inputs.block_table.shape == (key.num_reqs, MAX_BLOCKS)
@@ -122,7 +122,7 @@ def test_sglang_pad_rules_give_padded_requests_one_token_while_tokens_remain():
     inputs = buffers.stage(StepBatch([3], [3]), GraphKey(5, 4, False))
     assert inputs.query_start_loc.tolist() == [0, 3, 4, 5, 5]
     assert inputs.seq_lens.tolist() == [3, 1, 1, 1]
-    check_invariants(inputs, "full")
+    check_invariants(inputs, "full", dummy=True)  # no block table: the null block
 
 
 def test_slots_without_a_block_table_use_the_null_block(buffers):
@@ -163,7 +163,8 @@ def test_dummy_batches_stage_and_pass_full_invariants():
     config = load_config()
     buffers = PersistentBuffers.from_config(config)
     for key in (GraphKey(64, 32, False), GraphKey(32, 32, True), GraphKey(1, 1, False), GraphKey(16, 16, True)):
-        check_invariants(buffers.stage(dummy_batch(key, max_model_len=config.kv_cache.max_model_len), key), "full")
+        inputs = buffers.stage(dummy_batch(key, max_model_len=config.kv_cache.max_model_len), key)
+        check_invariants(inputs, "full", dummy=True)
 
 
 # -- refusals write nothing --------------------------------------------------------------
@@ -266,7 +267,7 @@ def test_poison_fills_unstaged_rows_with_the_sentinel_and_staged_rows_pass(case)
     buffers = make_buffers(poison=True)
     buffers.stage(StepBatch([1] * MAX_REQS, [2] * MAX_REQS), GraphKey(MAX_TOKENS, MAX_REQS, False))
     inputs = buffers.stage(batch, key)
-    check_invariants(inputs, "full")
+    check_invariants(inputs, "full", dummy=batch.block_table is None)
     T, R = key.num_tokens, key.num_reqs
     staged = 3 * T + (R + 1) + R + R * MAX_BLOCKS
     packed = buffers.storage()["packed"].numpy().view(np.int32)

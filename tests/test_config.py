@@ -25,6 +25,7 @@ from graphcap.config import (
     config_from_text,
     load_config,
 )
+from graphcap.sizes import default_capture_sizes
 from tests.conftest import ASSETS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -317,3 +318,41 @@ def test_random_documents_load_or_raise_config_error_only(document):
         assert exc.problems and all(p.message for p in exc.problems)
     else:
         assert isinstance(config, CaptureConfig)
+
+
+# -- capture.sizes and capture.max_size agree (vLLM refuses the same disagreement) ----------
+
+
+def test_sizes_below_an_explicit_max_size_are_refused_naming_both():
+    with pytest.raises(ConfigError, match=r"capture\.max_size: 8 is above the largest of capture\.sizes \[1, 2, 4\]"):
+        config_from_text("capture:\n  sizes: [1, 2, 4]\n  max_size: 8\n")
+
+
+def test_max_size_follows_an_explicit_size_list_when_not_given():
+    config = config_from_text("capture:\n  sizes: [1, 2, 4]\n")
+    assert config.capture.max_size == 4 and config.capture_sizes.max_size == 4
+    assert load_config(overrides={"capture.sizes": [2, 8]}).capture.max_size == 8  # over the embedded default
+
+
+def test_max_size_defaults_to_64_with_auto_sizes():
+    assert config_from_text("capture:\n  sizes: auto\n").capture.max_size == 64
+
+
+def test_capture_sizes_are_built_once_on_construction():
+    config = load_config()
+    assert config.capture_sizes is config.capture_sizes
+    assert config.capture_sizes.sizes == tuple(default_capture_sizes(64))
+
+
+def test_padding_seq_len_is_bounded_by_max_model_len():
+    with pytest.raises(ConfigError, match=r"padding\.seq_len: 33 is above kv_cache\.max_model_len 32"):
+        config_from_text("kv_cache:\n  max_model_len: 32\npadding:\n  seq_len: 33\n")
+    assert config_from_text("kv_cache:\n  max_model_len: 32\npadding:\n  seq_len: 32\n").padding.seq_len == 32
+
+
+def test_cross_section_problem_is_dropped_when_its_other_section_failed_on_its_own():
+    # batching fails by itself; the root's comparison of capture.max_size with batching's
+    # default would be noise, so only the real problem is reported.
+    with pytest.raises(ConfigError) as info:
+        config_from_text("batching:\n  max_num_tokens: 0\ncapture:\n  max_size: 512\n")
+    assert [p.key for p in info.value.problems] == ["batching.max_num_tokens"]

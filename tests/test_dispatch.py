@@ -170,3 +170,47 @@ def test_dispatched_key_holds_the_batch_at_the_smallest_captured_size(batch, mod
     if mode == "full":
         uniform_planned = GraphKey(key.num_tokens, key.num_tokens // q, True) in keys.planned
         assert key.uniform == (uniform_planned and batch.is_uniform(q))
+
+
+# -- from vLLM's and SGLang's dispatch cases -------------------------------------------------
+
+
+def test_full_decode_only_captures_the_uniform_key_at_max_num_seqs():
+    """max_num_seqs 20 is not a captured size: SGLang still captures the largest batch the pool allows."""
+    config = load_config(overrides={"batching.max_num_seqs": 20, "capture.mode": "full_decode_only", "device": "cpu"})
+    keys = registry(mode="full_decode_only", max_num_seqs=20, sizes=config.capture_sizes, capture_all=True)
+    assert GraphKey(20, 20, True) in keys.planned
+    for num_reqs in range(17, 21):
+        assert keys.key_for(decode(num_reqs)) == (GraphKey(20, 20, True), ""), num_reqs
+    assert keys.key_for(decode(16)) == (GraphKey(16, 16, True), "")
+    assert keys.key_for(StepBatch([2, 1], [5, 5])) == (None, "decode_only")  # mixed: the reason is true
+
+
+def test_a_uniform_key_is_never_padded_further_than_the_schedule():
+    keys = registry(q=2, sizes=CaptureSizes([3, 6, 12], 64))  # uniform keys at 6 and 12, mixed at 3
+    assert keys.key_for(decode(1, q=2)) == (GraphKey(3, 3, False), "")  # 2 tokens: 3 beats uniform 6
+
+
+@given(
+    max_num_seqs=st.integers(1, 40), q=st.sampled_from([1, 2, 4]), mode=st.sampled_from(["full", "full_decode_only"])
+)
+@settings(max_examples=60, deadline=None)
+def test_every_decode_step_within_the_max_size_replays_a_graph(max_num_seqs, q, mode):
+    config = load_config(
+        overrides={
+            "device": "cpu",
+            "batching.max_num_seqs": max_num_seqs,
+            "batching.max_num_tokens": 256,
+            "capture.mode": mode,
+            "capture.uniform_query_len": q,
+            "capture.max_size": 64,
+            "kv_cache.max_model_len": 64,
+        }
+    )
+    keys = registry(mode=mode, q=q, max_num_seqs=max_num_seqs, sizes=config.capture_sizes)
+    for num_reqs in range(1, max_num_seqs + 1):
+        key, reason = keys.key_for(decode(num_reqs, q=q))
+        if num_reqs * q <= 64:
+            assert key is not None and key.uniform and key.num_reqs >= num_reqs, (num_reqs, reason)
+        else:
+            assert (key, reason) == (None, "above_max_size")

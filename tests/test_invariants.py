@@ -127,8 +127,13 @@ def real_inputs():
 @pytest.mark.parametrize(
     ("field", "where", "value", "match"),
     [
-        ("slot_mapping", 1, NUM_BLOCKS * 4, r"slot_mapping\[1\] is 160, expected in \[0, 160\)"),
-        ("slot_mapping", 0, -1, r"slot_mapping\[0\] is -1, expected in \[0, 160\)"),
+        (
+            "slot_mapping",
+            1,
+            NUM_BLOCKS * 4,
+            rf"slot_mapping\[1\] is {NUM_BLOCKS * 4}, expected in \[0, {NUM_BLOCKS * 4}\)",
+        ),
+        ("slot_mapping", 0, -1, rf"slot_mapping\[0\] is -1, expected in \[0, {NUM_BLOCKS * 4}\)"),
         ("positions", 2, 7, r"positions\[2\] is 7, expected 8: positions are seq_len - query_len \+ offset"),
         ("positions", 0, 5, r"positions\[0\] is 5, expected 4"),
         ("input_ids", 1, VOCAB, rf"input_ids\[1\] is {VOCAB}, expected in \[0, {VOCAB}\)"),
@@ -199,7 +204,7 @@ def test_counts_that_do_not_fit_the_key_are_caught():
 def test_pad_rules_with_one_token_per_padded_request_are_checked():
     buffers = make_buffers(PadRules(query_len=1, seq_len=1))
     inputs = buffers.stage(StepBatch([3], [3]), GraphKey(5, 4, False))
-    check_invariants(inputs, "full")
+    check_invariants(inputs, "full", dummy=True)  # no block table: the null block, as dummy runs
     inputs.host.query_start_loc[2:] = 3  # the default rule's tail is wrong under this rule
     error = violation(inputs)
     assert (error.field, error.index, error.expected, error.actual) == ("query_start_loc", 2, 4, 3)
@@ -249,3 +254,70 @@ def _passes(inputs) -> bool:
     except InvariantViolation:
         return False
     return True
+
+
+# -- where real tokens write the KV cache (full, real steps) --------------------------------
+
+
+def kv_inputs(**overrides):
+    """Two requests with their own blocks: [11, 12] and [21, 22, 23] (block size 4)."""
+    batch = StepBatch([2, 1], [6, 9], input_ids=[5, 6, 7], block_table=[[11, 12, 0], [21, 22, 23]])
+    inputs = make_buffers().stage(batch, GraphKey(4, 2, False))
+    check_invariants(inputs, "full")
+    return inputs
+
+
+def test_slot_outside_its_own_requests_blocks_is_caught():
+    inputs = kv_inputs()
+    inputs.host.slot_mapping[2] = 21 * 4 + 0  # request 1's token (position 8: block 23) into its block 21
+    error = violation(inputs, "full")
+    assert (error.field, error.index, error.expected, error.actual) == ("slot_mapping", 2, 23 * 4 + 0, 84)
+    assert "own request's block" in str(error)
+
+
+def test_slot_in_another_requests_block_is_caught():
+    inputs = kv_inputs()
+    inputs.host.slot_mapping[2] = 12 * 4 + 3  # into request 0's block: overwrites its cache
+    error = violation(inputs, "full")
+    assert (error.field, error.index) == ("slot_mapping", 2)
+
+
+def test_real_token_in_the_null_block_is_caught_for_real_steps_only():
+    # Request 0 writes position 2 (column 0: block 7), request 1 position 4 (column 1: block 9);
+    # the zero entries are never written, so they are fine.
+    batch = StepBatch([1, 1], [3, 5], [1, 2], block_table=[[7, 0], [0, 9]])
+    inputs = make_buffers().stage(batch, GraphKey(2, 2, False))
+    check_invariants(inputs, "full")
+    bad = StepBatch([1, 1], [3, 5], [1, 2], block_table=[[7, 0], [9, 0]])  # request 1 writes column 1 = 0
+    inputs = make_buffers().stage(bad, GraphKey(2, 2, False))
+    with pytest.raises(InvariantViolation, match=r"slot_mapping\[1\] is 0, .*request 1 writes the null block 0"):
+        check_invariants(inputs, "full")
+    check_invariants(inputs, "full", dummy=True)  # capture's own batches share the null block by design
+    check_invariants(inputs, "basic")  # O(tokens) rules are full-level only
+
+
+def test_two_tokens_writing_one_slot_are_caught():
+    batch = StepBatch([1, 1], [3, 3], [1, 2], block_table=[[7], [7]])  # both write block 7, offset 2
+    inputs = make_buffers().stage(batch, GraphKey(2, 2, False))
+    with pytest.raises(InvariantViolation, match=r"slot_mapping\[1\] is 30, expected a slot no other token writes"):
+        check_invariants(inputs, "full")
+    shared_prefix = StepBatch([1, 1], [5, 5], [1, 2], block_table=[[7, 8], [7, 9]])  # context block shared
+    check_invariants(make_buffers().stage(shared_prefix, GraphKey(2, 2, False)), "full")  # prefix caching is fine
+
+
+@pytest.mark.parametrize(("field", "index", "value"), [("seq_lens", 1, 25), ("positions", 2, 24)])
+def test_lengths_and_positions_past_max_model_len_are_caught(field, index, value):
+    inputs = kv_inputs()
+    getattr(inputs.host, field)[index] = value  # max_model_len is 24; as a buggy prepare() would write
+    error = violation(inputs, "full")
+    assert error.field in (field, "positions")
+    with pytest.raises(InvariantViolation, match=r"max_model_len|positions"):
+        check_invariants(inputs, "full")
+
+
+@given(case=any_batch_and_key)
+@settings(max_examples=80, deadline=None)
+def test_every_valid_real_step_passes_the_kv_write_rules(case):
+    batch, key = case
+    inputs = staged(case)
+    check_invariants(inputs, "full", dummy=batch.block_table is None)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphcap import CaptureManager, GraphKey, InvariantViolation, StepBatch, load_config
+from graphcap import CaptureError, CaptureManager, GraphKey, InvariantViolation, StepBatch, load_config
 from graphcap.models import build_model
 from graphcap.testing import Workload
 from tests.configs import SMALL
@@ -213,3 +213,64 @@ def test_model_without_forward_is_refused():
     config = load_config(overrides=SMALL)
     with pytest.raises(TypeError, match="forward"):
         CaptureManager(object(), config)
+
+
+# -- prepare() and nested steps --------------------------------------------------------------
+
+
+class PreparingModel(torch.nn.Module):
+    """The reference model with a host-side `prepare` that does what the test asks of it."""
+
+    def __init__(self, inner, prepare) -> None:
+        super().__init__()
+        self.inner, self._prepare = inner, prepare
+
+    def prepare(self, inputs, capturing: bool) -> None:
+        self._prepare(inputs, capturing)
+
+    def forward(self, inputs):
+        return self.inner(inputs)
+
+
+def preparing_manager(prepare) -> CaptureManager:
+    config = load_config(overrides={**SMALL, "capture.sizes": [4], "capture.max_size": None})
+    return CaptureManager(PreparingModel(build_model(config), prepare), config, progress=False)
+
+
+def test_founding_bug_written_by_prepare_is_caught_before_the_replay():
+    def buggy_prepare(inputs, capturing):
+        if not capturing:
+            inputs.host.query_start_loc[inputs.num_reqs + 1 :] = 0  # prepare "plans" the tail
+
+    manager = preparing_manager(buggy_prepare)
+    manager.capture()
+    cache = manager.model.inner.kv_cache.clone()
+    with pytest.raises(InvariantViolation, match=r"query_start_loc\[3\] is 0"):
+        manager.execute(StepBatch([1, 1], [3, 4], [5, 6], [[1], [2]]))
+    assert torch.equal(manager.model.inner.kv_cache, cache)  # nothing ran
+
+
+def test_a_step_started_from_inside_prepare_is_refused():
+    manager = None
+
+    def reentrant_prepare(inputs, capturing):
+        if not capturing:
+            manager.eager(StepBatch([1], [1]))  # would restage the buffers under the outer step
+
+    manager = preparing_manager(reentrant_prepare)
+    manager.capture()
+    batch = StepBatch([1, 1], [3, 4], [5, 6], [[1], [2]])
+    with pytest.raises(CaptureError, match=r"manager\.eager\(\) was called from inside execute\(\).*do not nest"):
+        manager.execute(batch)
+    manager.model._prepare = lambda inputs, capturing: None
+    torch.testing.assert_close(manager.execute(batch).clone(), manager.eager(batch))  # usable afterwards
+
+
+def test_prepare_learns_whether_it_stages_a_capture():
+    seen = []
+    manager = preparing_manager(lambda inputs, capturing: seen.append((inputs.key.num_tokens, capturing)))
+    manager.capture()
+    assert (4, True) in seen
+    seen.clear()
+    manager.execute(StepBatch([1], [3], [5], [[1]]))
+    assert seen == [(4, False)]

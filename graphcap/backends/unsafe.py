@@ -9,7 +9,11 @@ capture. It raises `CaptureUnsafeError` naming the op, the reason and the innerm
 stack frame outside torch and outside graphcap/backends, i.e. the user's line.
 
 An op counts only when one of its tensors lives on the graph's device (on the emulated
-backend, the CPU): a forward may read host-side metadata freely.
+backend, the CPU). Host code in a forward is not an error here, but a graph freezes what it
+computes: CUDA runs the host side once, at capture. A per-step value computed on the host
+(from `inputs.host`, `inputs.num_tokens`, `.item()`) belongs in `prepare()`, written into a
+persistent buffer (an engine `BufferSpec`) that the forward reads as a tensor; capture-time
+verification replays a partly filled second batch to catch a value frozen by mistake.
 
 | op | when | why |
 |---|---|---|
@@ -73,8 +77,9 @@ _READ = f"it reads a tensor value into Python, {_SYNC}, and the value would be f
 _SHAPE = f"the output shape depends on tensor values, {_SYNC}"
 _COPY = f"it copies device data to host memory, {_SYNC}, and replays would not refresh the copy"
 _FIX_READ = (
-    "Keep the value on the device (torch.where, tensor arithmetic), or compute it on the "
-    "host before the forward (e.g. in prepare())"
+    "Keep the value on the device (torch.where, tensor arithmetic); a per-step value computed on the "
+    "host belongs in prepare(), written into a persistent buffer (a BufferSpec) that the forward reads "
+    "as a tensor, never read into Python inside the forward (a graph would freeze it)"
 )
 _FIXED_SIZE_FORMS = "torch.where(mask, x, fill), nonzero_static, or pass output_size="
 _FIX_SHAPE = f"Use a fixed-size formulation ({_FIXED_SIZE_FORMS})"

@@ -21,6 +21,7 @@ from graphcap.manager import CaptureManager
 
 __all__ = [
     "FAULTS",
+    "expect",
     "PHASES",
     "FaultyModel",
     "Hostile",
@@ -32,6 +33,12 @@ __all__ = [
     "leftover_temp_files",
     "snapshot",
 ]
+
+
+def expect(condition: bool, message: str) -> None:
+    """`assert` that survives `python -O`: raise AssertionError(message) unless `condition`."""
+    if not condition:
+        raise AssertionError(message)
 
 
 def kv_cache(manager: CaptureManager) -> torch.Tensor:
@@ -93,12 +100,12 @@ def leftover_temp_files(path: Path) -> list[Path]:
 
 def assert_nothing_left(manager: CaptureManager) -> None:
     """After a failed or interrupted pass: GC restored, no graph registered or holding memory."""
-    assert gc.isenabled(), "GC left disabled"
-    assert gc.get_freeze_count() == 0, "GC left frozen"
-    assert manager.graphs == {}, f"graphs left registered: {list(manager.graphs)}"
-    assert manager.registry.captured == set()
-    assert manager.backend.graphs == (), "the backend still holds live graphs"
-    assert manager.backend.memory_in_use() == 0
+    expect(gc.isenabled(), "GC left disabled")
+    expect(gc.get_freeze_count() == 0, "GC left frozen")
+    expect(manager.graphs == {}, f"graphs left registered: {list(manager.graphs)}")
+    expect(manager.registry.captured == set(), f"keys left marked captured: {manager.registry.captured}")
+    expect(manager.backend.graphs == (), "the backend still holds live graphs")
+    expect(manager.backend.memory_in_use() == 0, f"the backend holds {manager.backend.memory_in_use()} bytes")
 
 
 class Snapshot(NamedTuple):
@@ -111,11 +118,12 @@ def snapshot(manager: CaptureManager) -> Snapshot:
     return Snapshot(manager.buffers.packed_host.copy(), kv_cache(manager).clone(), manager.stats.as_dict())
 
 
-def assert_unchanged(manager: CaptureManager, before: Snapshot) -> None:
-    """Buffers and KV cache byte-identical, and no step counted."""
-    assert np.array_equal(manager.buffers.packed_host, before.host), "a refused batch wrote the persistent buffers"
-    assert torch.equal(kv_cache(manager), before.kv_cache), "a refused batch wrote the KV cache"
-    assert manager.stats.as_dict() == before.stats, "a refused batch was counted as a step"
+def assert_unchanged(manager: CaptureManager, before: Snapshot, *, buffers: bool = True) -> None:
+    """KV cache (and, with `buffers`, the staging buffers) byte-identical, and no step counted."""
+    same = not buffers or np.array_equal(manager.buffers.packed_host, before.host)
+    expect(same, "a refused batch wrote the persistent buffers")
+    expect(torch.equal(kv_cache(manager), before.kv_cache), "a refused batch wrote the KV cache")
+    expect(manager.stats.as_dict() == before.stats, "a refused batch was counted as a step")
 
 
 class Hostile(NamedTuple):

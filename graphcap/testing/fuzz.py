@@ -22,7 +22,7 @@ from graphcap.dispatch import KeyRegistry
 from graphcap.errors import INT32_MAX, BatchError, InvariantViolation
 from graphcap.invariants import check_invariants
 from graphcap.manager import CaptureManager
-from graphcap.testing.faults import assert_unchanged, snapshot
+from graphcap.testing.faults import assert_unchanged, expect, snapshot
 
 __all__ = [
     "BAD_FORMS",
@@ -134,6 +134,8 @@ class Limits:
     max_num_seqs: int
     max_num_tokens: int
     max_blocks_per_req: int
+    full: bool = False
+    """`checks.invariants: full`: the KV-write rules (null block, one slot per token) apply."""
 
     @classmethod
     def of(cls, config: CaptureConfig) -> Limits:
@@ -146,6 +148,7 @@ class Limits:
             config.batching.max_num_seqs,
             config.batching.max_num_tokens,
             kv.max_blocks_per_req,
+            config.checks.invariants == "full",
         )
 
 
@@ -188,6 +191,16 @@ def violations(plan: BatchPlan, lim: Limits) -> set[str]:
         bad.add("max_num_tokens")
     if s and max(s) > lim.max_model_len:
         bad |= {"seq_lens", "max_model_len"}
+    if lim.full and bt is not None and not bad:
+        # Where this step's tokens write the KV cache: never the null block, never one slot twice.
+        written = set()
+        for row, query_len, seq_len in zip(bt, q, s):
+            for position in range(seq_len - query_len, seq_len):
+                block = row[position // lim.block_size]
+                slot = block * lim.block_size + position % lim.block_size
+                if block == 0 or slot in written:
+                    bad.add("slot_mapping")
+                written.add(slot)
     return bad
 
 
@@ -201,7 +214,11 @@ def random_plan(rng: np.random.Generator, lim: Limits) -> BatchPlan:
     if rng.random() < 0.8:
         need = max((-(-v // lim.block_size) for v in s), default=0)
         width = int(rng.integers(need, lim.max_blocks_per_req + 1))
-        bt = [[int(v) for v in rng.integers(1, lim.num_blocks, width)] for _ in range(num_reqs)]
+        # Every request its own blocks while the cache has them (then blocks repeat: a shared
+        # block is a valid step only where no two tokens write one slot, which the oracle decides).
+        blocks = [int(v) for v in rng.permutation(lim.num_blocks - 1) + 1]
+        blocks = (blocks * (num_reqs * width // len(blocks) + 1))[: num_reqs * width]
+        bt = [blocks[i * width : (i + 1) * width] for i in range(num_reqs)]
     plan = BatchPlan(q, s, ids, bt)
     for _ in range(int(rng.choice([0, 0, 1, 1, 2, 3]))):
         _mutate(plan, rng, lim)
@@ -264,8 +281,10 @@ def check_plan(manager: CaptureManager, plan: BatchPlan, lim: Limits) -> str:
     """Run one planned step through `execute`; return "accepted" or "refused", else raise.
 
     Valid (by the oracle): must be accepted, and graph (or eager fallback) == eager.
-    Invalid: must be refused with a documented exception naming a violated field, with the
-    buffers, the KV cache and the stats byte-identical.
+    Invalid: must be refused with a documented exception naming a violated field, with the KV
+    cache and the stats byte-identical, and the staging buffers too for a `BatchError` (an
+    `InvariantViolation` is a rule on the staged rows: they were written, then refused before
+    any graph or model read them).
     """
     expected = violations(plan, lim)
     before = snapshot(manager)
@@ -277,7 +296,7 @@ def check_plan(manager: CaptureManager, plan: BatchPlan, lim: Limits) -> str:
             raise AssertionError(f"valid step refused: {exc}\n{plan}") from exc
         if not any(name in str(exc) for name in expected):
             raise AssertionError(f"refusal names none of {sorted(expected)}: {exc}\n{plan}") from exc
-        assert_unchanged(manager, before)
+        assert_unchanged(manager, before, buffers=isinstance(exc, BatchError))
         return "refused"
     if expected:
         raise AssertionError(f"invalid step accepted (oracle: {sorted(expected)})\n{plan}")
@@ -287,7 +306,7 @@ def check_plan(manager: CaptureManager, plan: BatchPlan, lim: Limits) -> str:
 
 def assert_config_works(config: CaptureConfig) -> None:
     """A config that loads round-trips, plans its keys, and stages every dummy batch cleanly."""
-    assert config_from_text(yaml.safe_dump(config.to_dict())) == config
+    expect(config_from_text(yaml.safe_dump(config.to_dict())) == config, "the config does not round-trip")
     registry = KeyRegistry.from_config(config)
     kv = config.kv_cache
     cells = config.batching.max_num_tokens * 3 + config.batching.max_num_seqs * (kv.max_blocks_per_req + 2)
@@ -296,4 +315,4 @@ def assert_config_works(config: CaptureConfig) -> None:
     buffers = PersistentBuffers.from_config(config)
     for key in registry.capture_order():
         inputs = buffers.stage(dummy_batch(key, max_model_len=kv.max_model_len), key)
-        check_invariants(inputs, "full")
+        check_invariants(inputs, "full", dummy=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from graphcap.batch import GraphKey, StepBatch, dummy_batch
+from graphcap.batch import GraphKey, StepBatch, distinct_blocks, dummy_batch
 from graphcap.config import CaptureConfig
 
 __all__ = ["Request", "Workload", "fill_batch"]
@@ -22,7 +22,8 @@ def fill_batch(
     key: GraphKey, config: CaptureConfig, rng: np.random.Generator | int = 0, num_reqs: int | None = None
 ) -> StepBatch:
     """A real batch for `key` with `num_reqs` requests (None: the dummy batch's layout, which
-    fills the key), random context lengths, token ids and blocks (never the null block 0).
+    fills the key), random context lengths, token ids and distinct blocks per request (never the
+    null block 0), so that no two tokens write one KV slot.
 
     Uniform keys get `T / R` tokens per request; mixed keys spread up to `T` tokens over the
     requests at random. `num_reqs=0` is the empty batch.
@@ -41,7 +42,9 @@ def fill_batch(
         np.add.at(q, rng.integers(0, num_reqs, extra), 1)
         q = np.minimum(q, kv.max_model_len)
     context = rng.integers(0, np.maximum(1, kv.max_model_len - q + 1))
-    blocks = rng.integers(1, kv.num_blocks, (len(q), kv.max_blocks_per_req))
+    if (-(-(context + q) // kv.block_size)).sum() > kv.num_blocks - 1:  # keep blocks distinct where possible
+        context = np.minimum(context, kv.block_size)
+    blocks = distinct_blocks(q + context, kv.block_size, kv.num_blocks, rng)
     ids = rng.integers(0, config.model.vocab_size, int(q.sum()))
     return StepBatch(q, q + context, ids, blocks)
 

@@ -1,0 +1,132 @@
+"""Capture-time verification runs padded rows and catches host values frozen into a graph.
+
+After the replay of the dummy batch, each key is verified on a second, partly filled batch
+(`graphcap.batch.probe_batch`): fewer real requests and tokens, other ids, lengths and blocks.
+A forward that reads a Python value from the step (frozen at capture) passes the first check
+and fails this one, at capture instead of on the first real step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphcap import CaptureError, GraphKey
+from graphcap.batch import probe_batch
+from graphcap.models import build_model
+from graphcap.testing import make_config, make_manager
+from graphcap.testing.fuzz import Limits
+
+
+class FrozenCount(torch.nn.Module):
+    """The reference model, scaled by a Python count: frozen at capture, live in eager runs."""
+
+    def __init__(self, inner, read) -> None:
+        super().__init__()
+        self.inner, self.read = inner, read
+
+    def forward(self, inputs):
+        return self.inner(inputs) * self.read(inputs)
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda inputs: inputs.num_tokens,  # a Python count of the step
+        lambda inputs: float(inputs.host.seq_lens[: inputs.num_reqs].max()),  # a host value
+        lambda inputs: int(inputs.host.input_ids[0]) + 1,
+    ],
+    ids=["num_tokens", "host_seq_lens", "host_input_ids"],
+)
+def test_a_host_value_frozen_into_the_graph_fails_capture_not_the_first_step(read):
+    config = make_config(capture__sizes=[4])
+    model = FrozenCount(build_model(config), read)
+    manager = make_manager(config)
+    manager.model = model
+    manager._forward = model.forward
+    with pytest.raises(CaptureError, match=r"partly filled batch .* froze a host value at capture"):
+        manager.capture()
+
+
+def test_the_dummy_batch_alone_would_have_passed():
+    """Control: the same frozen count passes a verification that replays only the dummy batch."""
+    config = make_config(capture__sizes=[4])
+    model = FrozenCount(build_model(config), lambda inputs: inputs.num_tokens)
+    manager = make_manager(config)
+    manager.model, manager._forward = model, model.forward
+    manager._verify_probe = lambda graph, key: 0.0  # the verification before this issue
+    manager.capture()  # passes: the damage shows only on a real, partly filled step
+    batch = probe_batch(GraphKey(4, 4, False), max_model_len=32, block_size=4, num_blocks=72, vocab_size=128)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(manager.execute(batch).clone(), manager.eager(batch))
+
+
+def test_a_forward_that_slices_the_kv_write_by_a_python_count_fails_capture():
+    config = make_config(capture__sizes=[8])
+    inner = build_model(config)
+
+    class SlicedWrite(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, inputs):
+            out = self.inner(inputs)
+            # Adds this step's logits to a running buffer for the first num_tokens rows only:
+            # with the count frozen at capture, padded rows are added on a partly filled step.
+            n = inputs.num_tokens
+            return out + out[:n].sum(0, keepdim=True)
+
+    manager = make_manager(config)
+    manager.model = SlicedWrite()
+    manager._forward = manager.model.forward
+    with pytest.raises(CaptureError, match="partly filled"):
+        manager.capture()
+
+
+def test_a_correct_model_passes_both_verifications_for_every_key():
+    manager = make_manager(make_config())
+    report = manager.capture()
+    assert report.records and all(r.verified for r in report.records)
+
+
+@given(
+    T=st.integers(1, 32),
+    R=st.integers(1, 8),
+    uniform=st.booleans(),
+    seed=st.integers(0, 3),
+)
+@settings(max_examples=120, deadline=None)
+def test_probe_batch_is_partly_filled_and_fits_its_key(T, R, uniform, seed):
+    if uniform:
+        T = T - T % R or R
+    key = GraphKey(T, R, uniform)
+    limits = Limits.of(make_config())
+    batch = probe_batch(
+        key,
+        max_model_len=limits.max_model_len,
+        block_size=limits.block_size,
+        num_blocks=limits.num_blocks,
+        vocab_size=limits.vocab_size,
+        seed=seed,
+    )
+    assert batch.num_tokens <= T and batch.num_reqs <= R
+    if R > 1:
+        assert batch.num_reqs < R  # padded requests exist
+    if not uniform and T > 1:
+        assert batch.num_tokens < T  # padded tokens exist
+    if uniform:
+        assert batch.is_uniform(T // R)
+    assert batch.max_seq_len <= limits.max_model_len
+    # Every request its own blocks (never the null block): no two tokens write one slot.
+    starts = batch.seq_lens - batch.query_lens
+    slots = [
+        int(batch.block_table[i, p // limits.block_size]) * limits.block_size + p % limits.block_size
+        for i in range(batch.num_reqs)
+        for p in range(int(starts[i]), int(batch.seq_lens[i]))
+    ]
+    assert len(set(slots)) == len(slots) and min(slots) >= limits.block_size
+    assert np.all(batch.input_ids < limits.vocab_size)
