@@ -25,9 +25,11 @@ from graphcap.manager import CaptureManager
 from graphcap.models import build_model
 from graphcap.testing.faults import (
     FAULTS,
+    MOVES,
     PHASES,
     FaultyModel,
     Hostile,
+    Move,
     Snapshot,
     assert_nothing_left,
     assert_unchanged,
@@ -65,6 +67,7 @@ __all__ = [
     "FAULTS",
     "FAULT_SIZES",
     "INT_FORMS",
+    "MOVES",
     "NUM_THREADS",
     "PHASES",
     "REFUSALS",
@@ -76,6 +79,7 @@ __all__ = [
     "Hostile",
     "KeyTiming",
     "Limits",
+    "Move",
     "NoLock",
     "Request",
     "Snapshot",

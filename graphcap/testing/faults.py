@@ -21,6 +21,8 @@ from graphcap.manager import CaptureManager
 
 __all__ = [
     "FAULTS",
+    "MOVES",
+    "Move",
     "expect",
     "PHASES",
     "FaultyModel",
@@ -176,3 +178,62 @@ def hostile_batches(config: CaptureConfig) -> list[Hostile]:
         Hostile("int16 negative token id", ([1, 1], [5, 6], np.array([7, -1], np.int16), bt), r"input_ids\[1\] is -1"),
         Hostile("byte-swapped negative token id", ([1, 1], [5, 6], np.array([7, -(2**31)], ">i4"), bt), r"input_ids\[1\] is -2147483648"),
     ]  # fmt: skip
+
+
+# -- static inputs moved after capture ---------------------------------------------------------
+
+
+class Move(NamedTuple):
+    """A way an engine moves a static tensor after capture; `apply(manager)` does it."""
+
+    name: str
+    apply: Callable[[CaptureManager], None]
+    match: str
+    """Regex the `StaticInputMovedError` message must match (names the tensor)."""
+    at_off: bool
+    """Caught at `checks.invariants: off` too (flagged when it happens, O(1))."""
+
+
+def _replace_parameter(manager: CaptureManager) -> None:
+    model = manager.model
+    model.lm_head = torch.nn.Parameter(model.lm_head.detach().clone() * 2, requires_grad=False)
+
+
+def _swap_data(manager: CaptureManager) -> None:
+    with torch.no_grad():
+        manager.model.lm_head.data = manager.model.lm_head.detach().clone()
+
+
+def _set_storage(manager: CaptureManager) -> None:
+    with torch.no_grad():
+        manager.model.norm.set_(manager.model.norm.detach().clone())
+
+
+def _replace_buffer(manager: CaptureManager) -> None:
+    manager.model.kv_cache = manager.model.kv_cache.clone()
+
+
+def _replace_submodule(manager: CaptureManager) -> None:
+    import copy
+
+    manager.model.layers[0] = copy.deepcopy(manager.model.layers[0])
+
+
+def _register_again(manager: CaptureManager) -> None:
+    manager.register_static("extra", torch.zeros(8))
+
+
+MOVES = (
+    Move(
+        "parameter replaced (model.lm_head = Parameter(...))",
+        _replace_parameter,
+        r"'model\.lm_head' was replaced",
+        True,
+    ),
+    Move("parameter storage swapped (lm_head.data = ...)", _swap_data, r"'model\.lm_head' moved after capture", False),
+    Move("parameter storage set_ (norm.set_(...))", _set_storage, r"'model\.norm' moved after capture", False),
+    Move("buffer replaced (model.kv_cache = ...)", _replace_buffer, r"'model\.kv_cache' was replaced", True),
+    Move("submodule replaced (model.layers[0] = ...)", _replace_submodule, r"'model\.layers\.0' was replaced", True),
+    Move("registered name given another tensor", _register_again, r"'static\.extra' was registered again", True),
+)
+"""The moves `StaticGuard` must refuse on the next replay (register `extra` before capture for the last)."""
