@@ -10,7 +10,6 @@ an engine's own buffers (`BufferSpec`) extend it: a new field costs one row.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -21,6 +20,7 @@ import torch
 
 from graphcap.batch import GraphKey
 from graphcap.config import PadRules
+from graphcap.config.buffers import BUFFER_DTYPES, buffer_problems
 
 __all__ = [
     "BUFFER_DTYPES",
@@ -64,9 +64,6 @@ a prefix covers a key's rows). All int32."""
 FIELDS = tuple(f.name for f in FIELD_TABLE)
 """The built-in static input names, in packed-buffer order."""
 
-BUFFER_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64", "bool")
-"""Dtypes an engine buffer may have (numpy and torch both hold them; numpy has no bfloat16)."""
-
 
 @dataclass(frozen=True, slots=True)
 class BufferSpec:
@@ -89,7 +86,7 @@ class BufferSpec:
     check: Callable[[np.ndarray, int], Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        problems = spec_problems(self.name, self.rows, self.shape, self.dtype, self.pad, self.row_dim)
+        problems = buffer_problems(self.name, self.rows, self.shape, self.dtype, self.pad, self.row_dim)
         if self.check is not None and not callable(self.check):
             problems.append(("check", f"must be callable(host_view, num_real_rows); got {type(self.check).__name__}"))
         if problems:
@@ -100,43 +97,6 @@ class BufferSpec:
     @property
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.dtype)
-
-
-def spec_problems(name: Any, rows: Any, shape: Any, dtype: Any, pad: Any, row_dim: Any) -> list[tuple[str, str]]:
-    """`(field, message)` for every problem of a buffer declaration (shared with the YAML loader)."""
-    out: list[tuple[str, str]] = []
-    if not isinstance(name, str) or not name.isidentifier():
-        out.append(("name", f"must be a Python identifier (it names ForwardInputs.extras[...]); got {name!r}"))
-    elif name in FIELDS:
-        out.append(("name", f"{name!r} is a built-in field; pick another name"))
-    if rows not in ("tokens", "reqs", "none"):
-        out.append(("rows", f"must be tokens, reqs or none; got {rows!r}"))
-    dims_ok = isinstance(shape, (tuple, list)) and all(
-        isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= 1 << 20 for d in shape
-    )
-    if not dims_ok or len(shape) > 4:
-        out.append(("shape", f"must be a list of up to 4 dimensions in 1..1048576; got {shape!r}"))
-    if dtype not in BUFFER_DTYPES:
-        out.append(("dtype", f"must be one of {', '.join(BUFFER_DTYPES)}; got {dtype!r}"))
-    elif not _pad_fits(pad, np.dtype(dtype)):
-        out.append(("pad", f"{pad!r} is not a value of dtype {dtype}"))
-    max_dim = len(shape) if dims_ok and rows in ("tokens", "reqs") else 0
-    if isinstance(row_dim, bool) or not isinstance(row_dim, int) or not 0 <= row_dim <= max_dim:
-        out.append(("row_dim", f"must be an integer in 0..{max_dim} (where the row axis sits); got {row_dim!r}"))
-    return out
-
-
-def _pad_fits(pad: Any, dtype: np.dtype) -> bool:
-    if dtype.kind == "b":
-        return isinstance(pad, bool) or pad in (0, 1)
-    if isinstance(pad, bool) or not isinstance(pad, (int, float)):
-        return False
-    if dtype.kind in "iu":
-        if isinstance(pad, float) and not pad.is_integer():
-            return False
-        info = np.iinfo(dtype)
-        return info.min <= pad <= info.max
-    return (not math.isnan(pad) and abs(pad) <= np.finfo(dtype).max) or math.isinf(pad)
 
 
 class HostView(NamedTuple):

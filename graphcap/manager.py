@@ -10,11 +10,12 @@ replay is compared with an eager run on the same inputs. A pass is all or nothin
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,6 +31,7 @@ from graphcap.dispatch import KeyRegistry, StepStats
 from graphcap.distributed import DataParallelSync
 from graphcap.errors import CaptureError, CaptureUnsafeError
 from graphcap.guard import StaticGuard
+from graphcap.inputs import BufferSpec
 from graphcap.invariants import check_invariants
 from graphcap.report import CaptureReport, GraphRecord, format_bytes
 
@@ -62,13 +64,14 @@ class CaptureManager:
         *,
         progress: bool | None = None,
         dp_timeout: float = 300.0,
+        buffers: Iterable[BufferSpec] = (),
     ) -> None:
         if not callable(getattr(model, "forward", None)):
             raise TypeError(f"model must have a callable forward(inputs); got {type(model).__name__}")
         self.model = model
         self.config = config
         self.device = resolve_device(config)
-        self.buffers = PersistentBuffers.from_config(config, self.device)
+        self.buffers = PersistentBuffers.from_config(config, self.device, extras=_buffer_specs(config, buffers))
         self.registry = KeyRegistry.from_config(config)
         # A backend passed in may hold other managers' graphs: only one built here is reset.
         self._owns_backend = not isinstance(backend, GraphBackend)
@@ -81,6 +84,9 @@ class CaptureManager:
         self._level = config.checks.invariants
         self._forward: Callable[[ForwardInputs], torch.Tensor] = model.forward
         self._prepare = getattr(model, "prepare", None)
+        # `prepare(inputs, capturing)`, or `prepare(inputs, capturing, *, replay)` when it asks to
+        # learn whether the staging feeds a graph replay or an eager run.
+        self._prepare_replay = self._prepare is not None and _accepts(self._prepare, "replay")
         self._lock = threading.RLock()
         self._sync = DataParallelSync(group, timeout=dp_timeout) if group is not None else None
         self._counting = True
@@ -241,7 +247,7 @@ class CaptureManager:
         replayed = graph.replay()[: batch.num_tokens].clone()
         t0 = time.perf_counter()
         eager_key = self.registry.eager_key(batch.num_tokens, batch.num_reqs)
-        eager_inputs = self._stage(batch, eager_key, capturing=True, dummy=True)
+        eager_inputs = self._stage(batch, eager_key, capturing=True, dummy=True, replay=False)
         with torch.inference_mode():
             expected = self._forward(eager_inputs)[: batch.num_tokens]
         seconds = time.perf_counter() - t0
@@ -313,19 +319,24 @@ class CaptureManager:
     def _run_eager(self, batch: StepBatch) -> torch.Tensor:
         key = self.registry.eager_key(batch.num_tokens, batch.num_reqs)
         self.last_key = key
-        inputs = self._stage(batch, key)
+        inputs = self._stage(batch, key, replay=False)
         with torch.inference_mode():
             return self._forward(inputs)[: batch.num_tokens]
 
-    def _stage(self, batch: StepBatch, key: GraphKey, *, capturing: bool = False, dummy: bool = False) -> ForwardInputs:
+    def _stage(
+        self, batch: StepBatch, key: GraphKey, *, capturing: bool = False, dummy: bool = False, replay: bool = True
+    ) -> ForwardInputs:
         """The one staging path of capture, replay and eager: stage, let the model plan, prove, upload.
 
         The invariants run after `prepare`, on the host rows the upload then copies, so nothing
         `prepare` writes reaches a graph unchecked. `dummy`: a batch graphcap made (its requests
-        share the null block by design).
+        share the null block by design). `replay`: the staging feeds a graph (capture, replay),
+        not an eager run.
         """
         inputs = self.buffers.stage(batch, key, upload=False)
-        if self._prepare is not None:
+        if self._prepare_replay:
+            self._prepare(inputs, capturing=capturing, replay=replay)
+        elif self._prepare is not None:
             self._prepare(inputs, capturing=capturing)
         check_invariants(inputs, self._level, dummy=dummy or batch.block_table is None)
         self.buffers.upload(key)
@@ -426,6 +437,21 @@ def _gc_frozen() -> Iterator[None]:
         if was_enabled:
             gc.enable()
         gc.collect()
+
+
+def _buffer_specs(config: CaptureConfig, buffers: Iterable[BufferSpec]) -> tuple[BufferSpec, ...]:
+    """The engine buffers: those of the config's `buffers:` list, then those passed in."""
+    if isinstance(buffers, BufferSpec) or not isinstance(buffers, Iterable):
+        raise TypeError(f"buffers must be a list of graphcap.BufferSpec; got {type(buffers).__name__}")
+    return (*config.buffer_specs(), *buffers)
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: keep the two-argument call
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _describe_failure(exc: BaseException) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 from graphcap.config._schema import show_value
 from graphcap.config._yaml import YamlSyntaxError, read_yaml
+from graphcap.config.buffers import BufferConfig
 from graphcap.config.sections import SECTIONS, CaptureConfig
 from graphcap.errors import ConfigError, ConfigProblem
 
@@ -72,10 +73,12 @@ def config_from_text(text: str, source: str = "<string>", overrides: dict[str, A
         return None
 
     kwargs: dict[str, Any] = {}
-    valid_top = ["device", *SECTIONS]
+    valid_top = ["device", *SECTIONS, "buffers"]
     for name, value in data.items():
         if name == "device":
             kwargs["device"] = value
+        elif name == "buffers":
+            kwargs["buffers"] = _buffers(value, problems)
         elif name not in SECTIONS:
             problems.append(_unknown(name, "", valid_top))
         elif value is None:
@@ -103,6 +106,31 @@ def config_from_text(text: str, source: str = "<string>", overrides: dict[str, A
         located.sort(key=lambda p: _line_of(p.where))
         raise ConfigError(located, source)
     return config
+
+
+def _buffers(value: Any, problems: list[ConfigProblem]) -> tuple[BufferConfig, ...]:
+    """The `buffers:` list, each entry validated like a section (keys `buffers[i].field`)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        problems.append(ConfigProblem("buffers", f"must be a list of buffer mappings; got {show_value(value)}"))
+        return ()
+    valid = [f.name for f in fields(BufferConfig) if f.init]
+    out = []
+    for i, entry in enumerate(value):
+        where = f"buffers[{i}]"
+        if not isinstance(entry, dict):
+            problems.append(ConfigProblem(where, f"must be a mapping ({', '.join(valid)}); got {show_value(entry)}"))
+            continue
+        problems += [_unknown(k, where, valid) for k in entry if k not in valid]
+        if "name" not in entry:
+            problems.append(ConfigProblem(f"{where}.name", "is required: it names ForwardInputs.extras[name]"))
+            continue
+        try:
+            out.append(BufferConfig(**{k: v for k, v in entry.items() if k in valid}))
+        except ConfigError as exc:
+            problems += [p._replace(key=p.key.replace("buffers[]", where)) for p in exc.problems]
+    return tuple(out)
 
 
 def _section_of(key: str) -> str:

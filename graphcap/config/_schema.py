@@ -97,10 +97,13 @@ def _matches(value: Any, option: Any) -> tuple[bool, Any]:
         return ok, float(value) if ok else value
     if option is str:
         return isinstance(value, str), value
-    if origin is tuple:  # tuple[int, ...]
-        if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return True, tuple(value)
-        return False, value
+    if origin is tuple:  # tuple[int, ...] or tuple[SomeSection, ...]
+        item = typing.get_args(option)[0]
+        if item is int:
+            ok = isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        else:
+            ok = isinstance(value, (list, tuple)) and all(isinstance(v, item) for v in value)
+        return (True, tuple(value)) if ok else (False, value)
     if isinstance(option, type):
         return isinstance(value, option), value
     return False, value
@@ -114,7 +117,8 @@ def _describe(options: tuple) -> str:
         elif typing.get_origin(option) is Literal:
             words.append(" | ".join(map(str, typing.get_args(option))))
         elif typing.get_origin(option) is tuple:
-            words.append("a list of integers")
+            item = typing.get_args(option)[0]
+            words.append("a list of integers" if item is int else "a list of mappings")
         elif option is bool:
             words.append("true or false")
         else:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from graphcap.config._schema import INT32_MAX, INT32_MIN, ConfigProblem, Section, problem, spec
+from graphcap.config.buffers import BufferConfig
 from graphcap.sizes import CaptureSizes, default_capture_sizes
 
 __all__ = [
@@ -394,6 +395,8 @@ class CaptureConfig(Section):
     """Capture report output."""
     padding: PadRules = field(default_factory=PadRules)
     """Pad rules of the persistent buffers."""
+    buffers: tuple[BufferConfig, ...] = ()
+    """The engine's own persistent buffers (the `buffers:` list), staged like the built-ins."""
     capture_sizes: CaptureSizes = field(init=False, repr=False, compare=False, default=None)  # type: ignore[assignment]
     """The validated schedule (`capture.sizes`, with `auto` expanded), built on construction."""
 
@@ -452,6 +455,15 @@ class CaptureConfig(Section):
                     involves=("kv_cache",),
                 )
             )
+        seen: dict[str, int] = {}
+        for i, buffer in enumerate(self.buffers):
+            if buffer.name in seen:
+                out.append(
+                    problem(
+                        f"buffers[{i}].name", f"{buffer.name!r} is declared twice (also buffers[{seen[buffer.name]}])"
+                    )
+                )
+            seen.setdefault(buffer.name, i)
         if out:
             return out
         sizes = _schedule(cap, bat.max_num_tokens)
@@ -490,9 +502,17 @@ class CaptureConfig(Section):
                 continue
             value = getattr(self, f.name)
             if isinstance(value, Section):
-                value = {g.name: _plain(getattr(value, g.name)) for g in fields(value) if g.init}
+                value = _section_dict(value)
+            elif f.name == "buffers":
+                value = [_section_dict(buffer) for buffer in value]
             out[f.name] = value
         return out
+
+    def buffer_specs(self) -> tuple:
+        """The `buffers:` list as `graphcap.BufferSpec`s (imported here: config stays torch-free)."""
+        from graphcap.inputs import BufferSpec
+
+        return tuple(BufferSpec(*buffer.as_tuple()) for buffer in self.buffers)
 
 
 def _schedule(cap: CaptureSectionConfig, max_num_tokens: int) -> CaptureSizes:
@@ -500,6 +520,10 @@ def _schedule(cap: CaptureSectionConfig, max_num_tokens: int) -> CaptureSizes:
     if sizes == "auto":
         sizes = default_capture_sizes(cap.max_size, cap.uniform_query_len)
     return CaptureSizes(sizes, max_num_tokens)
+
+
+def _section_dict(section: Section) -> dict[str, Any]:
+    return {f.name: _plain(getattr(section, f.name)) for f in fields(section) if f.init}
 
 
 def _plain(value: Any) -> Any:
