@@ -20,6 +20,7 @@ from graphcap.errors import (
 from graphcap.inputs import BufferSpec
 from graphcap.invariants import check_invariants
 from graphcap.manager import CaptureManager
+from graphcap.piecewise import current_inputs, eager_op
 from graphcap.report import CaptureReport
 from graphcap.sizes import CaptureSizes, default_capture_sizes
 
@@ -44,7 +45,9 @@ __all__ = [
     "StaticInputMovedError",
     "StepBatch",
     "check_invariants",
+    "current_inputs",
     "default_capture_sizes",
     "dummy_batch",
+    "eager_op",
     "load_config",
 ]

@@ -33,6 +33,7 @@ from graphcap.errors import CaptureError, CaptureUnsafeError
 from graphcap.guard import StaticGuard
 from graphcap.inputs import BufferSpec
 from graphcap.invariants import check_invariants
+from graphcap.piecewise import running
 from graphcap.report import CaptureReport, GraphRecord, format_bytes
 
 __all__ = ["CaptureManager"]
@@ -178,7 +179,8 @@ class CaptureManager:
             forward = self._forward
 
             def run() -> torch.Tensor:
-                return forward(inputs)
+                with running(inputs, "full"):
+                    return forward(inputs)
 
             t0 = time.perf_counter()
             self.backend.warmup(run, self.config.capture.num_warmups)
@@ -248,7 +250,7 @@ class CaptureManager:
         t0 = time.perf_counter()
         eager_key = self.registry.eager_key(batch.num_tokens, batch.num_reqs)
         eager_inputs = self._stage(batch, eager_key, capturing=True, dummy=True, replay=False)
-        with torch.inference_mode():
+        with torch.inference_mode(), running(eager_inputs, "full"):  # the graph's own code path
             expected = self._forward(eager_inputs)[: batch.num_tokens]
         seconds = time.perf_counter() - t0
         try:
@@ -320,7 +322,7 @@ class CaptureManager:
         key = self.registry.eager_key(batch.num_tokens, batch.num_reqs)
         self.last_key = key
         inputs = self._stage(batch, key, replay=False)
-        with torch.inference_mode():
+        with torch.inference_mode(), running(inputs):
             return self._forward(inputs)[: batch.num_tokens]
 
     def _stage(

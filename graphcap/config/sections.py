@@ -76,6 +76,10 @@ class ModelConfig(Section):
     """Rotary embedding base."""
     rms_norm_eps: float = spec(1e-5, gt=0)
     """RMSNorm epsilon."""
+    attention: Literal["vectorized", "per_request"] = "vectorized"
+    """Reference model only: `vectorized` paged attention (graph-safe), or `per_request`, a Python
+    loop over requests with `.item()` lengths marked `graphcap.eager_op` (graph-unsafe; the
+    vectorized path stands in for it inside full graphs): a model for the piecewise modes."""
 
     def __post_init__(self) -> None:
         Section.__post_init__(self)

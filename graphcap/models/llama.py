@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphcap.config import CaptureConfig, ModelConfig
+from graphcap.models.per_request import attend_per_request
 
 __all__ = ["DecoderLayer", "TinyLlama"]
 
@@ -128,6 +129,7 @@ class TinyLlama(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.block_size, self.num_slots = kv.block_size, kv.num_slots
         self.eps = cfg.rms_norm_eps
+        self.attention = cfg.attention
         self.embed = init.normal(cfg.vocab_size, cfg.hidden_size, std=1.0)
         self.layers = nn.ModuleList(DecoderLayer(cfg, init) for _ in range(cfg.num_layers))
         self.norm = init.norm(cfg.hidden_size)
@@ -186,8 +188,13 @@ class TinyLlama(nn.Module):
     def forward(self, inputs) -> torch.Tensor:
         """Run one padded step; returns logits [T, vocab_size] float32 (see the class doc)."""
         cos, sin = self.rope(inputs.positions)
-        write_slots, read_rows, visible = self._paging(inputs)
         h = self.embed.index_select(0, inputs.input_ids)  # h: [T, E]
+        if self.attention == "per_request":  # an eager_op between graph pieces (see per_request.py)
+            for i, layer in enumerate(self.layers):
+                q, k, v = layer.project_qkv(h, cos, sin)
+                h = layer.finish(h, attend_per_request(self, i, q, k, v))
+            return self.logits(h)
+        write_slots, read_rows, visible = self._paging(inputs)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.project_qkv(h, cos, sin)
             h = layer.finish(h, self._attend(i, q, k, v, write_slots, read_rows, visible))

@@ -1,0 +1,110 @@
+"""`eager_op` and `current_inputs`: the two names a model uses to run parts of itself eagerly.
+
+Piecewise capture (modes `piecewise` and `full_and_piecewise`) cuts a forward at every call of
+a function decorated with `eager_op`: the code between two such calls is captured as one graph
+(a piece), the decorated function runs eagerly between the pieces on every replay, on the real
+batch. It is how attention that cannot be captured for every batch shape (host-planned splits,
+`.item()` lengths, data-dependent kernels) coexists with graphs for everything else.
+
+The contract of an `eager_op` function:
+
+- Tensor arguments are static: parameters, persistent buffers, or tensors an earlier piece
+  made (a replay rewrites them in place). Non-tensor arguments are frozen at capture.
+- Per-step metadata varies in shape from step to step, so an eager op never takes it from its
+  captured arguments: it reads the step being run through `current_inputs()` (the
+  `ForwardInputs` of the current step), which works the same in eager runs, capture and replay.
+- The result is one tensor whose shape depends only on its tensor arguments. It lands in a
+  static tensor: a function with an `out=` parameter writes into it in place; otherwise the
+  result is copied into it (one copy per call, counted in `CaptureManager.stats`).
+- Inside the function anything goes, capture-unsafe ops included: it never runs in a graph,
+  except that a *full* graph (mode `full`, or the uniform keys of `full_and_piecewise`)
+  captures the whole forward. For those, pass `capturable=`: a graph-safe implementation with
+  the same signature that full graphs use instead (without it the function itself is
+  captured and must be graph-safe).
+
+Outside any graphcap step an `eager_op` is a plain call of the function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from typing import Any, Literal
+
+from graphcap.errors import CaptureError
+
+__all__ = ["current_inputs", "eager_op"]
+
+Phase = Literal["eager", "full", "piecewise"]
+"""What the running forward feeds: an eager run, a full graph (capture or warmup of it), or a
+piecewise capture (the session then cuts the forward at each eager op)."""
+
+_INPUTS: ContextVar[Any] = ContextVar("graphcap_current_inputs", default=None)
+_PHASE: ContextVar[tuple[Phase, Any]] = ContextVar("graphcap_phase", default=("eager", None))
+
+
+def current_inputs():
+    """The `ForwardInputs` of the step being run (an eager run, a capture, or a replay).
+
+    Raises `CaptureError` outside a step: an eager op must be called from a forward that
+    `CaptureManager` runs (or inside `running(inputs)`).
+    """
+    inputs = _INPUTS.get()
+    if inputs is None:
+        raise CaptureError(
+            "current_inputs() was called outside a step; call it from an eager_op (or a forward) that "
+            "CaptureManager runs, or wrap a direct call in graphcap.piecewise.running(inputs)"
+        )
+    return inputs
+
+
+@contextlib.contextmanager
+def running(inputs: Any, phase: Phase = "eager", session: Any = None) -> Iterator[None]:
+    """Make `inputs` the current step (and say what the forward feeds) for the enclosed code."""
+    token = _INPUTS.set(inputs)
+    phase_token = _PHASE.set((phase, session))
+    try:
+        yield
+    finally:
+        _PHASE.reset(phase_token)
+        _INPUTS.reset(token)
+
+
+class EagerOp:
+    """A function marked to run eagerly between the pieces of a piecewise graph (see the module doc)."""
+
+    def __init__(self, fn: Callable, capturable: Callable | None = None) -> None:
+        if not callable(fn):
+            raise TypeError(f"eager_op decorates a function; got {type(fn).__name__}")
+        if capturable is not None and not callable(capturable):
+            raise TypeError(f"eager_op(capturable=...) must be a function; got {type(capturable).__name__}")
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.capturable = capturable
+        self.takes_out = "out" in inspect.signature(fn).parameters
+        """Whether `fn(..., out=tensor)` writes its result in place (no copy on replay)."""
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        # Decorating a method: bind like a function would, keeping the EagerOp behaviour.
+        return self if instance is None else functools.partial(self.__call__, instance)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        phase, session = _PHASE.get()
+        if phase == "piecewise":
+            return session.cut(self, args, kwargs)
+        if phase == "full" and self.capturable is not None:
+            return self.capturable(*args, **kwargs)
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"eager_op({getattr(self.fn, '__qualname__', self.fn)})"
+
+
+def eager_op(fn: Callable | None = None, *, capturable: Callable | None = None):
+    """Mark `fn` to run eagerly between graph pieces; `@eager_op` or `@eager_op(capturable=...)`."""
+    if fn is None:
+        return lambda f: EagerOp(f, capturable)
+    return EagerOp(fn, capturable)
