@@ -14,6 +14,7 @@ import logging
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,13 +23,13 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_device
+from graphcap.backends import CapturedGraph, GraphBackend, get_backend, is_sticky_cuda_error, resolve_device
 from graphcap.batch import GraphKey, StepBatch, dummy_batch
 from graphcap.buffers import ForwardInputs, PersistentBuffers
 from graphcap.config import CaptureConfig
 from graphcap.dispatch import KeyRegistry, StepStats
 from graphcap.distributed import DataParallelSync
-from graphcap.errors import CaptureError, CaptureUnsafeError
+from graphcap.errors import CaptureError, CaptureUnsafeError, ConfigError, ConfigProblem
 from graphcap.invariants import check_invariants
 from graphcap.report import CaptureReport, GraphRecord, format_bytes
 
@@ -39,6 +40,13 @@ log = logging.getLogger("graphcap")
 _OOM_HINT = (
     "the GPU ran out of memory while capturing; capture fewer sizes (capture.sizes), "
     "lower capture.max_size, or set capture.on_error: skip to run this size eagerly"
+)
+_STICKY_HINT = (
+    "this CUDA error is sticky: the CUDA context of this process is unusable (every later kernel, eager "
+    "ones too, fails with it), so the pass stops here; restart the process. CUDA reports kernel errors "
+    "late, so the faulty kernel may belong to an earlier key or step: rerun with CUDA_LAUNCH_BLOCKING=1 "
+    "to locate it; a device-side assert in an indexing kernel usually means out-of-range metadata "
+    "(run with checks.invariants: full)"
 )
 
 
@@ -113,17 +121,22 @@ class CaptureManager:
 
         Replaces graphs from an earlier pass. `capture.on_error: raise`: the first failure
         releases every graph of this pass and raises `CaptureError` naming the key and a
-        hint. `skip`: the key is recorded as skipped and runs eagerly. On every exit path GC
-        is unfrozen and re-enabled and no partial graph stays registered.
+        hint. `skip`: the key is recorded as skipped and runs eagerly. A sticky CUDA error
+        (a device-side assert) ends the pass under either policy: nothing after it can run.
+        A failed key's tensors are freed before the next key runs. On every exit path GC is
+        unfrozen and re-enabled and no partial graph stays registered. Raises `ConfigError`
+        when `capture.num_warmups` is below what the backend needs (cuda: 1).
         """
         with self._lock:
+            self._check_warmups()
             self._release_all()
             order = self.registry.capture_order()
             records: list[GraphRecord] = []
             start = time.perf_counter()
-            memory_before = self.backend.memory_in_use()
             try:
                 with _gc_frozen(), logging_redirect_tqdm():
+                    self.backend.empty_cache()  # once per pass (S4); the graphs then share the pool
+                    memory_before = self.backend.memory_in_use()
                     bar = tqdm(
                         order,
                         desc="capture",
@@ -146,6 +159,7 @@ class CaptureManager:
                 total_seconds=time.perf_counter() - start,
                 pool_bytes=max(0, self.backend.memory_in_use() - memory_before),
                 config=self.config.to_dict(),
+                warnings=self._pass_warnings(),
             )
         log.info(
             "captured %d graphs in %.2f s (%s)",
@@ -172,6 +186,7 @@ class CaptureManager:
 
             t0 = time.perf_counter()
             self.backend.warmup(run, self.config.capture.num_warmups)
+            self.backend.synchronize()  # time the warmups' GPU work, not their launches
             eager_seconds += time.perf_counter() - t0
             graph = self.backend.capture(run, self._static_inputs(inputs), name=str(key))
             verified = False
@@ -189,6 +204,9 @@ class CaptureManager:
             if graph is not None:
                 graph.release()
             reason = _describe_failure(failure)
+            _drop_frames(failure)  # C1: the failed forward's tensors must not outlive this key
+            if is_sticky_cuda_error(failure):
+                raise CaptureError(f"capturing {key} failed: {reason}; {_STICKY_HINT}") from failure
             if self.config.capture.on_error == "raise":
                 if isinstance(failure, CaptureUnsafeError):
                     # Keep the type engines catch; the message already names op and line.
@@ -221,6 +239,27 @@ class CaptureManager:
                 "depends on something the graph froze (a Python value, a host tensor, randomness)"
             ) from None
         return seconds
+
+    def _check_warmups(self) -> None:
+        """R4: a backend that needs plain warmups before capture (cuda) refuses `num_warmups: 0`."""
+        need, have = self.backend.min_warmups, self.config.capture.num_warmups
+        if have < need:
+            message = (
+                f"{have} is too few for the {self.backend.name} backend: it needs at least {need} eager run "
+                "before each capture, so that lazy initialisation (cuBLAS workspaces, Triton autotuning, "
+                f"torch.compile, NCCL communicators) happens outside the graph; set it to {need} or more"
+            )
+            raise ConfigError([ConfigProblem("capture.num_warmups", message)])
+
+    def _pass_warnings(self) -> list[str]:
+        """What the report must say about this pass beyond its records (compiled code captured uncompiled)."""
+        uncompiled = sorted({f for graph in self.graphs.values() for f in graph.uncompiled})
+        if not uncompiled:
+            return []
+        return [
+            f"torch.compile was off while the {self.backend.name} backend captured: {', '.join(uncompiled)} "
+            "ran uncompiled in the graphs (eager steps run them compiled)"
+        ]
 
     def _agree_on_failure(self, key: GraphKey, failure: BaseException | None) -> BaseException | None:
         if self._sync is None:
@@ -359,9 +398,30 @@ def _gc_frozen() -> Iterator[None]:
 
 def _describe_failure(exc: BaseException) -> str:
     text = (str(exc).strip().splitlines() or [""])[0]  # an exception may have no message
-    if isinstance(exc, torch.OutOfMemoryError):
+    # An OOM inside cudaGraphInstantiate surfaces as "CUDA error: out of memory", not OutOfMemoryError.
+    if isinstance(exc, torch.OutOfMemoryError) or "CUDA error: out of memory" in text:
         return f"out of memory ({text[:160] or 'no message'}); {_OOM_HINT}"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Free what the frames of a failed capture hold (its tensors live in the graph pool).
+
+    The failure kept in `_capture_key` references its traceback, whose frames reference the
+    failure again (a cycle) and every tensor of the failed forward; GC is off for the pass,
+    so without this they would pin the pool until the pass ends (C1). Frames keep their
+    file and line for the traceback; only their locals go. `gc.collect()` then frees any
+    other cycle the forward left (cheap: the heap is frozen).
+    """
+    pending, seen = [exc], set()
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        pending += [error.__cause__, error.__context__]
+    gc.collect()
 
 
 _EMPTY = StepBatch([], [])
