@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphcap.backends.base import CapturedGraph, GraphBackend, is_sticky_cuda_error
+from graphcap.backends.base import GraphBackend
 from graphcap.backends.emulated import EmulatedBackend, EmulatedGraph
+from graphcap.backends.graph import CapturedGraph, is_sticky_cuda_error
 from graphcap.backends.pool import GraphPool
 from graphcap.backends.preflight import check_capture_safe
 from graphcap.backends.unsafe import UNSAFE_OPS, UnsafeOp

@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-from graphcap.backends.base import CapturedGraph, Forward, GraphBackend, check_output
+from graphcap.backends.base import Forward, GraphBackend, check_output
 from graphcap.backends.compiled import eager_only
+from graphcap.backends.graph import CapturedGraph
 from graphcap.backends.pool import GraphPool, unowned_alias
 from graphcap.errors import CaptureError
 

@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphcap.backends.base import CapturedGraph, Forward, GraphBackend, check_output
+from graphcap.backends.base import Forward, GraphBackend, check_output
 from graphcap.backends.compiled import eager_only
+from graphcap.backends.graph import CapturedGraph
 from graphcap.backends.pool import invalidate
 from graphcap.backends.preflight import unsafe_op_checker
 from graphcap.backends.tape import Tape, TapeRecorder, compile_tape

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from graphcap.backends.base import CapturedGraph
+    from graphcap.backends.graph import CapturedGraph
 
 __all__ = ["GraphPool", "invalidate", "unowned_alias"]
 
