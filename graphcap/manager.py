@@ -200,12 +200,20 @@ class CaptureManager:
         except Exception as exc:  # any failure of one key is handled the same way below
             failure = exc
         failure = self._agree_on_failure(key, failure)
+        sticky = failure is not None and is_sticky_cuda_error(failure)
+        if self._sync is not None:  # a rank that stops must not leave its peers waiting in the next key
+            sticky_rank = self._sync.first_failed_rank(sticky, what=f"capture of {key}: sticky CUDA error")
+            if sticky_rank is not None and not sticky:
+                failure = CaptureError(
+                    f"rank {sticky_rank} hit a sticky CUDA error (its own error names it); every rank stops the pass"
+                )
+                sticky = True
         if failure is not None:
             if graph is not None:
                 graph.release()
             reason = _describe_failure(failure)
             _drop_frames(failure)  # C1: the failed forward's tensors must not outlive this key
-            if is_sticky_cuda_error(failure):
+            if sticky:
                 raise CaptureError(f"capturing {key} failed: {reason}; {_STICKY_HINT}") from failure
             if self.config.capture.on_error == "raise":
                 if isinstance(failure, CaptureUnsafeError):
