@@ -47,6 +47,7 @@ def is_sticky_cuda_error(exc: BaseException) -> bool:
 
 
 def record_input_ptrs(static_inputs: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """`data_ptr` of every static input by name; `TypeError` naming a bad entry."""
     if not isinstance(static_inputs, Mapping):
         kind = type(static_inputs).__name__
         raise TypeError(f"static_inputs must be a mapping of name -> tensor; got {kind}")
