@@ -407,10 +407,15 @@ class PersistentBuffers:
 
     def _upload(self, end: int) -> None:
         # One copy covers every staged row of the key: the block table is last in the layout.
+        # A host -> device copy runs on the current stream of the *target* device, which need
+        # not be the current device (cuda:1 while cuda:0 is current): the event that guards
+        # the pinned staging must be recorded on that stream, or stage() overwrites rows the
+        # copy still reads (W2).
         self._device_tensor[:end].copy_(self._host_tensor[:end], non_blocking=True)
         if self._copy_done is None:
-            self._copy_done = torch.cuda.Event()
-        self._copy_done.record()
+            with torch.cuda.device(self.device):
+                self._copy_done = torch.cuda.Event()
+        self._copy_done.record(torch.cuda.current_stream(self.device))
 
     def storage(self) -> dict[str, torch.Tensor]:
         """The persistent device storage (the whole packed buffer) by name."""

@@ -15,6 +15,7 @@ import logging
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,13 +24,13 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_device
+from graphcap.backends import CapturedGraph, GraphBackend, get_backend, is_sticky_cuda_error, resolve_device
 from graphcap.batch import GraphKey, StepBatch, dummy_batch, probe_batch
 from graphcap.buffers import ForwardInputs, PersistentBuffers
 from graphcap.config import CaptureConfig
 from graphcap.dispatch import KeyRegistry, StepStats
 from graphcap.distributed import DataParallelSync
-from graphcap.errors import CaptureError, CaptureUnsafeError
+from graphcap.errors import CaptureError, CaptureUnsafeError, ConfigError, ConfigProblem
 from graphcap.guard import StaticGuard
 from graphcap.inputs import BufferSpec
 from graphcap.invariants import check_invariants
@@ -43,6 +44,13 @@ log = logging.getLogger("graphcap")
 _OOM_HINT = (
     "the GPU ran out of memory while capturing; capture fewer sizes (capture.sizes), "
     "lower capture.max_size, or set capture.on_error: skip to run this size eagerly"
+)
+_STICKY_HINT = (
+    "this CUDA error is sticky: the CUDA context of this process is unusable (every later kernel, eager "
+    "ones too, fails with it), so the pass stops here; restart the process. CUDA reports kernel errors "
+    "late, so the faulty kernel may belong to an earlier key or step: rerun with CUDA_LAUNCH_BLOCKING=1 "
+    "to locate it; a device-side assert in an indexing kernel usually means out-of-range metadata "
+    "(run with checks.invariants: full)"
 )
 
 
@@ -123,18 +131,23 @@ class CaptureManager:
 
         Replaces graphs from an earlier pass. `capture.on_error: raise`: the first failure
         releases every graph of this pass and raises `CaptureError` naming the key and a
-        hint. `skip`: the key is recorded as skipped and runs eagerly. On every exit path GC
-        is unfrozen and re-enabled and no partial graph stays registered.
+        hint. `skip`: the key is recorded as skipped and runs eagerly. A sticky CUDA error
+        (a device-side assert) ends the pass under either policy: nothing after it can run.
+        A failed key's tensors are freed before the next key runs. On every exit path GC is
+        unfrozen and re-enabled and no partial graph stays registered. Raises `ConfigError`
+        when `capture.num_warmups` is below what the backend needs (cuda: 1).
         """
         with self._lock, self._step("capture"):
+            self._check_warmups()
             self._release_all()
             self._guard.arm(self._guard.collect(self.model, self.buffers.storage()), self.model)
             order = self.registry.capture_order()
             records: list[GraphRecord] = []
             start = time.perf_counter()
-            memory_before = self.backend.memory_in_use()
             try:
                 with _gc_frozen(), logging_redirect_tqdm():
+                    self.backend.empty_cache()  # once per pass (S4); the graphs then share the pool
+                    memory_before = self.backend.memory_in_use()
                     bar = tqdm(
                         order,
                         desc="capture",
@@ -157,6 +170,7 @@ class CaptureManager:
                 total_seconds=time.perf_counter() - start,
                 pool_bytes=max(0, self.backend.memory_in_use() - memory_before),
                 config=self.config.to_dict(),
+                warnings=self._pass_warnings(),
             )
         log.info(
             "captured %d graphs in %.2f s (%s)",
@@ -184,6 +198,7 @@ class CaptureManager:
 
             t0 = time.perf_counter()
             self.backend.warmup(run, self.config.capture.num_warmups)
+            self.backend.synchronize()  # time the warmups' GPU work, not their launches
             eager_seconds += time.perf_counter() - t0
             graph = self.backend.capture(run, self._static_inputs(inputs), name=str(key))
             verified = False
@@ -198,10 +213,21 @@ class CaptureManager:
         except Exception as exc:  # any failure of one key is handled the same way below
             failure = exc
         failure = self._agree_on_failure(key, failure)
+        sticky = failure is not None and is_sticky_cuda_error(failure)
+        if self._sync is not None:  # a rank that stops must not leave its peers waiting in the next key
+            sticky_rank = self._sync.first_failed_rank(sticky, what=f"capture of {key}: sticky CUDA error")
+            if sticky_rank is not None and not sticky:
+                failure = CaptureError(
+                    f"rank {sticky_rank} hit a sticky CUDA error (its own error names it); every rank stops the pass"
+                )
+                sticky = True
         if failure is not None:
             if graph is not None:
                 graph.release()
             reason = _describe_failure(failure)
+            _drop_frames(failure)  # C1: the failed forward's tensors must not outlive this key
+            if sticky:
+                raise CaptureError(f"capturing {key} failed: {reason}; {_STICKY_HINT}") from failure
             if self.config.capture.on_error == "raise":
                 if isinstance(failure, CaptureUnsafeError):
                     # Keep the type engines catch; the message already names op and line.
@@ -220,9 +246,11 @@ class CaptureManager:
     def _verify(self, graph: CapturedGraph, run: Callable[[], torch.Tensor], inputs: ForwardInputs) -> float:
         """Replay the capture's own dummy inputs once and compare with an eager run of them."""
         replayed = graph.replay()[: inputs.num_tokens].clone()
+        self.backend.synchronize()
         t0 = time.perf_counter()
         with torch.inference_mode():
             expected = run()[: inputs.num_tokens]
+        self.backend.synchronize()  # time the GPU work, not the launches
         seconds = time.perf_counter() - t0
         try:
             torch.testing.assert_close(replayed, expected, **self.config.checks.tolerance)
@@ -247,11 +275,13 @@ class CaptureManager:
         )
         self._stage(batch, key, capturing=True, dummy=True)
         replayed = graph.replay()[: batch.num_tokens].clone()
+        self.backend.synchronize()
         t0 = time.perf_counter()
         eager_key = self.registry.eager_key(batch.num_tokens, batch.num_reqs)
         eager_inputs = self._stage(batch, eager_key, capturing=True, dummy=True, replay=False)
         with torch.inference_mode(), running(eager_inputs, "full"):  # the graph's own code path
             expected = self._forward(eager_inputs)[: batch.num_tokens]
+        self.backend.synchronize()
         seconds = time.perf_counter() - t0
         try:
             torch.testing.assert_close(replayed, expected, **self.config.checks.tolerance)
@@ -267,6 +297,27 @@ class CaptureManager:
                 "never slice by a Python count"
             ) from None
         return seconds
+
+    def _check_warmups(self) -> None:
+        """R4: a backend that needs plain warmups before capture (cuda) refuses `num_warmups: 0`."""
+        need, have = self.backend.min_warmups, self.config.capture.num_warmups
+        if have < need:
+            message = (
+                f"{have} is too few for the {self.backend.name} backend: it needs at least {need} eager run "
+                "before each capture, so that lazy initialisation (cuBLAS workspaces, Triton autotuning, "
+                f"torch.compile, NCCL communicators) happens outside the graph; set it to {need} or more"
+            )
+            raise ConfigError([ConfigProblem("capture.num_warmups", message)])
+
+    def _pass_warnings(self) -> list[str]:
+        """What the report must say about this pass beyond its records (compiled code captured uncompiled)."""
+        uncompiled = sorted({f for graph in self.graphs.values() for f in graph.uncompiled})
+        if not uncompiled:
+            return []
+        return [
+            f"torch.compile was off while the {self.backend.name} backend captured: {', '.join(uncompiled)} "
+            "ran uncompiled in the graphs (eager steps run them compiled)"
+        ]
 
     def _agree_on_failure(self, key: GraphKey, failure: BaseException | None) -> BaseException | None:
         if self._sync is None:
@@ -458,9 +509,30 @@ def _accepts(fn: Callable, name: str) -> bool:
 
 def _describe_failure(exc: BaseException) -> str:
     text = (str(exc).strip().splitlines() or [""])[0]  # an exception may have no message
-    if isinstance(exc, torch.OutOfMemoryError):
+    # An OOM inside cudaGraphInstantiate surfaces as "CUDA error: out of memory", not OutOfMemoryError.
+    if isinstance(exc, torch.OutOfMemoryError) or "CUDA error: out of memory" in text:
         return f"out of memory ({text[:160] or 'no message'}); {_OOM_HINT}"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Free what the frames of a failed capture hold (its tensors live in the graph pool).
+
+    The failure kept in `_capture_key` references its traceback, whose frames reference the
+    failure again (a cycle) and every tensor of the failed forward; GC is off for the pass,
+    so without this they would pin the pool until the pass ends (C1). Frames keep their
+    file and line for the traceback; only their locals go. `gc.collect()` then frees any
+    other cycle the forward left (cheap: the heap is frozen).
+    """
+    pending, seen = [exc], set()
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        pending += [error.__cause__, error.__context__]
+    gc.collect()
 
 
 _EMPTY = StepBatch([], [])

@@ -25,7 +25,7 @@ class GraphRecord:
     capture_seconds: float
     """Wall time of staging, warmups, capture and verification for this key."""
     memory_bytes: int
-    """Memory the graph took (CUDA: allocator delta in the shared pool; emulated: peak live intermediates)."""
+    """Memory the graph took (CUDA: allocator delta into the backend's pool; emulated: peak live intermediates)."""
     verified: bool
     """Replayed once after capture and matched an eager run on the same inputs."""
     reason: str = ""
@@ -48,8 +48,10 @@ class CaptureReport:
     device: str
     total_seconds: float
     pool_bytes: int
-    """Memory all graphs hold together (CUDA: the shared pool; emulated: sum over graphs)."""
+    """Memory all graphs hold together (CUDA: the backend's pool; emulated: sum over graphs)."""
     config: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    """What the pass did that a reader must know beyond the records (compiled code captured uncompiled)."""
 
     @property
     def captured(self) -> list[GraphRecord]:
@@ -73,6 +75,7 @@ class CaptureReport:
             "pool_bytes": self.pool_bytes,
             "largest_graph_bytes": self.largest_graph_bytes,
             "graphs": [r.to_dict() for r in self.records],
+            "warnings": list(self.warnings),
             "config": self.config,
         }
 
@@ -114,6 +117,7 @@ class CaptureReport:
         if self.skipped:
             skipped = ", ".join(f"{r.key}" for r in self.skipped)
             lines.append(f"skipped ({len(self.skipped)}, these sizes run eagerly): {skipped}")
+        lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
 

@@ -27,7 +27,7 @@ def test_quick_start_has_exactly_two_commands_and_ci_runs_the_second():
 
 
 def test_library_example_runs():
-    (example,) = _blocks("python")
+    example, _ = _blocks("python")
     namespace: dict = {}
     exec(compile(example, "README.md", "exec"), namespace)
     assert namespace["logits"].shape[0] == 3
@@ -53,3 +53,9 @@ def test_every_unsafe_op_family_is_documented():
     for op in ("item", "nonzero", "masked_select", "unique", "repeat_interleave", "bincount", ".cpu()", ".numpy()"):
         assert op in README, op
     assert len(UNSAFE_OPS) >= 20
+
+
+def test_capture_safe_example_names_the_host_copy_and_its_line(capsys):
+    _, example = _blocks("python")
+    exec(compile(example, "README.md", "exec"), {})
+    assert capsys.readouterr().out == "Tensor.cpu at README.md:8\n"

@@ -1,183 +1,326 @@
-"""End-to-end check on a GPU machine (or the CPU with the emulated backend), in a few minutes.
+"""One GPU run that settles the CUDA backend: phases P0-P10, each printing its prediction next to what it saw.
 
-1. The embedded default config (tiny reference model): capture every key, verify each
-   replay against eager, time eager vs replay per key.
-2. With CUDA and enough free memory: the same for a Llama-3-8B-shaped model with random
-   bf16 weights (`capture_configs/llama3-8b-h200.yaml`).
-3. The capture-unsafe preflight (an `.item()` in the forward is named before
-   capture) and the address check (a replaced KV cache is refused at replay).
+The plan of docs/gpu (and of the CUDA backend review, section 3): the CUDA tests, pipelined
+real batches compared with eager, the cross-graph output probe, the failure paths (C1, C2,
+R1, a real OOM), the preflight table on real CUDA, torch.compile, the data-parallel agreement
+on one NCCL rank, and the 8B-shaped capture with memory and replay-vs-eager timing.
 
-Prints a table per model and writes every number as JSON (`--out`).
+- A global deadline (default 450 s, ~7.5 min): a phase that no longer fits is skipped.
+- The JSON (`--out`) is rewritten after every phase, so a run cut short keeps what it saw.
+- On CUDA every case runs in its own subprocess with a timeout: a poisoned CUDA context
+  (a device-side assert is sticky) or a hang ends that case, not the run. On the CPU cases
+  run in-process (`--isolate always` forces subprocesses there too).
+- `--device cpu` runs what a CPU can (the emulated backend, fake-CUDA preflight verdicts,
+  gloo); phases that need CUDA report "skipped: no CUDA". CI runs it that way.
 
-    python tools/gpu_check.py                     # best device, JSON to gpu_check.json
-    python tools/gpu_check.py --device cpu --quick
+    python tools/gpu_check.py --list                  # the phases and their predictions
+    python tools/gpu_check.py                         # the full run on the best device
+    python tools/gpu_check.py --device cpu --quick    # what CI runs
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
+import subprocess
 import sys
+import tempfile
 import time
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(HERE), str(ROOT)]  # the case modules beside this file, and graphcap
 
-from graphcap import CaptureManager, CaptureUnsafeError, load_config
-from graphcap.backends import StaticInputMovedError, resolve_device
-from graphcap.models import build_model
-from graphcap.report import atomic_write, format_bytes
-from graphcap.testing import fill_batch, time_key
 
-ROOT = Path(__file__).resolve().parents[1]
-LLAMA_8B = ROOT / "capture_configs" / "llama3-8b-h200.yaml"
-LLAMA_8B_MIN_FREE = 60 * 2**30  # weights 16 GiB + KV 16 GiB + activations and graph pool
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    title: str
+    budget: float
+    """Seconds the phase may take (all its cases); its cases share it."""
+    prediction: str
+    cases: tuple[str, ...]
+    """Case functions (in _gpu_steps / _gpu_probes), each run alone; () for P0 and P10."""
+    needs_cuda: bool = False
+
+
+PHASES = (
+    Phase("P0", "environment of the target device", 10, "-", ()),
+    Phase(
+        "P1",
+        "pytest tests/backends/test_cuda.py",
+        75,
+        "all pass (before the fixes: C1's use_count INTERNAL ASSERT)",
+        ("cuda_tests",),
+        True,
+    ),
+    Phase(
+        "P2",
+        "tiny config, sync_debug: capture, verify, time",
+        40,
+        "every key captured and verified; replay faster than eager at small sizes",
+        ("tiny",),
+    ),
+    Phase(
+        "P3",
+        "pipelined real batches, no sync between steps",
+        40,
+        "every step equals eager (uploads ordered on the target device's stream)",
+        ("pipelined",),
+    ),
+    Phase(
+        "P4",
+        "cross-graph output probe",
+        30,
+        "a view kept past another graph's replay changes within a pool; another manager's step leaves it intact (W1)",
+        ("clobber",),
+    ),
+    Phase(
+        "P5",
+        "failure paths: real OOM, invalidated capture, sticky assert",
+        75,
+        "the rest of the pass captures after an OOM (C1) and after an invalidated capture (C2); "
+        "a device assert stops the pass with one message (R1)",
+        ("oom_first_key", "invalidated_capture", "sticky_assert"),
+    ),
+    Phase(
+        "P6",
+        "preflight table on real CUDA",
+        30,
+        "every capture-illegal form named; x[mask] = 0.0 not flagged and captured; "
+        "raw illegal captures invalidated, and the next capture works (C3, C2)",
+        ("preflight_table",),
+    ),
+    Phase(
+        "P7",
+        "torch.compile through warmup and capture",
+        60,
+        "cuda: the capture runs the compiled code (before the fix: 0 compiled frames), and an inductor "
+        "graph replays faster; emulated: a warning",
+        ("compiled", "compiled_inductor"),
+    ),
+    Phase(
+        "P8",
+        "data-parallel agreement on one rank",
+        40,
+        "nccl group: agreement on a gloo group, < 1 ms per step (before: a device sync and a sleep-poll per step)",
+        ("agreement",),
+    ),
+    Phase(
+        "P9",
+        "Llama-3-8B-shaped capture, memory and timing",
+        200,
+        "86 keys captured; pool about the largest graph (S3: ~7 GiB of logits no longer held); "
+        "decode replay several times faster",
+        ("llama8b",),
+        True,
+    ),
+    Phase("P10", "verdict", 5, "-", ()),
+)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
-    parser.add_argument("--out", default="gpu_check.json", help="JSON results (default gpu_check.json)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per key and side (default 20)")
-    parser.add_argument("--quick", action="store_true", help="small schedule, few steps (a smoke run)")
-    parser.add_argument("--skip-8b", action="store_true", help="skip the Llama-3-8B-shaped model")
-    args = parser.parse_args()
-    steps = 2 if args.quick else args.steps
-    results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "environment": _environment()}
-    print(f"# environment: {results['environment']}", flush=True)
+    args = _parse()
+    if args.case:
+        return _run_case_here(args)
+    if args.list:
+        for phase in PHASES:
+            need = " (needs CUDA)" if phase.needs_cuda else ""
+            print(f"{phase.name:<4} {phase.title}{need}, {phase.budget:.0f} s\n     predicted: {phase.prediction}")
+        return 0
+    import torch  # after --list: listing needs no torch
 
-    overrides = {"device": args.device, "checks.invariants": "full"}
-    if args.quick:
-        overrides["capture.max_size"] = 8
-    results["tiny"] = check_model("tiny reference model (embedded default config)", None, overrides, steps)
-
-    if resolve_device(load_config(None, {"device": args.device})).type == "cuda":
-        free = torch.cuda.mem_get_info()[0]
-        if args.skip_8b or args.quick:
-            results["llama3_8b"] = {"skipped": "--skip-8b or --quick"}
-        elif free < LLAMA_8B_MIN_FREE:
-            results["llama3_8b"] = {"skipped": f"{format_bytes(free)} free, needs {format_bytes(LLAMA_8B_MIN_FREE)}"}
+    device = _device(args.device, torch)
+    on_cuda = device.startswith("cuda")
+    isolate = args.isolate == "always" or (args.isolate == "auto" and on_cuda)
+    deadline = time.monotonic() + args.deadline
+    out = Path(args.out)
+    results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "device": device, "quick": args.quick, "phases": {}}
+    only = set(args.only.split(",")) if args.only else None
+    for phase in PHASES:
+        if only is not None and phase.name not in only and phase.name not in ("P0", "P10"):
+            continue
+        started = time.monotonic()
+        if phase.name == "P0":
+            record = {"status": "ok", "observed": "", **_environment(device, torch)}
+            record["observed"] = ", ".join(f"{k} {v}" for k, v in record.items() if k not in ("status", "observed"))
+        elif phase.name == "P10":
+            record = _verdict(results["phases"])
+        elif phase.needs_cuda and not on_cuda:
+            record = {"status": "skipped", "observed": "skipped: no CUDA"}
+        elif deadline - started < phase.budget / 2:  # it would most likely be cut short
+            record = {"status": "skipped", "observed": f"skipped: {deadline - started:.0f} s left of the deadline"}
         else:
-            # ~100 keys at ~50 ms a forward: 5 timed steps a side keep the run near 5 minutes.
-            results["llama3_8b"] = check_model(
-                "Llama-3-8B-shaped, random bf16 weights",
-                LLAMA_8B,
-                {"device": args.device, "report.path": None},
-                min(steps, 5),
-            )
-    else:
-        results["llama3_8b"] = {"skipped": "no CUDA device"}
-    if "skipped" in results["llama3_8b"]:
-        print(f"\nllama3_8b: skipped ({results['llama3_8b']['skipped']})")
-    results["safety"] = check_safety(overrides)
-    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    atomic_write(Path(args.out), json.dumps(results, indent=2) + "\n")
-    print(f"\nresults written to {args.out}")
-    ok = all(r.get("all_verified", True) for r in results.values() if isinstance(r, dict))
-    ok = ok and results.get("safety", {}).get("ok", True)
-    print("gpu_check: ok" if ok else "gpu_check: FAILED")
+            record = _run_phase(phase, device, args.quick, isolate, min(phase.budget, deadline - started))
+        record["seconds"] = round(time.monotonic() - started, 2)
+        results["phases"][phase.name] = {"title": phase.title, "prediction": phase.prediction, **record}
+        _print(phase, record)
+        results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        _write(out, results)
+    ok = results["phases"]["P10"]["status"] == "ok"
+    print(f"\nresults written to {out}\ngpu_check: {'ok' if ok else 'FAILED'}")
     return 0 if ok else 1
 
 
-def check_model(title: str, path, overrides: dict, steps: int) -> dict:
-    """Capture, verify and time one config; print its table; return the numbers."""
-    config = load_config(path, overrides)
-    started = time.perf_counter()
-    model = build_model(config)
-    build_seconds = time.perf_counter() - started
-    manager = CaptureManager(model, config, progress=False)
-    report = manager.capture()
-    rows = []
-    for record in report.captured:
-        timing = time_key(manager, record.key, steps=steps)
-        rows.append(
-            {
-                **record.to_dict(),
-                "eager_ms": None if timing is None else timing.eager_ms,
-                "replay_ms": None if timing is None else timing.replay_ms,
-                "speedup": None if timing is None else timing.speedup,
-            }
-        )
-    print(f"\n## {title}: {len(report.captured)} graphs on {report.device} ({report.backend} backend)")
-    print(
-        f"{'key':<8} {'size':>5} {'reqs':>5} {'capture ms':>10} {'graph mem':>10} "
-        f"{'eager ms':>9} {'replay ms':>9} {'speedup':>8}"
-    )
-    for row in rows:
-        key = row["key"]
-        timed = row["eager_ms"] is not None
-        print(
-            f"{'uniform' if key['uniform'] else 'mixed':<8} {key['num_tokens']:>5} {key['num_reqs']:>5} "
-            f"{row['capture_seconds'] * 1e3:>10.1f} {format_bytes(row['memory_bytes']):>10} "
-            + (
-                f"{row['eager_ms']:>9.3f} {row['replay_ms']:>9.3f} {row['speedup']:>7.2f}x"
-                if timed
-                else f"{'(a 1-token step is always uniform)':>28}"
-            )
-        )
-    print(
-        f"total capture time {report.total_seconds:.2f} s; pool memory {format_bytes(report.pool_bytes)} "
-        f"vs largest single graph {format_bytes(report.largest_graph_bytes)}; model build {build_seconds:.1f} s"
-    )
-    all_verified = all(r.verified for r in report.captured) and not report.skipped
-    return {
-        "title": title,
-        "device": report.device,
-        "backend": report.backend,
-        "total_capture_seconds": report.total_seconds,
-        "pool_bytes": report.pool_bytes,
-        "largest_graph_bytes": report.largest_graph_bytes,
-        "skipped": [r.to_dict() for r in report.skipped],
-        "all_verified": all_verified,
-        "graphs": rows,
-    }
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
+    parser.add_argument("--out", default="gpu_check.json", help="JSON results, rewritten after every phase")
+    parser.add_argument("--deadline", type=float, default=450.0, help="seconds for the whole run (default 450)")
+    parser.add_argument("--quick", action="store_true", help="small schedules and few steps (a smoke run)")
+    parser.add_argument("--only", help="comma-separated phases to run (P0 and P10 always run), e.g. P3,P4")
+    parser.add_argument("--isolate", choices=("auto", "always", "never"), default="auto", help="a subprocess per case")
+    parser.add_argument("--list", action="store_true", help="print the phases and their predictions, run nothing")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, write its JSON
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    return parser.parse_args()
 
 
-def check_safety(overrides: dict) -> dict:
-    """The unsafe-op check (CUDA: preflight in warmup; CPU: emulated capture) names `.item()`;
-    a replaced KV cache is refused."""
-    config = load_config(None, {**overrides, "capture.max_size": 2})
-    model = build_model(config)
-    forward = model.forward
-    out: dict = {}
+def _device(requested: str, torch) -> str:
+    from graphcap.backends import resolve_device
 
-    def item_forward(inputs):
-        logits = forward(inputs)
-        return logits * float(logits.sum().item() > 0)
+    device = resolve_device(requested)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
 
-    model.forward = item_forward
+
+def _run_phase(phase: Phase, device: str, quick: bool, isolate: bool, seconds: float) -> dict:
+    cases, ends = {}, time.monotonic() + seconds
+    for name in phase.cases:
+        left = ends - time.monotonic()
+        if left < 3:
+            cases[name] = {"ok": False, "observed": "skipped: the phase ran out of its budget"}
+        elif isolate:
+            cases[name] = _case_in_subprocess(name, device, quick, left)
+        else:
+            cases[name] = _case_here(name, device, quick)
+    ok = all(c.get("ok") for c in cases.values())
+    observed = "; ".join(str(c.get("observed", "")) for c in cases.values())
+    return {"status": "ok" if ok else "failed", "observed": observed, "cases": cases}
+
+
+def _case_here(name: str, device: str, quick: bool) -> dict:
     try:
-        CaptureManager(model, config, progress=False).capture()
-        out["unsafe_named"] = False
-    except CaptureUnsafeError as exc:
-        out["unsafe_named"] = "item" in str(exc)
-    except Exception as exc:  # report what happened instead of the preflight's error
-        out["unsafe_named"] = f"{type(exc).__name__}: {exc}"[:300]
-    model.forward = forward
-    manager = CaptureManager(model, config, progress=False)
-    manager.capture()
-    key = next(iter(manager.graphs))
-    model.kv_cache = torch.zeros_like(model.kv_cache)  # a buffer replaced after capture
-    try:
-        manager.execute(fill_batch(key, config))
-        out["moved_refused"] = False
-    except StaticInputMovedError as exc:
-        out["moved_refused"] = "kv_cache" in str(exc)
-    out["ok"] = out["unsafe_named"] is True and out["moved_refused"] is True
-    print(
-        f"\nsafety: unsafe op named before capture: {out['unsafe_named']}; "
-        f"replaced KV cache refused: {out['moved_refused']}"
-    )
-    return out
+        result = _case_function(name)(device, quick)
+        if device.startswith("cuda") and not result.get("poisoned"):
+            import torch
+
+            torch.cuda.synchronize(device)  # an asynchronous error of the case shows here, in its case
+        return result
+    except Exception as exc:  # a case that breaks reports it; the run goes on
+        lines = traceback.format_exception(exc)
+        return {
+            "ok": False,
+            "observed": f"error: {type(exc).__name__}: {str(exc).strip()[:300]}",
+            "traceback": lines[-6:],
+        }
 
 
-def _environment() -> dict:
+def _case_in_subprocess(name: str, device: str, quick: bool, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "case.json"
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--case",
+            name,
+            "--device",
+            device,
+            "--result",
+            str(result),
+        ]
+        command += ["--quick"] if quick else []
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=os.environ)
+        except subprocess.TimeoutExpired as exc:
+            tail = (exc.stderr or b"")[-400:]
+            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+            return {"ok": False, "observed": f"timeout after {timeout:.0f} s", "stderr": tail}
+        if result.exists():
+            return json.loads(result.read_text())
+        return {"ok": False, "observed": f"crashed (exit {done.returncode})", "stderr": done.stderr[-1500:]}
+
+
+def _run_case_here(args: argparse.Namespace) -> int:
+    record = _case_here(args.case, args.device, args.quick)
+    Path(args.result).write_text(json.dumps(record, default=str))
+    return 0
+
+
+def _case_function(name: str):
+    import _gpu_probes
+    import _gpu_steps
+
+    for module in (_gpu_steps, _gpu_probes):
+        if name in module.CASES:
+            return module.CASES[name]
+    raise KeyError(f"no case {name!r}")
+
+
+def _environment(device: str, torch) -> dict:
+    import platform
+
     env = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine()}
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        env.update(gpu=props.name, gpu_memory=format_bytes(props.total_memory), cuda=torch.version.cuda)
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(device)
+        env.update(
+            gpu=props.name,
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            capability=f"{props.major}.{props.minor}",
+            cuda=torch.version.cuda,
+            nccl=_nccl_version(torch),
+            driver=_driver_version(),
+        )
     return env
+
+
+def _nccl_version(torch) -> str | None:
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        return None
+    version = torch.cuda.nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def _driver_version() -> str | None:
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+
+
+def _verdict(phases: dict) -> dict:
+    bad = [f"{name} {r['status']}" for name, r in phases.items() if r["status"] not in ("ok", "skipped")]
+    ran = sum(r["status"] != "skipped" for r in phases.values())
+    observed = f"{ran} phases ran, {len(phases) - ran} skipped; " + (
+        "all as predicted" if not bad else "not as predicted: " + ", ".join(bad)
+    )
+    return {"status": "ok" if not bad else "failed", "observed": observed}
+
+
+def _print(phase: Phase, record: dict) -> None:
+    print(f"{phase.name:<4} {phase.title}  [{record['status']}, {record['seconds']:.1f} s]", flush=True)
+    if phase.prediction != "-":
+        print(f"     predicted: {phase.prediction}")
+    print(f"     saw:       {record['observed']}", flush=True)
+
+
+def _write(path: Path, results: dict) -> None:
+    from graphcap.report import atomic_write
+
+    atomic_write(path, json.dumps(results, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

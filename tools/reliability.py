@@ -96,7 +96,7 @@ class Scale:
     control_rounds: int
 
 
-FULL = Scale(2000, 300, 5000, 6, 6, 4, 2500, 20, 5)
+FULL = Scale(2000, 300, 5000, 8, 6, 4, 2500, 20, 5)
 QUICK = Scale(60, 20, 200, 1, 2, 1, 150, 2, 1)
 
 
@@ -589,8 +589,8 @@ def fault_rows(scale: Scale, workdir: Path) -> list[Row]:
         manager = make_manager(config, faulty=True)
         tally = Tally()
         for trial in range(scale.faults):
-            on_call = 1 + trial % 3  # warmup, capture, verify
-            size = 4 if kind == "oom" else (2, 4)[(trial // 3) % 2]
+            on_call = 1 + trial % 4  # preflight, warmup, capture, verify
+            size = 4 if kind == "oom" else (2, 4)[(trial // 4) % 2]
             old = OLD_REPORT if trial % 2 == 0 else None
             with tally.trial(f"{kind} {on_error} call {on_call} size {size}"):
                 _fault_trial(manager, path, kind, on_error, on_call, size, old)
@@ -600,7 +600,7 @@ def fault_rows(scale: Scale, workdir: Path) -> list[Row]:
             outcome = "propagated; GC restored, no graph or memory left, report unchanged, captured again"
         else:
             outcome = "CaptureError naming the key (+ hint); nothing left, report unchanged, captured again"
-        rows.append(tally.row("faults", f"{what}, `on_error: {on_error}` (warmup/capture/verify)", outcome))
+        rows.append(tally.row("faults", f"{what}, `on_error: {on_error}` (preflight/warmup/capture/verify)", outcome))
 
     tally = Tally()
     for trial in range(scale.report_writes):
@@ -757,9 +757,9 @@ def render(rows: list[Row], command: str, seconds: float) -> str:
         "- steps: a refused step leaves the persistent buffers, the KV cache and the step counters",
         "  byte-identical; an accepted one matches an eager run of the same step. Validity is decided",
         "  by an oracle in `graphcap/testing/fuzz.py` written without graphcap's code.",
-        "- faults: injected by a model wrapper that raises during one phase (warmup, capture, or the",
-        "  eager run of the replay check) of the keys of one size; after each, the fault is disarmed and",
-        "  the same manager must capture every key again.",
+        "- faults: injected by a model wrapper that raises during one phase (the checked preflight, a",
+        "  warmup, capture, or the eager run of the replay check) of the keys of one size; after each, the",
+        "  fault is disarmed and the same manager must capture every key again.",
         "- stale data: `checks.poison_padding: true` fills the whole packed staging buffer with a",
         "  sentinel before every step, so a read of a padded row the pad rules did not write is garbage.",
         "- threads: steps are self-contained, so every output is compared bit for bit with a",

@@ -1,10 +1,11 @@
 """Graph backends: capture a forward closure once, replay it many times.
 
-`cuda` wraps `torch.cuda.CUDAGraph` (one shared memory pool per device, capture on a
-side stream); `emulated` reproduces CUDA-graph semantics on the CPU by recording and
-replaying the aten op tape, so every rule above the backends is tested without a GPU.
-Both refuse ops a CUDA graph cannot hold (`graphcap.backends.unsafe`) with
-`CaptureUnsafeError`. Pick one with `get_backend`.
+`cuda` wraps `torch.cuda.CUDAGraph` (one memory pool and capture side stream per backend);
+`emulated` reproduces CUDA-graph semantics on the CPU by recording and replaying the aten
+op tape, so every rule above the backends is tested without a GPU. Both name ops a CUDA
+graph cannot hold (`graphcap.backends.unsafe`) with `CaptureUnsafeError`, in a preflight
+before capture; `check_capture_safe(fn, device)` runs that preflight on its own. Pick a
+backend with `get_backend`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphcap.backends.base import CapturedGraph, GraphBackend
+from graphcap.backends.base import GraphBackend
 from graphcap.backends.emulated import EmulatedBackend, EmulatedGraph
+from graphcap.backends.graph import CapturedGraph, is_sticky_cuda_error
+from graphcap.backends.pool import GraphPool
+from graphcap.backends.preflight import check_capture_safe
 from graphcap.backends.unsafe import UNSAFE_OPS, UnsafeOp
 from graphcap.errors import CaptureError, CaptureUnsafeError, ConfigError, ConfigProblem, StaticInputMovedError
 
@@ -30,9 +34,12 @@ __all__ = [
     "EmulatedBackend",
     "EmulatedGraph",
     "GraphBackend",
+    "GraphPool",
     "StaticInputMovedError",
     "UnsafeOp",
+    "check_capture_safe",
     "get_backend",
+    "is_sticky_cuda_error",
     "resolve_device",
 ]
 
@@ -40,12 +47,24 @@ BACKEND_NAMES = ("auto", "cuda", "emulated")
 """Valid `name`s for `get_backend`."""
 
 
-def get_backend(name: str, device: torch.device | str, *, sync_debug: bool = False) -> GraphBackend:
+def get_backend(
+    name: str,
+    device: torch.device | str,
+    *,
+    sync_debug: bool = False,
+    share_pool_with: GraphBackend | None = None,
+    check_input_liveness: bool = False,
+) -> GraphBackend:
     """Build the backend called `name` ("auto" | "cuda" | "emulated") for `device`.
 
     "auto" is "cuda" when CUDA is available and `device` is a CUDA device, else
-    "emulated". `sync_debug` (cuda only) runs warmups under
-    `torch.cuda.set_sync_debug_mode("error")`, so any host sync is named before capture.
+    "emulated". Every backend has its own memory pool; `share_pool_with=other` puts this
+    one in `other`'s pool (same kind and device), to share memory between models that
+    never step at the same time: then a replay of either invalidates the other's last
+    output. `sync_debug` (cuda only) also runs the plain warmups under
+    `torch.cuda.set_sync_debug_mode("error")` (the preflight always does).
+    `check_input_liveness` (cuda only, debug): replays raise if a tensor the capture read
+    was freed since; compiled forwards are then captured uncompiled.
     """
     if name not in BACKEND_NAMES:
         valid = ", ".join(BACKEND_NAMES)
@@ -53,11 +72,25 @@ def get_backend(name: str, device: torch.device | str, *, sync_debug: bool = Fal
     device = torch.device(device)
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() and device.type == "cuda" else "emulated"
+    pool = _shared_pool(share_pool_with, name, device)
     if name == "emulated":
-        return EmulatedBackend(device)
+        return EmulatedBackend(device, pool)
     from graphcap.backends.cuda import CUDAGraphBackend  # touches torch.cuda only when asked
 
-    return CUDAGraphBackend(device, sync_debug=sync_debug)
+    return CUDAGraphBackend(device, sync_debug=sync_debug, pool=pool, check_input_liveness=check_input_liveness)
+
+
+def _shared_pool(other: GraphBackend | None, name: str, device: torch.device) -> GraphPool | None:
+    if other is None:
+        return None
+    if not isinstance(other, GraphBackend):
+        raise TypeError(f"share_pool_with must be a graph backend; got {type(other).__name__}")
+    if other.name != name or other.device.type != device.type or (device.index not in (None, other.device.index)):
+        raise ValueError(
+            f"share_pool_with: a {name} backend on {device} cannot share the pool of a {other.name} backend "
+            f"on {other.device}; pools are shared by backends of one kind on one device"
+        )
+    return other.pool
 
 
 def resolve_device(config: CaptureConfig | str) -> torch.device:

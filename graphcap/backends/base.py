@@ -2,25 +2,31 @@
 
 A backend captures a zero-argument forward closure into a `CapturedGraph` and replays it.
 This module owns everything that does not need a GPU, so the CPU tests exercise it
-through the emulated backend: the errors, the address check, the registry of live
-graphs, the warmup loop (the first warmup runs under the unsafe-op checker), argument
-validation and the rules on call order (captures do not nest; nothing is warmed up,
-captured or reset while a capture is under way).
+through the emulated backend: the registry of live graphs (`CapturedGraph` lives in
+`graphcap.backends.graph`), the pool (`graphcap.backends.pool`), the warmup loop (a
+separate, checked first run, then plain ones), argument validation and the rules on call
+order (captures do not nest; nothing is warmed up, captured or reset while a capture is
+under way).
 
 Subclasses implement `_capture` (which must leave nothing behind when it raises),
-`_replay`/`_release` on their graph class, and the memory queries. They do not wrap
-errors: a `CaptureUnsafeError` and any other exception (`torch.OutOfMemoryError`
-included) propagate unchanged; the manager adds the graph key and a hint.
+`_replay`/`_release` on their graph class, and the memory queries. Apart from errors only
+they can explain (a capture CUDA invalidated), they do not wrap errors: a
+`CaptureUnsafeError` and any other exception (`torch.OutOfMemoryError` included)
+propagate unchanged; the manager adds the graph key and a hint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Mapping
 
 import torch
 
-from graphcap.backends.unsafe import unsafe_op_checker
+from graphcap.backends.compiled import uncompiled_warning
+from graphcap.backends.graph import CapturedGraph, is_sticky_cuda_error, record_input_ptrs
+from graphcap.backends.pool import GraphPool
+from graphcap.backends.preflight import preflight, sync_debug_errors
 from graphcap.errors import CaptureError, CaptureUnsafeError, StaticInputMovedError
 
 __all__ = [
@@ -30,134 +36,15 @@ __all__ = [
     "Forward",
     "GraphBackend",
     "StaticInputMovedError",
+    "is_sticky_cuda_error",
 ]
 
 Forward = Callable[[], torch.Tensor]
 """A forward closure: no arguments, reads its static inputs itself, returns one tensor."""
 
-_MOVED_FIX = (
-    "a persistent buffer was replaced by a new tensor after capture; "
-    "write into it in place with copy_() or capture again"
-)
-
-
-def _record_input_ptrs(static_inputs: Mapping[str, torch.Tensor]) -> dict[str, int]:
-    if not isinstance(static_inputs, Mapping):
-        kind = type(static_inputs).__name__
-        raise TypeError(f"static_inputs must be a mapping of name -> tensor; got {kind}")
-    ptrs = {}
-    for name, tensor in static_inputs.items():
-        if not isinstance(tensor, torch.Tensor):
-            kind = type(tensor).__name__
-            raise TypeError(f"static input {name!r} must be a torch.Tensor; got {kind}")
-        ptrs[name] = tensor.data_ptr()
-    return ptrs
-
-
-class CapturedGraph:
-    """One captured forward: replay it, check its inputs' addresses, release it.
-
-    Contract: `output` is the tensor the forward returned at capture; every `replay()`
-    overwrites it in place and returns it, so a caller that keeps it across replays sees
-    the latest values. Static inputs must stay where they were at capture (same
-    `data_ptr`); write new values into them in place. After `release()`, `output` is None
-    and `replay()` raises `CaptureError`.
-    """
-
-    name: str
-    output: torch.Tensor
-    input_ptrs: dict[str, int]
-    memory_bytes: int
-    num_replays: int
-
-    def __init__(
-        self,
-        *,
-        name: str,
-        output: torch.Tensor,
-        input_ptrs: dict[str, int],
-        memory_bytes: int,
-    ) -> None:
-        self.name = name
-        self.output = output
-        self.input_ptrs = input_ptrs
-        self.memory_bytes = memory_bytes
-        self.num_replays = 0
-        self._is_released = False
-
-    @property
-    def is_released(self) -> bool:
-        return self._is_released
-
-    def replay(self) -> torch.Tensor:
-        """Run the captured work again; returns `self.output`, overwritten in place."""
-        if self._is_released:
-            raise CaptureError(f"graph {self.name} was released; capture it again to replay it")
-        self._replay()
-        self.num_replays += 1
-        return self.output
-
-    def check_addresses(self, static_inputs: Mapping[str, torch.Tensor]) -> None:
-        """Raise `StaticInputMovedError` unless `static_inputs` match those recorded at capture.
-
-        Same names, same `data_ptr` each. The graph reads the addresses it saw at capture,
-        so a moved input means silently stale output.
-        """
-        recorded = self.input_ptrs
-        for input_name, recorded_ptr in recorded.items():
-            tensor = static_inputs.get(input_name)
-            if tensor is None:
-                raise StaticInputMovedError(
-                    f"static input {input_name!r} of graph {self.name} is missing now "
-                    f"(recorded at capture: data_ptr {recorded_ptr:#x}; given: "
-                    f"{sorted(static_inputs)}); pass the same persistent buffers, "
-                    "or capture again",
-                    input_name,
-                    recorded_ptr,
-                    None,
-                )
-            current_ptr = tensor.data_ptr()
-            if current_ptr != recorded_ptr:
-                raise StaticInputMovedError(
-                    f"static input {input_name!r} of graph {self.name} moved: data_ptr "
-                    f"{recorded_ptr:#x} at capture, {current_ptr:#x} now; {_MOVED_FIX}",
-                    input_name,
-                    recorded_ptr,
-                    current_ptr,
-                )
-        if len(static_inputs) != len(recorded):
-            for input_name, tensor in static_inputs.items():
-                if input_name not in recorded:
-                    raise StaticInputMovedError(
-                        f"static input {input_name!r} (data_ptr {tensor.data_ptr():#x}) was "
-                        f"not given at capture of graph {self.name} (recorded: "
-                        f"{sorted(recorded)}); the graph cannot read it; capture again",
-                        input_name,
-                        None,
-                        tensor.data_ptr(),
-                    )
-
-    def release(self) -> None:
-        """Drop the graph and what it holds (output included). Idempotent."""
-        if self._is_released:
-            return
-        self._is_released = True
-        self._release()
-        self.output = None  # type: ignore[assignment]  # documented: None after release
-
-    def _replay(self) -> None:
-        raise NotImplementedError
-
-    def _release(self) -> None:
-        raise NotImplementedError
-
-    def __repr__(self) -> str:
-        state = "released" if self._is_released else f"{self.num_replays} replays"
-        return f"{type(self).__name__}({self.name}, {self.memory_bytes} bytes, {state})"
-
 
 class GraphBackend:
-    """Captures forward closures into graphs on one device and keeps the live ones.
+    """Captures forward closures into graphs on one device, in one pool, and keeps the live ones.
 
     Does not decide what to capture, stage inputs, wrap errors with graph keys or manage
     `gc`: that is the manager's job. Call order: `warmup` then `capture` per key; never
@@ -166,9 +53,15 @@ class GraphBackend:
 
     name: str
     device: torch.device
+    min_warmups = 0
+    """Plain warmups `warmup` requires before a capture (cuda: 1)."""
+    _preflight_syncs = False  # run the preflight under set_sync_debug_mode("error") (cuda)
+    _sync_debug = False  # run the plain warmups under it too (cuda, `sync_debug=True`)
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, pool: GraphPool | None = None) -> None:
         self.device = torch.device(device)
+        self.pool = pool if pool is not None else self._new_pool()
+        """The memory pool of this backend's graphs (shared with others only on request)."""
         self._graphs: list[CapturedGraph] = []
         self._is_capturing = False
 
@@ -179,21 +72,30 @@ class GraphBackend:
         return tuple(self._graphs)
 
     def warmup(self, fn: Forward, num_warmups: int) -> None:
-        """Call `fn` eagerly `num_warmups` times, the first under the unsafe-op checker.
+        """Run the preflight of `fn` once, then call it eagerly `num_warmups` more times.
 
-        Runs under `torch.inference_mode()`, like capture. The checked first call names an
-        op a CUDA graph cannot hold (op, reason, user file:line) as `CaptureUnsafeError`.
+        The preflight runs `fn` under the unsafe-op checker with torch.compile off (and on
+        CUDA under `set_sync_debug_mode("error")`), and names an op a CUDA graph cannot
+        hold as `CaptureUnsafeError` (op, reason, user file:line). The plain warmups then
+        run `fn` as capture will: compiled, lazy libraries initialised. All under
+        `torch.inference_mode()`, like capture.
         """
         if isinstance(num_warmups, bool) or not isinstance(num_warmups, int) or num_warmups < 0:
             raise ValueError(f"num_warmups must be an int >= 0; got {num_warmups!r}")
+        if num_warmups < self.min_warmups:
+            raise ValueError(
+                f"num_warmups={num_warmups}: the {self.name} backend needs at least {self.min_warmups} plain "
+                "warmup before capture, so that lazy initialisation (cuBLAS workspaces, Triton autotuning, "
+                "torch.compile, NCCL communicators) happens outside the graph; set capture.num_warmups >= "
+                f"{self.min_warmups}"
+            )
         _check_callable(fn)
         self._check_not_capturing("warmup()")
         with self._warmup_context(), torch.inference_mode():
-            for index in range(num_warmups):
-                if index == 0:
-                    with unsafe_op_checker(self.device):
-                        fn()
-                else:
+            with preflight(self.device, sync_debug=self._preflight_syncs):
+                fn()
+            with sync_debug_errors(self._sync_debug):
+                for _ in range(num_warmups):
                     fn()
 
     def capture(
@@ -206,16 +108,21 @@ class GraphBackend:
         """Capture `fn` (no arguments; it reads `static_inputs` itself) into a graph.
 
         Records each static input's `data_ptr`. Returns the graph, registered with this
-        backend; `graph.output` is fn's result at capture. On failure nothing stays
-        registered or allocated and the exception propagates unchanged.
+        backend, in this backend's pool; read `graph.output` only after a replay (on CUDA
+        capture runs nothing). On failure nothing stays registered or allocated, later
+        captures go to a fresh pool, and the exception propagates. Warns when
+        torch.compile'd code was captured uncompiled (`graph.uncompiled`).
         """
         _check_callable(fn)
-        input_ptrs = _record_input_ptrs(static_inputs)
+        input_ptrs = record_input_ptrs(static_inputs)
         self._check_not_capturing("capture()")
         self._is_capturing = True
         try:
             with torch.inference_mode():
                 graph = self._capture(fn, name=name, input_ptrs=input_ptrs)
+        except BaseException:
+            self.pool.rotate()  # a failed capture may leave the pool pinned or recording (C1, C2)
+            raise
         finally:
             self._is_capturing = False
         try:
@@ -225,19 +132,28 @@ class GraphBackend:
         except StaticInputMovedError:
             graph.release()
             raise
+        if graph.uncompiled:
+            warnings.warn(uncompiled_warning(self.name, name, graph.uncompiled), UserWarning, stacklevel=2)
         self._graphs.append(graph)
         return graph
 
     def reset(self) -> None:
-        """Release every graph this backend captured, then its memory pool."""
+        """Release every graph this backend captured; later captures go to a fresh pool."""
         self._check_not_capturing("reset()")
         for graph in self._graphs:
             graph.release()
         self._graphs = []
-        self._reset_pool()
+        self.pool.rotate()
+        # After a sticky CUDA error every CUDA call fails with it: the reset must not replace
+        # the error that ended the pass with a second copy of it.
+        with contextlib.suppress(Exception):
+            self.empty_cache()
 
     def synchronize(self) -> None:
         """Wait until the device has finished all queued work."""
+
+    def empty_cache(self) -> None:
+        """Return cached, unused device memory (the manager calls it once per capture pass)."""
 
     def memory_in_use(self) -> int:
         raise NotImplementedError
@@ -246,14 +162,14 @@ class GraphBackend:
         """Free device memory in bytes, or None where the notion does not apply."""
         return None
 
+    def _new_pool(self) -> GraphPool:
+        return GraphPool(self.device)
+
     def _capture(self, fn: Forward, *, name: str, input_ptrs: dict[str, int]) -> CapturedGraph:
         raise NotImplementedError
 
     def _warmup_context(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
-
-    def _reset_pool(self) -> None:
-        """Hook for backends with a memory pool (runs after every graph was released)."""
 
     def _check_not_capturing(self, what: str) -> None:
         if self._is_capturing:

@@ -1,11 +1,19 @@
-"""The CUDA backend: `torch.cuda.CUDAGraph`, one shared memory pool and side stream per device.
+"""The CUDA backend: `torch.cuda.CUDAGraph` with one memory pool and side stream per backend.
 
-Every graph on a device is captured into the same pool (`torch.cuda.graph_pool_handle()`)
-on the same side stream, so graphs captured largest first reuse one another's memory;
-they must then be replayed one at a time, which is how the manager uses them. Warmups
-run on that side stream too, the first under the unsafe-op checker (a preflight that
-names an illegal op by aten name and user file:line instead of CUDA error 900), and all
-of them under `torch.cuda.set_sync_debug_mode("error")` when built with `sync_debug`.
+Every graph of a backend is captured into its pool (`graphcap.backends.pool.GraphPool`,
+shared with another backend only on request) on the pool's side stream, so graphs
+captured largest first reuse one another's memory; they are replayed one at a time under
+the pool's lock. Outputs are not kept alive after capture (S3): `output` is an unowned
+alias of the memory the graph writes, valid until any graph of the pool replays.
+
+Warmups run on the side stream: first the preflight (the unsafe-op checker with
+torch.compile off, under `set_sync_debug_mode("error")`), then `num_warmups >= 1` plain
+runs (compiled, as captured; under sync-debug too with `sync_debug=True`). Capture runs
+with no Python mode active, so a torch.compile'd forward is captured compiled (S2).
+
+A failed capture leaves nothing behind: the allocator stops recording to the pool even
+when CUDA invalidated the capture and `capture_end` threw before doing so (C2), and later
+captures go to a fresh pool (C1: a failed forward's tensors may still pin the old one).
 
 Not done here: `gc` freezing around the capture pass (the manager does it once for all
 graphs) and deciding what to capture.
@@ -15,66 +23,69 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from graphcap.backends.base import CapturedGraph, Forward, GraphBackend, check_output
-from graphcap.backends.unsafe import unsafe_op_checker
+from graphcap.backends.base import Forward, GraphBackend, check_output
+from graphcap.backends.compiled import eager_only
+from graphcap.backends.graph import CapturedGraph
+from graphcap.backends.pool import GraphPool, unowned_alias
 from graphcap.errors import CaptureError
 
-__all__ = ["CUDAGraphBackend", "CUDACapturedGraph"]
+__all__ = ["CUDACapturedGraph", "CUDAGraphBackend"]
 
-# device index -> (pool handle, side stream), shared by every backend in the process.
-_DEVICE_STATE: dict[int, tuple[object, torch.cuda.Stream]] = {}
-
-
-def _device_state(device: torch.device) -> tuple[object, torch.cuda.Stream]:
-    state = _DEVICE_STATE.get(device.index)
-    if state is None:
-        state = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device=device))
-        _DEVICE_STATE[device.index] = state
-    return state
+# Texts of the CUDA errors a capture-illegal call raises (900: unsupported, 901: invalidated).
+_INVALIDATED = ("operation not permitted when stream is capturing", "operation failed due to a previous error")
 
 
+@dataclass(eq=False, repr=False, kw_only=True)
 class CUDACapturedGraph(CapturedGraph):
     """A captured `torch.cuda.CUDAGraph`; replays on the current stream of its device."""
 
-    def __init__(
-        self,
-        *,
-        name: str,
-        output: torch.Tensor,
-        input_ptrs: dict[str, int],
-        memory_bytes: int,
-        graph: torch.cuda.CUDAGraph,
-    ) -> None:
-        super().__init__(name=name, output=output, input_ptrs=input_ptrs, memory_bytes=memory_bytes)
-        self._graph: torch.cuda.CUDAGraph | None = graph
+    graph: torch.cuda.CUDAGraph | None = field(default=None, repr=False)
+    pool_handle: Any = None
+    """The allocator pool id the graph was captured into (kept after `release()`)."""
 
     @property
-    def pool(self) -> object:
-        """The memory pool handle this graph was captured into (shared per device)."""
-        return self._graph.pool()
+    def pool(self) -> Any:
+        """The memory pool handle this graph was captured into (also after `release()`)."""
+        return self.pool_handle
 
     def _replay(self) -> None:
-        self._graph.replay()
+        self.graph.replay()
 
     def _release(self) -> None:
-        graph, self._graph = self._graph, None
+        graph, self.graph = self.graph, None
         graph.reset()
 
 
 class CUDAGraphBackend(GraphBackend):
-    """Captures with `torch.cuda.graph(g, pool=shared_pool, stream=side_stream)`.
+    """Captures with `CUDAGraph.capture_begin(pool)` / `capture_end()` on the pool's side stream.
 
     `memory_bytes` of a graph is what the capture took from the device: the larger of the
     growth of `torch.cuda.memory_reserved()` and the drop of free device memory (which
     also sees the driver's graph objects; other processes on the GPU add noise to it).
+    The cache is emptied once per pass (`empty_cache`), not per graph (S4).
+
+    `check_input_liveness=True` (debug) has torch track every tensor the capture reads and
+    raise at replay if one was freed since; it runs a dispatch mode during capture, so a
+    compiled forward is then captured uncompiled (with a warning).
     """
 
     name = "cuda"
+    min_warmups = 1
+    _preflight_syncs = True
 
-    def __init__(self, device: torch.device | str = "cuda", *, sync_debug: bool = False) -> None:
+    def __init__(
+        self,
+        device: torch.device | str = "cuda",
+        *,
+        sync_debug: bool = False,
+        pool: GraphPool | None = None,
+        check_input_liveness: bool = False,
+    ) -> None:
         if not torch.cuda.is_available():
             raise CaptureError(
                 "graph backend 'cuda' needs CUDA, but torch.cuda.is_available() is False "
@@ -88,59 +99,90 @@ class CUDAGraphBackend(GraphBackend):
             )
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        super().__init__(device)
         self._sync_debug = sync_debug
+        self.check_input_liveness = check_input_liveness
+        super().__init__(device, pool)
+
+    def _new_pool(self) -> GraphPool:
+        return GraphPool(self.device, torch.cuda.graph_pool_handle, torch.cuda.Stream(device=self.device))
 
     @contextlib.contextmanager
     def _warmup_context(self) -> Iterator[None]:
-        _, stream = _device_state(self.device)
+        stream = self.pool.stream
         current = torch.cuda.current_stream(self.device)
         stream.wait_stream(current)  # the side stream must see the staged inputs
-        previous_mode = torch.cuda.get_sync_debug_mode()
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                if self._sync_debug:
-                    torch.cuda.set_sync_debug_mode("error")
                 yield
         finally:
-            torch.cuda.set_sync_debug_mode(previous_mode)
             current.wait_stream(stream)  # later work on the caller's stream sees the warmups
 
-    def _capture(
-        self,
-        fn: Forward,
-        *,
-        name: str,
-        input_ptrs: dict[str, int],
-    ) -> CUDACapturedGraph:
-        pool, stream = _device_state(self.device)
-        # torch.cuda.graph empties the cache on entry; doing it before measuring keeps that
-        # release out of this graph's delta.
-        self.synchronize()
-        torch.cuda.empty_cache()
+    def _capture(self, fn: Forward, *, name: str, input_ptrs: dict[str, int]) -> CUDACapturedGraph:
+        handle = self.pool.handle
+        self.synchronize()  # staged uploads and warmups are done; nothing else runs during capture
         reserved_before = torch.cuda.memory_reserved(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         graph = torch.cuda.CUDAGraph()
+        uncompiled: list[str] = []
         try:
             with torch.cuda.device(self.device):
-                output = _capture_into(graph, fn, pool, stream, self.device)
+                if self.check_input_liveness:  # a dispatch mode runs during capture: no compile
+                    with eager_only() as uncompiled:
+                        output = self._record(graph, fn, handle)
+                else:
+                    output = self._record(graph, fn, handle)
             check_output(output, name)
             self.synchronize()
-        except BaseException:
-            _discard(graph, self.device)
+        except BaseException as error:
+            _discard(graph, self.device, handle)
+            if any(text in str(error) for text in _INVALIDATED):
+                raise CaptureError(
+                    f"CUDA invalidated the capture of {name}: the forward called something a CUDA graph cannot "
+                    f"hold that the preflight did not name ({str(error).strip().splitlines()[0]}). Find it with "
+                    "graphcap.backends.check_capture_safe(forward, device) or checks.sync_debug: true; common "
+                    "causes: a host sync in a code path the first warmup did not take, a side stream not joined "
+                    "back, another thread using CUDA during capture"
+                ) from error
             raise
         reserved_delta = torch.cuda.memory_reserved(self.device) - reserved_before
         free_delta = free_before - torch.cuda.mem_get_info(self.device)[0]
         return CUDACapturedGraph(
             name=name,
-            output=output,
+            output=unowned_alias(output),  # the pool keeps the memory; nothing else needs to
             input_ptrs=input_ptrs,
             memory_bytes=max(0, reserved_delta, free_delta),
+            graph_pool=self.pool,
+            uncompiled=tuple(uncompiled),
             graph=graph,
+            pool_handle=handle,
         )
+
+    def _record(self, graph: torch.cuda.CUDAGraph, fn: Forward, handle: Any) -> torch.Tensor:
+        """Capture fn on the pool's stream; on failure fn's own error wins over capture_end's."""
+        stream = self.pool.stream
+        caller = torch.cuda.current_stream(self.device)
+        stream.wait_stream(caller)
+        liveness = {"check_input_liveness": True} if self.check_input_liveness else {}
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=handle, capture_error_mode="global", **liveness)
+            try:
+                output = fn()
+            except BaseException:
+                # Ending a capture that fn broke may raise a second, less telling error
+                # (capture invalidated); the user needs fn's. _discard cleans up after both.
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        caller.wait_stream(stream)
+        return output
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        self.synchronize()
+        torch.cuda.empty_cache()
 
     def memory_in_use(self) -> int:
         return torch.cuda.memory_reserved(self.device)
@@ -148,44 +190,32 @@ class CUDAGraphBackend(GraphBackend):
     def free_memory(self) -> int | None:
         return torch.cuda.mem_get_info(self.device)[0]
 
-    def _reset_pool(self) -> None:
-        # Graphs are gone; a fresh pool for the next capture lets the allocator free this one.
-        self.synchronize()
-        _DEVICE_STATE.pop(self.device.index, None)
-        torch.cuda.empty_cache()
 
+def _discard(graph: torch.cuda.CUDAGraph, device: torch.device, handle: Any) -> None:
+    """Drop a failed capture so nothing of it stays registered or recording (C2).
 
-def _capture_into(
-    graph: torch.cuda.CUDAGraph,
-    fn: Forward,
-    pool: object,
-    stream: torch.cuda.Stream,
-    device: torch.device,
-) -> torch.Tensor:
-    """Run fn under `torch.cuda.graph` and the checker; on failure, fn's own error wins."""
-    caller_stream = torch.cuda.current_stream(device)
-    context = torch.cuda.graph(graph, pool=pool, stream=stream)
+    `capture_end` throws at `cudaStreamEndCapture` for a capture CUDA invalidated, before
+    it stops the allocator recording to the pool, and `reset()` releases the pool only
+    after a completed capture: end the recording and release the pool's use here. The
+    release happens only when ending succeeded (so this capture's use was still counted):
+    a wrong release could free the memory of graphs still alive in the pool.
+    """
     try:
-        context.__enter__()
-        try:
-            with unsafe_op_checker(device):
-                output = fn()
-        except BaseException as error:
-            # Ending a capture that fn broke raises a second, less telling error (capture
-            # invalidated); the user needs fn's, so that one propagates.
-            with contextlib.suppress(Exception):
-                context.__exit__(type(error), error, error.__traceback__)
-            raise
-        context.__exit__(None, None, None)
-    finally:
-        # torch.cuda.graph leaves its side stream current when capture_end raises.
-        torch.cuda.set_stream(caller_stream)
-    return output
-
-
-def _discard(graph: torch.cuda.CUDAGraph, device: torch.device) -> None:
-    """Drop a failed capture so nothing of it stays registered; the original error wins."""
+        graph.pool()  # raises unless capture_end completed
+        ended = True
+    except Exception:
+        ended = False
     with contextlib.suppress(Exception):
         graph.reset()
-    with contextlib.suppress(Exception):
+    if not ended:
+        try:
+            torch._C._cuda_endAllocateToPool(device.index, handle)
+        except Exception:
+            pass  # never began recording, or capture_end ended it before failing
+        else:
+            with contextlib.suppress(Exception):
+                torch._C._cuda_releasePool(device.index, handle)
+    with contextlib.suppress(Exception):  # raises again for a sticky error: the manager reports it
         torch.cuda.synchronize(device)
+    with contextlib.suppress(Exception):
+        torch.cuda.empty_cache()  # what the failed capture held (an OOM's retry needs it)

@@ -1,16 +1,24 @@
 """CPU emulation of CUDA graphs: record the forward's aten op tape once, replay the tape.
 
-Faithful to what a CUDA graph does, so CPU tests mean something:
+Faithful to what a CUDA graph does, so CPU tests mean something (docs/EMULATION.md lists
+what it reproduces and what it cannot, each with its test):
 
 - Capture runs the forward once under a `TorchDispatchMode` that checks every op against
-  `graphcap.backends.unsafe` and records it. Tensors an op receives that no earlier op on
-  the tape produced (weights, persistent buffers, the KV cache) are externals, held by
-  identity; tensors made during capture are tape slots; everything else is a constant.
+  `graphcap.backends.unsafe` and records it (with torch.compile off: the tape holds aten
+  ops, so compiled code is captured uncompiled, with a warning). Tensors an op receives
+  that no earlier op on the tape produced (weights, persistent buffers, the KV cache) are
+  externals, held by the storage they had at capture, as a CUDA graph holds their
+  address: a `param.data = ...` swap afterwards is not seen by replays, which read the
+  old (stale) data; tensors made during capture are tape slots; everything else is a
+  constant.
 - Replay re-executes the tape (the recorded aten overloads, under `inference_mode`; see
   `graphcap.backends.tape`), never the Python forward: control flow, shapes and Python
   scalars are frozen at capture, in-place writes to externals happen again, and the
   result is copied into the output tensor returned at capture, which every replay
   overwrites.
+- Graphs of one pool share memory on CUDA, so another graph's replay may overwrite an
+  output: here, replaying a graph fills the last other graph's output with NaN (integers:
+  their minimum), so code that keeps an output past the next step fails on the CPU too.
 - Slots are freed after their last use and nothing but externals and the output lives
   between replays; the same liveness gives `memory_bytes`.
 
@@ -21,44 +29,45 @@ fn's result right after capture, and in-place writes happen once during capture)
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from graphcap.backends.base import CapturedGraph, Forward, GraphBackend, check_output
+from graphcap.backends.base import Forward, GraphBackend, check_output
+from graphcap.backends.compiled import eager_only
+from graphcap.backends.graph import CapturedGraph
+from graphcap.backends.pool import invalidate
+from graphcap.backends.preflight import unsafe_op_checker
 from graphcap.backends.tape import Tape, TapeRecorder, compile_tape
-from graphcap.backends.unsafe import unsafe_op_checker
 
 __all__ = ["EmulatedBackend", "EmulatedGraph"]
 
 
+@dataclass(eq=False, repr=False, kw_only=True)
 class EmulatedGraph(CapturedGraph):
     """A recorded tape standing in for a CUDA graph; see the module docstring."""
 
-    def __init__(
-        self,
-        *,
-        name: str,
-        output: torch.Tensor,
-        input_ptrs: dict[str, int],
-        tape: Tape,
-    ) -> None:
-        output_bytes = 0 if tape.result_slot < 0 else output.untyped_storage().nbytes()
-        # The output persists between replays next to the tape's transient peak.
-        super().__init__(
-            name=name,
-            output=output,
-            input_ptrs=input_ptrs,
-            memory_bytes=tape.peak_bytes + output_bytes,
-        )
-        self._tape: Tape | None = tape
+    tape: Tape | None = field(default=None, repr=False)
+
+    @property
+    def owns_output(self) -> bool:
+        """Whether the output is the graph's own memory (not a view of an external it writes)."""
+        return self.tape is not None and self.tape.result_slot >= 0
 
     def _replay(self) -> None:
         with torch.inference_mode():  # the output is an inference tensor: copy_ needs it
-            value = self._tape.run()
+            value = self.tape.run()
             if value is not None:
                 self.output.copy_(value)
 
     def _release(self) -> None:
-        self._tape = None
+        self.tape = None
+
+    def _invalidate_output(self) -> None:
+        # An output that views an external (the forward returned a slice of a buffer it
+        # writes) lives outside the pool on CUDA too: nothing reuses it.
+        if self.owns_output:
+            invalidate(self.output)
 
 
 class EmulatedBackend(GraphBackend):
@@ -72,12 +81,22 @@ class EmulatedBackend(GraphBackend):
     def _capture(self, fn: Forward, *, name: str, input_ptrs: dict[str, int]) -> EmulatedGraph:
         recorder = TapeRecorder(self.device)
         try:
-            with unsafe_op_checker(self.device, recorder):
+            with eager_only() as uncompiled, unsafe_op_checker(self.device, recorder):
                 output = fn()
             tape = compile_tape(recorder.records, check_output(output, name))
         finally:
             recorder.records.clear()  # capture-time intermediates die here, also on failure
-        return EmulatedGraph(name=name, output=output, input_ptrs=input_ptrs, tape=tape)
+        # The output persists between replays next to the tape's transient peak.
+        output_bytes = output.untyped_storage().nbytes() if tape.result_slot >= 0 else 0
+        return EmulatedGraph(
+            name=name,
+            output=output,
+            input_ptrs=input_ptrs,
+            memory_bytes=tape.peak_bytes + output_bytes,
+            graph_pool=self.pool,
+            uncompiled=tuple(uncompiled),
+            tape=tape,
+        )
 
     def memory_in_use(self) -> int:
         return sum(graph.memory_bytes for graph in self.graphs)

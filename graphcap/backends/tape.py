@@ -4,8 +4,11 @@
 forward runs. `compile_tape` turns the records into a `Tape`:
 
 - A tensor an op receives that no earlier op produced (weight, persistent buffer, KV
-  cache) is an external, held by identity; a tensor made by an op is a slot; any other
-  argument is a constant, stored once in the step's argument template.
+  cache) is an external. The tape holds an alias of it over the storage it had at
+  capture, as a CUDA graph holds its address: in-place writes reach the original, but a
+  later `param.data = new` (or `set_`) swap is not seen, exactly as on CUDA. A tensor made
+  by an op is a slot; any other argument is a constant, stored once in the step's
+  argument template.
 - Each step calls the op through `bindings.native_binding` (the native Python binding
   that reaches exactly the recorded overload), else through the `OpOverload`; this keeps
   replay as fast as the eager forward.
@@ -21,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from graphcap.backends.bindings import native_binding
-from graphcap.backends.unsafe import UnsafeOpMode
+from graphcap.backends.preflight import UnsafeOpMode
 from graphcap.errors import CaptureError
 
 __all__ = ["Tape", "TapeRecorder", "compile_tape"]
@@ -103,6 +106,7 @@ class _Compiler:
         self.last_use: list[int] = []  # slot -> last step that reads it (made_at: none does)
         self.external_ids: set[int] = set()
         self.external_storages: set[int] = set()
+        self.aliases: dict[int, torch.Tensor] = {}  # id(external) -> alias over its capture storage
         self.slot_storages: set[int] = set()  # storages first allocated by an op on the tape
 
     def compile(self, records: list[tuple[Any, tuple, dict, Any]], output: torch.Tensor) -> Tape:
@@ -159,16 +163,33 @@ class _Compiler:
             if slot is not None:
                 fills.append((key, slot))
                 value = None
+            elif isinstance(value, torch.Tensor):
+                value = self._alias(value)
             elif isinstance(value, (list, tuple)):
                 slots = [(j, self._use(func, v, step)) for j, v in enumerate(value)]
                 inner = [(j, s) for j, s in slots if s is not None]
                 if inner:
                     filled = {j for j, _ in inner}
-                    inner_t = [None if j in filled else v for j, v in enumerate(value)]
+                    inner_t = [None if j in filled else self._alias(v) for j, v in enumerate(value)]
                     nested.append((key, inner_t, tuple(inner)))
                     value = None
+                elif any(isinstance(v, torch.Tensor) for v in value):
+                    value = type(value)(self._alias(v) for v in value)
             template.append(value)
         return template, fills, nested
+
+    def _alias(self, value: Any) -> Any:
+        """The tape's stand-in for an external tensor: same storage, same view, its own identity.
+
+        `detach()` makes a new tensor over the storage the external has now; swapping the
+        external's storage later (`.data =`, `set_`) changes the external, not the alias.
+        """
+        if not isinstance(value, torch.Tensor):
+            return value
+        alias = self.aliases.get(id(value))
+        if alias is None:
+            alias = self.aliases[id(value)] = value.detach()
+        return alias
 
     def _outputs(self, func: Any, out: Any, step: int) -> list[tuple[int, int]]:
         """(index in the output or -1 for a lone tensor, new slot) for tensors new to the tape.

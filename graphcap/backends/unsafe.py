@@ -1,15 +1,17 @@
-"""Ops a CUDA graph cannot hold, as one table, and the checker that names them.
+"""Ops a CUDA graph cannot hold, as one table.
 
 A CUDA graph replays device work only. An op whose result the host must read (a value,
-or an output shape that depends on values) makes the host wait for the GPU, which
-capture cannot hold (CUDA error 900 at best, a frozen stale value at worst). Both
-backends run the forward under `unsafe_op_checker`: the emulated backend during capture
-(and the first warmup), the CUDA backend during the first warmup (its preflight) and
-capture. It raises `CaptureUnsafeError` naming the op, the reason and the innermost
-stack frame outside torch and outside graphcap/backends, i.e. the user's line.
+or an output shape that depends on values), a copy through pageable host memory, or a
+wait for the GPU makes the host synchronize with it, which stream capture cannot hold
+(CUDA error 900, the capture invalidated, at best; a value frozen at capture at worst).
+The checker in `graphcap.backends.preflight` runs a forward against this table and raises
+`CaptureUnsafeError` naming the op, the reason and the user's file:line.
 
-An op counts only when one of its tensors lives on the graph's device (on the emulated
-backend, the CPU). Host code in a forward is not an error here, but a graph freezes what it
+An op counts only when one of its tensors (or its target device) is on the graph's
+device type. Rows marked "CUDA" can only fire for a graph device other than the CPU, since
+they are about crossing between host and device memory: the emulated backend (whose device
+is the CPU) cannot see them; `check_capture_safe(fn, "cuda")` under `FakeTensorMode` can, on
+any machine. Host code in a forward is not an error here, but a graph freezes what it
 computes: CUDA runs the host side once, at capture. A per-step value computed on the host
 (from `inputs.host`, `inputs.num_tokens`, `.item()`) belongs in `prepare()`, written into a
 persistent buffer (an engine `BufferSpec`) that the forward reads as a tensor; capture-time
@@ -23,37 +25,36 @@ verification replays a partly filled second batch to catch a value frozen by mis
 | aten.where | one-argument overload | same as nonzero |
 | aten.masked_select | always | output shape from values |
 | aten._unique, _unique2, unique_dim, unique_consecutive, unique_dim_consecutive | always | same |
-| aten.index, index_put, index_put_, _index_put_impl_ | bool/uint8 index | a mask is a nonzero |
+| aten.index | bool/uint8 index | a mask is a nonzero |
+| aten.index_put, index_put_, _index_put_impl_ | bool/uint8 index, unless it becomes a masked_fill_ | same |
 | aten.repeat_interleave | Tensor overloads without output_size | output length is a sum |
 | aten.bincount | always | output length is max(input) + 1 (even with minlength) |
+| aten._to_copy, aten.copy_ | CUDA: host <-> device, unless non_blocking from/to pinned memory | a pageable copy waits |
+| aten.masked_fill(_), aten.index_fill(_) | CUDA: the fill value is a device tensor | the kernel reads it with .item() |
 | Tensor.item, __int__, __float__, __bool__, __index__ | device tensor | reads a value on the host |
 | Tensor.tolist, numpy, __array__, cpu | device tensor | copies to host memory |
 | Tensor.to | device tensor to "cpu" (a string, or a CPU device not the graph's) | same |
+| torch.tensor, torch.as_tensor, torch.asarray | CUDA: host data to the device | a pageable copy, below the dispatcher |
+| torch.cuda.synchronize, empty_cache; Stream/Event .synchronize, .query | always | waits for (or asks) the GPU |
 
-The `Tensor.*` rows are caught by Python method (a `TorchFunctionMode`) because torch
-does not show them as distinct aten ops; the aten rows catch the same reads reached
-from C++ (slicing with a tensor bound, composite ops). Add an op here and to the
-parametrized test in tests/backends/test_unsafe.py.
+`x[mask] = scalar` is capturable: with one mask index and a one-element host value,
+`index_put_` runs `masked_fill_` (no sync), so that case is not in the table.
+The `Tensor.*` and `torch.tensor`-like rows are caught by Python function (a
+`TorchFunctionMode`), because torch does not show them as distinct aten ops, or shows
+them below the Python dispatch key; the `torch.cuda.*` rows are not tensor ops at all.
+Add a row here and a trigger to the test in tests/backends/test_unsafe.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphcap.errors import CaptureUnsafeError
-
-__all__ = ["UNSAFE_OPS", "UnsafeOp", "UnsafeOpMode", "check_op", "unsafe_op_checker"]
+__all__ = ["SYNC_FUNCTIONS", "UNSAFE_OPS", "UnsafeOp"]
 
 _Applies = Callable[[Any, tuple, dict, torch.device], bool]
 
@@ -63,19 +64,24 @@ class UnsafeOp:
     """One row of the table: an op and why a CUDA graph cannot hold it."""
 
     name: str
-    """aten overload packet ("aten.nonzero") or Python method ("Tensor.item")."""
+    """aten overload packet ("aten.nonzero"), Python method ("Tensor.item") or function ("torch.tensor")."""
     reason: str
     """Why capture cannot hold it; completes "<op> at <file:line>: ..."."""
     fix: str
     """What to write instead."""
     applies: _Applies | None = None
-    """(overload or method, args, kwargs, graph device) -> bool; None: every call is unsafe."""
+    """(overload or function, args, kwargs, graph device) -> bool; None: every call is unsafe."""
 
 
 _SYNC = "so the host must wait for the GPU; a CUDA graph cannot hold a host sync"
 _READ = f"it reads a tensor value into Python, {_SYNC}, and the value would be frozen at capture"
 _SHAPE = f"the output shape depends on tensor values, {_SYNC}"
 _COPY = f"it copies device data to host memory, {_SYNC}, and replays would not refresh the copy"
+_PAGEABLE = (
+    f"it copies between host and device memory through a pageable (or blocking) transfer, {_SYNC}, "
+    "and the host data would be frozen at capture"
+)
+_WAIT = f"it waits for (or asks about) work on the GPU, {_SYNC}"
 _FIX_READ = (
     "Keep the value on the device (torch.where, tensor arithmetic); a per-step value computed on the "
     "host belongs in prepare(), written into a persistent buffer (a BufferSpec) that the forward reads "
@@ -86,6 +92,12 @@ _FIX_SHAPE = f"Use a fixed-size formulation ({_FIXED_SIZE_FORMS})"
 _FIX_UNIQUE = "Use a fixed-size formulation (sort, then mask duplicates with torch.where)"
 _FIX_MASK = "Use torch.where(mask, x, fill) or multiply by the mask; index with integer indices"
 _FIX_COPY = "Keep the data on the device inside the forward; copy results after replay"
+_FIX_UPLOAD = (
+    "Create device tensors before capture (a persistent buffer, register it) and fill them in place "
+    "outside the forward, or copy with non_blocking=True from pinned memory"
+)
+_FIX_WAIT = "Remove it from the forward: a graph's kernels are ordered on its stream already"
+_FIX_FILL = "Pass the fill value as a Python number, or use torch.where(mask, value_tensor, x)"
 
 
 def _has_mask_index(func: Any, args: tuple, kwargs: dict, device: torch.device) -> bool:
@@ -93,6 +105,25 @@ def _has_mask_index(func: Any, args: tuple, kwargs: dict, device: torch.device) 
     indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
     masks = (torch.bool, torch.uint8)
     return any(isinstance(i, torch.Tensor) and i.dtype in masks for i in indices or ())
+
+
+def _is_mask_put(func: Any, args: tuple, kwargs: dict, device: torch.device) -> bool:
+    """A masked index_put that does not become masked_fill_ (ATen's canDispatchToMaskedFill)."""
+    if not _has_mask_index(func, args, kwargs, device):
+        return False
+    self = args[0]
+    indices = [i for i in (args[1] if len(args) > 1 else kwargs.get("indices", ())) if i is not None]
+    values = args[2] if len(args) > 2 else kwargs.get("values")
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    becomes_masked_fill = (
+        not accumulate
+        and isinstance(values, torch.Tensor)
+        and values.numel() == 1
+        and values.device.type == "cpu"
+        and len(indices) == 1
+        and indices[0].device == self.device
+    )
+    return not becomes_masked_fill
 
 
 def _no_output_size(func: Any, args: tuple, kwargs: dict, device: torch.device) -> bool:
@@ -105,7 +136,7 @@ def _is_one_arg_where(func: Any, args: tuple, kwargs: dict, device: torch.device
 
 
 def _is_host_target(func: Any, args: tuple, kwargs: dict, device: torch.device) -> bool:
-    """Whether Tensor.to(*args, **kwargs) moves to the host (see the table's last row)."""
+    """Whether Tensor.to(*args, **kwargs) moves to the host (see the table)."""
     for target in (*args[1:], kwargs.get("device")):
         if isinstance(target, torch.Tensor):
             target = target.device
@@ -116,27 +147,71 @@ def _is_host_target(func: Any, args: tuple, kwargs: dict, device: torch.device) 
     return False
 
 
+def _crosses(source: Any, target_type: str, device: torch.device, non_blocking: bool) -> bool:
+    """A copy between host memory and the (non-CPU) graph device that capture cannot hold."""
+    if device.type == "cpu" or not isinstance(source, torch.Tensor):
+        return False
+    source_type = source.device.type
+    if {source_type, target_type} != {"cpu", device.type}:
+        return False
+    host_is_pinned = source_type != "cpu" or source.is_pinned()
+    # Device -> host always lands in fresh pageable memory (_to_copy allocates it).
+    return not (non_blocking and host_is_pinned and source_type == "cpu")
+
+
+def _is_blocking_to_copy(func: Any, args: tuple, kwargs: dict, device: torch.device) -> bool:
+    target = kwargs.get("device")
+    if not isinstance(target, torch.device):
+        return False
+    return _crosses(args[0], target.type, device, bool(kwargs.get("non_blocking", False)))
+
+
+def _is_blocking_copy(func: Any, args: tuple, kwargs: dict, device: torch.device) -> bool:
+    dst, src = args[0], args[1]
+    non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    if device.type == "cpu" or not isinstance(src, torch.Tensor):
+        return False
+    types = {dst.device.type, src.device.type}
+    if types != {"cpu", device.type}:
+        return False
+    host = dst if dst.device.type == "cpu" else src
+    return not (non_blocking and host.is_pinned())
+
+
+def _fill_value_on_device(position: int) -> _Applies:
+    def applies(func: Any, args: tuple, kwargs: dict, device: torch.device) -> bool:
+        value = args[position] if len(args) > position else kwargs.get("value", kwargs.get("source"))
+        return device.type != "cpu" and isinstance(value, torch.Tensor) and value.device.type == device.type
+
+    return applies
+
+
+def _uploads_host_data(func: Any, args: tuple, kwargs: dict, device: torch.device) -> bool:
+    """torch.tensor / as_tensor / asarray of host data (not a device tensor) onto the graph device."""
+    target = kwargs.get("device", args[2] if func is torch.as_tensor and len(args) > 2 else None)
+    if target is None or device.type == "cpu":
+        return False
+    if torch.device(target).type != device.type:
+        return False
+    data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
+    return not (isinstance(data, torch.Tensor) and data.device.type == device.type)
+
+
 def _rows() -> Iterator[UnsafeOp]:
     for name in ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero"):
         yield UnsafeOp(name, _READ, _FIX_READ)
     yield UnsafeOp(
-        "aten.equal",
-        f"it returns a Python bool, {_SYNC}",
-        "Compare on the device: (a == b).all() stays a tensor",
+        "aten.equal", f"it returns a Python bool, {_SYNC}", "Compare on the device: (a == b).all() stays a tensor"
     )
     for name in ("aten.nonzero", "aten.nonzero_numpy", "aten.argwhere", "aten.masked_select"):
         yield UnsafeOp(name, _SHAPE, _FIX_SHAPE)
     yield UnsafeOp("aten.where", _SHAPE, _FIX_SHAPE, _is_one_arg_where)
-    for name in ("_unique", "_unique2", "unique_dim", "unique_consecutive"):
+    for name in ("_unique", "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive"):
         yield UnsafeOp(f"aten.{name}", _SHAPE, _FIX_UNIQUE)
-    yield UnsafeOp("aten.unique_dim_consecutive", _SHAPE, _FIX_UNIQUE)
-    for name in ("index", "index_put", "index_put_", "_index_put_impl_"):
-        yield UnsafeOp(
-            f"aten.{name}",
-            f"a boolean mask index is a nonzero: {_SHAPE}",
-            _FIX_MASK,
-            _has_mask_index,
-        )
+    mask = f"a boolean mask index is a nonzero: {_SHAPE}"
+    yield UnsafeOp("aten.index", mask, _FIX_MASK, _has_mask_index)
+    for name in ("index_put", "index_put_", "_index_put_impl_"):
+        yield UnsafeOp(f"aten.{name}", mask, f"{_FIX_MASK} (x[mask] = scalar is fine)", _is_mask_put)
     yield UnsafeOp(
         "aten.repeat_interleave",
         f"without output_size the output length is the sum of repeats: {_SHAPE}",
@@ -148,113 +223,42 @@ def _rows() -> Iterator[UnsafeOp]:
         f"the output length is max(input) + 1, even with minlength: {_SHAPE}",
         "Use torch.zeros(n).scatter_add_(0, x, ones) with a fixed n",
     )
+    yield UnsafeOp("aten._to_copy", _PAGEABLE, _FIX_UPLOAD, _is_blocking_to_copy)
+    yield UnsafeOp("aten.copy_", _PAGEABLE, _FIX_UPLOAD, _is_blocking_copy)
+    fill = f"the CUDA kernel reads a device fill value with .item(), {_SYNC}"
+    for name in ("masked_fill", "masked_fill_"):
+        yield UnsafeOp(f"aten.{name}", fill, _FIX_FILL, _fill_value_on_device(2))
+    for name in ("index_fill", "index_fill_"):
+        yield UnsafeOp(f"aten.{name}", fill, _FIX_FILL, _fill_value_on_device(3))
     for method in ("item", "__int__", "__float__", "__bool__", "__index__"):
         yield UnsafeOp(f"Tensor.{method}", _READ, _FIX_READ)
     for method in ("tolist", "numpy", "__array__", "cpu"):
         yield UnsafeOp(f"Tensor.{method}", _COPY, _FIX_COPY)
     yield UnsafeOp("Tensor.to", _COPY, _FIX_COPY, _is_host_target)
+    for function in ("tensor", "as_tensor", "asarray"):
+        yield UnsafeOp(f"torch.{function}", _PAGEABLE, _FIX_UPLOAD, _uploads_host_data)
+    for name in SYNC_FUNCTIONS:
+        yield UnsafeOp(name, _WAIT, _FIX_WAIT)
 
+
+SYNC_FUNCTIONS = (
+    "torch.cuda.synchronize",
+    "torch.cuda.empty_cache",
+    "torch.cuda.Stream.synchronize",
+    "torch.cuda.Stream.query",
+    "torch.cuda.Event.synchronize",
+    "torch.cuda.Event.query",
+)
+"""Python-level waits for the GPU: no tensor op shows them, so the checker wraps them."""
 
 UNSAFE_OPS: Mapping[str, UnsafeOp] = MappingProxyType({row.name: row for row in _rows()})
 """The table: op name -> row. Read-only; extend `_rows` (and the test) instead."""
 
-# Python methods looked up by the function object torch hands to __torch_function__.
-_METHODS: dict[Any, UnsafeOp] = {
-    getattr(torch.Tensor, name.removeprefix("Tensor.")): row
-    for name, row in UNSAFE_OPS.items()
-    if name.startswith("Tensor.")
-}
-_SKIP_DIRS = (
-    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
-)
 
+def __getattr__(name: str) -> Any:
+    # The checker moved to graphcap.backends.preflight; its names still resolve here.
+    if name in ("unsafe_op_checker", "UnsafeOpMode", "check_op"):
+        from graphcap.backends import preflight
 
-def _user_location() -> str:
-    """file:line of the innermost frame outside torch/ and graphcap/backends/."""
-    frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_SKIP_DIRS):
-        frame = frame.f_back
-    if frame is None:
-        return "<unknown location>"
-    path = os.path.abspath(frame.f_code.co_filename)
-    cwd = os.getcwd() + os.sep
-    shown = os.path.relpath(path) if path.startswith(cwd) else path
-    return f"{shown}:{frame.f_lineno}"
-
-
-def _raise(row: UnsafeOp, shown_name: str) -> None:
-    raise CaptureUnsafeError(shown_name, _user_location(), row.reason, row.fix)
-
-
-@functools.cache
-def _row_for(func: Any) -> UnsafeOp | None:
-    return UNSAFE_OPS.get(str(func._overloadpacket))
-
-
-def _touches_device(args: tuple, kwargs: dict, device_type: str) -> bool:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, (list, tuple)):
-            if any(isinstance(v, torch.Tensor) and v.device.type == device_type for v in value):
-                return True
-        elif isinstance(value, torch.Tensor) and value.device.type == device_type:
-            return True
-    return False
-
-
-def check_op(func: Any, args: tuple, kwargs: dict, device: torch.device) -> None:
-    """Raise `CaptureUnsafeError` if the aten overload `func` is unsafe on `device`."""
-    row = _row_for(func)
-    if row is None or not _touches_device(args, kwargs, device.type):
-        return
-    if row.applies is None or row.applies(func, args, kwargs, device):
-        overload = func._overloadname
-        _raise(row, row.name if overload == "default" else f"{row.name}.{overload}")
-
-
-class _HostReadMode(TorchFunctionMode):
-    """Catches host reads and copies by Python method (invisible as distinct aten ops)."""
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
-        self._device = device
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        row = _METHODS.get(func)
-        if (
-            row is not None
-            and args
-            and isinstance(args[0], torch.Tensor)
-            and args[0].device.type == self._device.type
-            and (row.applies is None or row.applies(func, args, kwargs, self._device))
-        ):
-            _raise(row, row.name)
-        return func(*args, **kwargs)
-
-
-class UnsafeOpMode(TorchDispatchMode):
-    """Checks every aten op against the table, then runs it via `run_op` (a recorder hook)."""
-
-    def __init__(self, device: torch.device | str) -> None:
-        super().__init__()
-        self.device = torch.device(device)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        check_op(func, args, kwargs, self.device)
-        return self.run_op(func, args, kwargs)
-
-    def run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def unsafe_op_checker(
-    device: torch.device | str,
-    mode: UnsafeOpMode | None = None,
-) -> Iterator[None]:
-    """Run the enclosed forward under the checker; `mode` may be a recording subclass."""
-    device = torch.device(device)
-    with _HostReadMode(device), mode if mode is not None else UnsafeOpMode(device):
-        yield
+        return getattr(preflight, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

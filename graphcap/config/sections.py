@@ -222,7 +222,9 @@ class CaptureSectionConfig(Section):
     largest size of an explicit list. Given together with a list, it must equal the list's
     largest size. At most 65536: the padding table holds one entry per token count."""
     num_warmups: int = spec(1, min=0, max=100)
-    """Eager runs of each dummy batch before its capture."""
+    """Eager runs of each dummy batch before its capture, after the checked preflight run. At least 1
+    on CUDA (lazy initialisation and torch.compile must happen before capture); 0 is for the emulated
+    backend."""
     uniform_query_len: int = spec(1, min=1, max=64)
     """Tokens per request in a uniform decode step (> 1 for speculative decoding)."""
     on_error: Literal["raise", "skip"] = "raise"
@@ -409,6 +411,15 @@ class CaptureConfig(Section):
         if not _DEVICE.fullmatch(self.device):
             out.append(problem("device", f"must be auto, cpu, cuda or cuda:N; got {self.device!r}"))
         cap, bat, kv, pad = self.capture, self.batching, self.kv_cache, self.padding
+        on_cuda = self.device.startswith("cuda") and _DEVICE.fullmatch(self.device)
+        if on_cuda and cap.num_warmups == 0 and cap.mode != "none":
+            out.append(
+                problem(
+                    "capture.num_warmups",
+                    f"0 with device {self.device}: the cuda backend needs at least 1 eager run before each capture "
+                    "(lazy cuBLAS, Triton and torch.compile initialisation must happen outside the graph); set 1",
+                )
+            )
         if cap.max_size > bat.max_num_tokens:
             out.append(
                 problem(

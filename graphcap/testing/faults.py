@@ -52,8 +52,9 @@ class FaultyModel(torch.nn.Module):
     """The reference model with at most one armed fault, raised from `forward`.
 
     Calls are counted per key since `arm`: with one warmup and `verify_replay`, call 1 of a
-    key is its warmup, call 2 its capture (under the backend's recorder) and call 3 the eager
-    run verification compares the replay with, so `on_call` picks the phase that fails.
+    key is its preflight (the checked first run), call 2 its plain warmup, call 3 its capture
+    (under the emulated backend's recorder) and call 4 the eager run verification compares the
+    replay with (`PHASES`), so `on_call` picks the phase that fails.
     """
 
     def __init__(self, inner: torch.nn.Module) -> None:
@@ -92,7 +93,7 @@ FAULTS: dict[str, Callable[[], BaseException]] = {
     "oom_no_message": lambda: torch.OutOfMemoryError(),
     "interrupt": KeyboardInterrupt,
 }
-PHASES = {1: "warmup", 2: "capture", 3: "verify"}
+PHASES = {1: "preflight", 2: "warmup", 3: "capture", 4: "verify"}
 
 
 def leftover_temp_files(path: Path) -> list[Path]:

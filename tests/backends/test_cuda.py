@@ -1,15 +1,24 @@
-"""The CUDA backend on a real GPU: replay == eager, one shared pool, address checks, the
-unsafe-op preflight, sync-debug restored, clean failure. Skipped without CUDA."""
+"""The CUDA backend on a real GPU: replay == eager, a pool per backend, outputs not kept alive,
+address checks, the preflight (table, sync-debug, compile), and clean failure: a failed first
+capture (C1) and a capture CUDA invalidated (C2) leave later captures working. Skipped without
+CUDA; `tools/gpu_check.py` (phase P1) runs this file."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from graphcap.backends import CaptureError, CaptureUnsafeError, StaticInputMovedError, get_backend
+from graphcap.backends import (
+    CaptureError,
+    CaptureUnsafeError,
+    StaticInputMovedError,
+    check_capture_safe,
+    get_backend,
+)
 from tests.backends.conftest import marked_line
 
 pytestmark = [
@@ -63,10 +72,10 @@ def test_replay_equals_eager_and_rewrites_the_cache(cuda_backend):
         expected = _forward(t)
         torch.testing.assert_close(replayed, expected, rtol=0, atol=0)
         torch.testing.assert_close(cache_after_replay, t["cache"], rtol=0, atol=0)
-    assert graph.output.data_ptr() == graph.replay().data_ptr()
+    assert graph.output.data_ptr() == graph.replay().data_ptr() and graph.output.is_inference()
 
 
-def test_graphs_share_one_pool_and_report_memory(cuda_backend):
+def test_graphs_of_a_backend_share_its_pool_and_another_backend_has_its_own(cuda_backend):
     t = _persistent()
     graphs = []
     for rows in (8, 4, 2):  # largest first, as the manager captures
@@ -74,16 +83,36 @@ def test_graphs_share_one_pool_and_report_memory(cuda_backend):
         cuda_backend.warmup(forward, num_warmups=1)
         graphs.append(cuda_backend.capture(forward, {}, name=f"k{rows}"))
     assert len({repr(g.pool) for g in graphs}) == 1
+    other = get_backend("cuda", "cuda")
+    other.warmup(lambda: t["x"] * 3, num_warmups=1)
+    assert repr(other.capture(lambda: t["x"] * 3, {}, name="other").pool) != repr(graphs[0].pool)
+    shared = get_backend("cuda", "cuda", share_pool_with=cuda_backend)
+    shared.warmup(lambda: t["x"] * 4, num_warmups=1)
+    assert repr(shared.capture(lambda: t["x"] * 4, {}, name="shared").pool) == repr(graphs[0].pool)
     assert all(g.memory_bytes >= 0 for g in graphs)
     assert cuda_backend.memory_in_use() > 0 and cuda_backend.free_memory() > 0
     cuda_backend.reset()
-    assert cuda_backend.graphs == ()
+    assert cuda_backend.graphs == () and graphs[0].pool is not None  # no AttributeError after release
     with pytest.raises(CaptureError, match="released"):
         graphs[0].replay()
+    other.reset()
+    shared.reset()
+
+
+def test_an_output_is_not_kept_alive_after_capture(cuda_backend):
+    x = torch.randn(1024, 1024, device="cuda")
+    cuda_backend.warmup(lambda: x * 2, num_warmups=1)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    graph = cuda_backend.capture(lambda: x * 2, {}, name="key")
+    # An owned 4 MiB output would still be allocated; the pool keeps the memory reserved instead.
+    assert torch.cuda.memory_allocated() - allocated < x.numel() * x.element_size()
+    torch.testing.assert_close(graph.replay(), x * 2, rtol=0, atol=0)
 
 
 def test_replaced_input_is_refused(cuda_backend):
     t = _persistent()
+    cuda_backend.warmup(lambda: t["x"] * 2, num_warmups=1)
     graph = cuda_backend.capture(lambda: t["x"] * 2, {"x": t["x"]}, name="key")
     with pytest.raises(StaticInputMovedError, match=r"'x'.*copy_\(\)"):
         graph.check_addresses({"x": t["x"].clone()})
@@ -104,15 +133,86 @@ def test_preflight_names_the_unsafe_op_before_capture(sync_debug):
     assert torch.cuda.get_sync_debug_mode() == mode_before
 
 
-def test_unsafe_op_during_capture_leaves_nothing_and_cuda_usable(cuda_backend):
+def _upload_forward(t):
+    return t["x"] + torch.tensor([1.0], device="cuda")  # unsafe
+
+
+def _end_capture_left(handle) -> bool:
+    """Whether the allocator was still recording to `handle` (ending it then succeeds)."""
+    try:
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), handle)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("forward", [_upload_forward, _nonzero_forward], ids=["upload", "nonzero"])
+def test_a_capture_cuda_invalidates_leaves_nothing_recording_and_later_captures_work(cuda_backend, forward):
+    """C2: capture runs without the checker (S2), so CUDA itself refuses the op (error 900)."""
     t = _persistent()
     stream_before = torch.cuda.current_stream()
-    with pytest.raises(CaptureUnsafeError, match=r"aten\.nonzero"):
-        cuda_backend.capture(lambda: _nonzero_forward(t), {}, name="bad")
+    handle = cuda_backend.pool.handle
+    with pytest.raises(CaptureError, match="CUDA invalidated the capture of bad") as caught:
+        cuda_backend.capture(lambda: forward(t), {}, name="bad")
+    assert "check_capture_safe" in str(caught.value)
     assert cuda_backend.graphs == () and torch.cuda.current_stream() == stream_before
     assert not torch.cuda.is_current_stream_capturing()
-    graph = cuda_backend.capture(lambda: t["x"] + 1, {}, name="good")  # CUDA still works
+    assert not _end_capture_left(handle)  # the allocator stopped recording to the old pool
+    assert cuda_backend.pool.handle != handle  # later captures go to a fresh pool
+    torch.cuda.empty_cache()  # works again: no capture is believed to be under way
+    cuda_backend.warmup(lambda: t["x"] + 1, num_warmups=1)
+    graph = cuda_backend.capture(lambda: t["x"] + 1, {}, name="good")
     torch.testing.assert_close(graph.replay(), t["x"] + 1, rtol=0, atol=0)
+
+
+def test_a_failed_first_capture_does_not_break_the_next_one_while_its_tensors_live(cuda_backend):
+    """C1: the failed forward's tensors (in the pool) stay alive through the error we keep."""
+    t = _persistent()
+
+    def failing():
+        t["scratch"] = torch.empty(1 << 20, device="cuda")  # a block of the pool, kept alive
+        raise RuntimeError("model bug")
+
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError, match="model bug") as kept:
+            cuda_backend.capture(failing, {}, name="bad")
+        cuda_backend.warmup(lambda: t["x"] * 2, num_warmups=1)
+        graph = cuda_backend.capture(lambda: t["x"] * 2, {}, name="good")  # not the use_count assert
+        torch.testing.assert_close(graph.replay(), t["x"] * 2, rtol=0, atol=0)
+    finally:
+        gc.enable()
+    del kept
+
+
+def test_preflight_table_on_real_cuda_and_the_masked_scalar_store_captures(cuda_backend):
+    t = _persistent()
+    host = torch.ones(8, 64)
+    for bad in (lambda: host.to("cuda"), lambda: t["x"].clone().copy_(host), lambda: torch.cuda.synchronize()):
+        with pytest.raises(CaptureUnsafeError):
+            check_capture_safe(bad, "cuda")
+    pinned = torch.ones(8, 64).pin_memory()
+    check_capture_safe(lambda: pinned.to("cuda", non_blocking=True), "cuda")  # capturable
+
+    def store():
+        y = t["x"].clone()
+        y[y > 0] = 0.0  # masked_fill_ underneath: capturable
+        return y
+
+    cuda_backend.warmup(store, num_warmups=1)
+    graph = cuda_backend.capture(store, {}, name="store")
+    torch.testing.assert_close(graph.replay(), store(), rtol=0, atol=0)
+
+
+def test_a_sync_the_table_misses_is_named_by_sync_debug(monkeypatch):
+    import graphcap.backends.preflight as preflight
+
+    monkeypatch.setattr(preflight, "_row_for", lambda func: None)  # as if .item() were not in the table
+    monkeypatch.setattr(preflight, "_FUNCTIONS", {})
+    x = torch.randn(4, device="cuda")
+    backend = get_backend("cuda", "cuda")
+    with pytest.raises(CaptureUnsafeError, match=r"aten\._local_scalar_dense\.default at .*synchroniz"):
+        backend.warmup(lambda: x * x.sum().item(), num_warmups=1)
 
 
 def test_sync_debug_mode_errors_on_a_host_sync_in_later_warmups():
@@ -122,10 +222,42 @@ def test_sync_debug_mode_errors_on_a_host_sync_in_later_warmups():
 
     def forward():
         calls.append(1)
-        # The first (checked) warmup is clean; the second syncs, which sync-debug refuses.
+        # The preflight run is clean; the plain warmup syncs, which sync-debug refuses.
         return x.sum().cpu() if len(calls) > 1 else x.sum()
 
     mode_before = torch.cuda.get_sync_debug_mode()
-    with pytest.raises(RuntimeError, match="synchroniz"):
+    with pytest.raises(CaptureUnsafeError, match="synchroniz"):
         backend.warmup(forward, num_warmups=2)
     assert torch.cuda.get_sync_debug_mode() == mode_before
+
+
+def test_a_compiled_forward_is_captured_compiled(cuda_backend):
+    runs = []
+
+    def counting(gm, example_inputs):
+        def run(*args):
+            runs.append(1)
+            return gm.forward(*args)
+
+        return run
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: torch.relu(x) * 2 + 1, backend=counting)
+    x = torch.randn(64, device="cuda")
+    cuda_backend.warmup(lambda: compiled(x), num_warmups=1)
+    before = len(runs)
+    graph = cuda_backend.capture(lambda: compiled(x), {}, name="compiled")
+    assert len(runs) == before + 1 and graph.uncompiled == ()  # capture ran the compiled code
+    torch.testing.assert_close(graph.replay(), torch.relu(x) * 2 + 1)
+
+
+def test_input_liveness_catches_a_freed_closure_tensor():
+    backend = get_backend("cuda", "cuda", check_input_liveness=True)
+    held = {"w": torch.randn(64, device="cuda")}
+    backend.warmup(lambda: held["w"] * 2, num_warmups=1)
+    graph = backend.capture(lambda: held["w"] * 2, {}, name="key")
+    graph.replay()
+    del held["w"]  # the graph still reads its address
+    with pytest.raises(RuntimeError, match="dead tensor"):
+        graph.replay()
+    backend.reset()

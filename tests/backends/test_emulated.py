@@ -1,6 +1,7 @@
 """The emulated backend behaves like a CUDA graph: replay == eager bitwise, frozen control
-flow, one static output overwritten in place, address checks, no Python forward on replay,
-nothing kept alive but externals and the output, clean failure."""
+flow, one static output overwritten in place, captured storages (a swapped parameter reads
+stale), address checks, no Python forward on replay, nothing kept alive but externals and the
+output, clean failure. Output invalidation across a pool: tests/backends/test_pool.py."""
 
 from __future__ import annotations
 
@@ -193,6 +194,42 @@ def test_replays_overwrite_one_static_output(emulated):
     torch.testing.assert_close(first, torch.tanh(x) * 2, rtol=0, atol=0)  # the latest inputs
 
 
+def test_a_storage_swapped_after_capture_replays_the_stale_data_as_cuda_would(emulated):
+    # A CUDA graph holds the address it captured; `param.data = new` moves the parameter to new
+    # memory and the graph keeps reading the old. The tape holds the captured storage the same way.
+    layer = torch.nn.Linear(4, 4, bias=False)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(4))
+    graph = emulated.capture(lambda: layer(x), {"x": x, "weight": layer.weight}, name="key")
+    old_weight = layer.weight.data
+    layer.weight.data = torch.full((4, 4), 2.0)  # the swap (checks off: no address check here)
+    torch.testing.assert_close(graph.replay(), x, rtol=0, atol=0)  # still the identity: stale
+    with torch.inference_mode():
+        assert not torch.equal(layer(x), x)  # eager reads the new weight
+    with pytest.raises(StaticInputMovedError, match="'weight'"):
+        graph.check_addresses({"x": x, "weight": layer.weight})  # what the address check catches
+    with torch.no_grad():
+        old_weight.mul_(3)  # writes to the captured memory itself reach the replay
+    torch.testing.assert_close(graph.replay(), 3 * x, rtol=0, atol=0)
+
+
+def test_writes_to_externals_through_the_tape_reach_the_original_tensors(emulated):
+    cache, x = torch.zeros(4), torch.arange(4.0)
+    graph = emulated.capture(lambda: cache.add_(x).sum(), {"x": x}, name="key")
+    cache.zero_()
+    graph.replay()
+    torch.testing.assert_close(cache, x, rtol=0, atol=0)
+
+
+def test_the_output_is_an_inference_tensor_as_on_cuda(emulated):
+    x = torch.randn(4)
+    out = emulated.capture(lambda: x * 2, {"x": x}, name="key").replay()
+    assert out.is_inference()
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        out.add_(1)
+
+
 def test_replaced_persistent_input_is_refused(emulated):
     x = torch.randn(4)
     graph = emulated.capture(lambda: x * 2, {"x": x}, name="GraphKey(4)")
@@ -317,10 +354,17 @@ def test_captures_do_not_nest(emulated):
     assert emulated.graphs == ()
 
 
-def test_warmup_runs_eagerly_and_validates_count(emulated):
+def test_warmup_runs_the_preflight_then_num_warmups_plain_calls(emulated):
     calls = []
-    emulated.warmup(lambda: calls.append(1) or torch.ones(1), num_warmups=3)
-    assert len(calls) == 3
+
+    def forward():
+        calls.append(torch._C._len_torch_dispatch_stack())  # the checker is a dispatch mode
+        return torch.ones(1)
+
+    emulated.warmup(forward, num_warmups=3)
+    assert len(calls) == 4 and calls[0] > 0 and calls[1:] == [0, 0, 0]
+    emulated.warmup(forward, num_warmups=0)  # the preflight alone: allowed on the emulated backend
+    assert len(calls) == 5
     with pytest.raises(ValueError, match="num_warmups must be an int >= 0; got -1"):
         emulated.warmup(lambda: torch.ones(1), num_warmups=-1)
 

@@ -32,6 +32,7 @@ MAX_NUM_SEQS = 8
 VOCAB = 512
 FAIL_SIZE_SKIP = 8  # the last rank's forward runs out of memory at this size (on_error: skip)
 FAIL_SIZE_RAISE = 4  # rank 0's forward raises at this size (on_error: raise)
+STICKY = "CUDA error: device-side assert triggered"  # the last rank's forward raises it at FAIL_SIZE_SKIP
 NUM_RANDOM_STEPS = 12
 TIMEOUT_S = 3.0  # dp_timeout of the timeout scenario
 SLOW_S = 60.0  # dp_timeout and store timeout everywhere else: loaded CI machines are slow
@@ -176,6 +177,19 @@ def _scenarios(rank: int, world_size: int, out: Path) -> dict[str, Any]:
         result["raise"] = None
     except CaptureError as exc:
         result["raise"] = {"type": type(exc).__name__, "message": str(exc), "num_graphs": len(raiser.graphs)}
+
+    # A sticky CUDA error on the last rank under `skip`: every rank stops the pass (no rank waits
+    # for the failed one in the next key's agreement).
+    model = build_model(config)
+    failing = model.forward = FailingForward(model.forward)
+    if rank == world_size - 1:
+        failing.size, failing.error = FAIL_SIZE_SKIP, RuntimeError(STICKY)
+    stopper = CaptureManager(model, config, group=group, progress=False, dp_timeout=SLOW_S)
+    try:
+        stopper.capture()
+        result["sticky"] = None
+    except CaptureError as exc:
+        result["sticky"] = {"message": str(exc), "num_graphs": len(stopper.graphs)}
 
     # The last rank stops stepping: the others get DistributedTimeoutError, not a hang.
     dist.barrier()

@@ -164,6 +164,18 @@ def test_a_rank_failing_capture_under_raise_makes_every_rank_raise(world):
             assert "rank 0 failed to capture it" in raised["message"]
 
 
+def test_a_sticky_cuda_error_on_one_rank_stops_the_pass_on_every_rank(world):
+    last = len(world) - 1
+    for result in world:
+        sticky = result["sticky"]
+        assert sticky is not None and sticky["num_graphs"] == 0, f"rank {result['rank']} went on"
+        assert f"tokens={_worker.FAIL_SIZE_SKIP}," in sticky["message"] and "restart the process" in sticky["message"]
+        if result["rank"] == last:
+            assert _worker.STICKY in sticky["message"]
+        else:
+            assert f"rank {last} hit a sticky CUDA error" in sticky["message"]
+
+
 def test_a_rank_that_stops_stepping_surfaces_as_a_timeout_naming_the_step(world):
     for result in world[:-1]:
         timeout = result["timeout"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from graphcap.backends.base import CaptureUnsafeError
-from graphcap.backends.unsafe import unsafe_op_checker
+from graphcap.backends.preflight import unsafe_op_checker
 from graphcap.batch import GraphKey, StepBatch, dummy_batch
 from graphcap.buffers import PersistentBuffers
 from graphcap.config import load_config

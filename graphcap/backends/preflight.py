@@ -1,0 +1,292 @@
+"""The checker that names an op a CUDA graph cannot hold, before capture turns it into CUDA error 900.
+
+`unsafe_op_checker(device)` runs a forward against `graphcap.backends.unsafe.UNSAFE_OPS`
+through three hooks: a `TorchDispatchMode` (aten ops), a `TorchFunctionMode` (Python
+methods such as `.item()` and the `torch.tensor`-like uploads that never reach the
+dispatcher's Python key) and wrappers around the Python-level GPU waits
+(`torch.cuda.synchronize`, stream and event `synchronize`/`query`, `empty_cache`). Each
+raises `CaptureUnsafeError` naming the op, the reason and the innermost stack frame
+outside torch and outside graphcap/backends, i.e. the user's line.
+
+`preflight(device)` is what a backend's first warmup runs: the checker, torch.compile off
+(`graphcap.backends.compiled`: a mode must never be the first thing a compiled function
+meets) and, on CUDA, `torch.cuda.set_sync_debug_mode("error")`, whose error for any sync
+the table missed becomes a `CaptureUnsafeError` too. `check_capture_safe(fn, device)` is
+the same preflight as a public lint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphcap.backends.compiled import eager_only
+from graphcap.backends.unsafe import SYNC_FUNCTIONS, UNSAFE_OPS, UnsafeOp
+from graphcap.errors import CaptureUnsafeError
+
+__all__ = ["UnsafeOpMode", "check_capture_safe", "check_op", "preflight", "sync_debug_errors", "unsafe_op_checker"]
+
+_SYNC_DEBUG_TEXT = "called a synchronizing CUDA operation"
+_SYNC_REASON = (
+    "it synchronizes the host with the GPU (torch.cuda.set_sync_debug_mode('error') caught it), "
+    "which a CUDA graph cannot hold"
+)
+_SYNC_FIX = "Keep the data on the device inside the forward: no .item(), host copies or waits"
+_SKIP_DIRS = (
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+)
+# Python methods and functions, looked up by the object torch hands to __torch_function__.
+_FUNCTIONS: dict[Any, UnsafeOp] = {}
+for _name, _row in UNSAFE_OPS.items():
+    if _name.startswith("Tensor."):
+        _FUNCTIONS[getattr(torch.Tensor, _name.removeprefix("Tensor."))] = _row
+    elif _name in ("torch.tensor", "torch.as_tensor", "torch.asarray"):
+        _FUNCTIONS[getattr(torch, _name.removeprefix("torch."))] = _row
+
+
+def _shown(path: str, line: int) -> str:
+    path = os.path.abspath(path)
+    cwd = os.getcwd() + os.sep
+    return f"{os.path.relpath(path) if path.startswith(cwd) else path}:{line}"
+
+
+def _is_user(code: Any) -> bool:
+    return not os.path.abspath(code.co_filename).startswith(_SKIP_DIRS)
+
+
+def _user_location() -> str:
+    """file:line of the innermost frame outside torch/ and graphcap/backends/."""
+    frame = sys._getframe(1)
+    while frame is not None and not _is_user(frame.f_code):
+        frame = frame.f_back
+    return "<unknown location>" if frame is None else _shown(frame.f_code.co_filename, frame.f_lineno)
+
+
+def _traceback_location(tb: TracebackType | None) -> str:
+    """file:line of the innermost user frame of a traceback (where the failing call was made)."""
+    found = "<unknown location>"
+    while tb is not None:
+        if _is_user(tb.tb_frame.f_code):
+            found = _shown(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return found
+
+
+def _raise(row: UnsafeOp, shown_name: str) -> None:
+    raise CaptureUnsafeError(shown_name, _user_location(), row.reason, row.fix)
+
+
+@functools.cache
+def _row_for(func: Any) -> UnsafeOp | None:
+    return UNSAFE_OPS.get(str(func._overloadpacket))
+
+
+def _on_device(value: Any, device_type: str) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.device.type == device_type
+    return isinstance(value, torch.device) and value.type == device_type
+
+
+def _touches_device(args: tuple, kwargs: dict, device_type: str) -> bool:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            if any(_on_device(v, device_type) for v in value):
+                return True
+        elif _on_device(value, device_type):
+            return True
+    return False
+
+
+def check_op(func: Any, args: tuple, kwargs: dict, device: torch.device) -> None:
+    """Raise `CaptureUnsafeError` if the aten overload `func` is unsafe on `device`."""
+    row = _row_for(func)
+    if row is None or not _touches_device(args, kwargs, device.type):
+        return
+    if row.applies is None or row.applies(func, args, kwargs, device):
+        overload = func._overloadname
+        _raise(row, row.name if overload == "default" else f"{row.name}.{overload}")
+
+
+def _sync_error(op: str, location: str) -> CaptureUnsafeError:
+    return CaptureUnsafeError(op, location, _SYNC_REASON, _SYNC_FIX)
+
+
+class _HostReadMode(TorchFunctionMode):
+    """Catches host reads, host copies and uploads by Python function (invisible as aten ops)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self._device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        row = _FUNCTIONS.get(func)
+        if row is not None and (row.applies is None or row.applies(func, args, kwargs, self._device)):
+            is_method = row.name.startswith("Tensor.")
+            if not is_method or (args and isinstance(args[0], torch.Tensor) and _on_device(args[0], self._device.type)):
+                _raise(row, row.name)
+        return func(*args, **kwargs)
+
+
+class UnsafeOpMode(TorchDispatchMode):
+    """Checks every aten op against the table, then runs it via `run_op` (a recorder hook).
+
+    A sync that `set_sync_debug_mode("error")` reports while an op runs names that op.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        check_op(func, args, kwargs, self.device)
+        try:
+            return self.run_op(func, args, kwargs)
+        except RuntimeError as exc:
+            if _SYNC_DEBUG_TEXT not in str(exc) or isinstance(exc, CaptureUnsafeError):
+                raise
+            raise _sync_error(str(func), _user_location()) from exc
+
+    def run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        # Under inference mode a composite op (aten.to, narrow.Tensor) reaches the mode whole;
+        # the kernel below would then run its parts unchecked (FakeTensorMode decomposes it
+        # out of sight): decompose it here, with the checker on, so every part is checked.
+        if func.namespace == "aten":
+            with self:
+                result = func.decompose(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        return func(*args, **kwargs)
+
+
+class _SyncGuard:
+    """Wraps the Python-level GPU waits while any checker runs; only checked threads are refused."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._local = threading.local()
+        self._originals: list[tuple[Any, str, Callable | None]] = []
+
+    def is_active(self) -> bool:
+        return getattr(self._local, "depth", 0) > 0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._users == 0:
+                self._install()
+            self._users += 1
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    for owner, attribute, original in reversed(self._originals):
+                        if original is None:
+                            delattr(owner, attribute)  # it was inherited: drop the wrapper
+                        else:
+                            setattr(owner, attribute, original)
+                    self._originals.clear()
+
+    def _install(self) -> None:
+        for name in SYNC_FUNCTIONS:
+            *path, attribute = name.split(".")[1:]  # drop "torch"
+            owner: Any = torch
+            for part in path:
+                owner = getattr(owner, part)
+            own = vars(owner).get(attribute)  # None when a class inherits it
+            self._originals.append((owner, attribute, own))
+            setattr(owner, attribute, self._refusing(UNSAFE_OPS[name], getattr(owner, attribute)))
+
+    def _refusing(self, row: UnsafeOp, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            if self.is_active():
+                _raise(row, row.name)
+            return original(*args, **kwargs)
+
+        return refuse
+
+
+_sync_guard = _SyncGuard()
+
+
+@contextlib.contextmanager
+def unsafe_op_checker(device: torch.device | str, mode: UnsafeOpMode | None = None) -> Iterator[None]:
+    """Run the enclosed forward under the checker; `mode` may be a recording subclass.
+
+    Callers that may run torch.compile'd code enter `eager_only()` first (see `preflight`).
+    """
+    device = torch.device(device)
+    with _sync_guard(), _HostReadMode(device), mode if mode is not None else UnsafeOpMode(device):
+        yield
+
+
+@contextlib.contextmanager
+def sync_debug_errors(enabled: bool) -> Iterator[None]:
+    """CUDA: run under `set_sync_debug_mode("error")`; a sync becomes `CaptureUnsafeError` naming the line.
+
+    Restores the previous mode on every exit path. A no-op when `enabled` is false.
+    """
+    if not enabled:
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    except RuntimeError as exc:
+        if _SYNC_DEBUG_TEXT not in str(exc) or isinstance(exc, CaptureUnsafeError):
+            raise
+        raise _sync_error("a synchronizing CUDA operation", _traceback_location(exc.__traceback__)) from exc
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+@contextlib.contextmanager
+def preflight(device: torch.device | str, *, sync_debug: bool = False) -> Iterator[list[str]]:
+    """The checked first warmup: torch.compile off, the checker on, and (CUDA) sync-debug errors.
+
+    Yields the compiled functions the forward entered (they ran uncompiled, by design).
+    """
+    with eager_only() as uncompiled, unsafe_op_checker(device), sync_debug_errors(sync_debug):
+        yield uncompiled
+
+
+def check_capture_safe(fn: Callable[[], Any], device: torch.device | str) -> Any:
+    """Run `fn()` once under the preflight; return its result, or raise `CaptureUnsafeError`.
+
+    The error names the first op a CUDA graph cannot hold on `device`, why, what to write
+    instead, and the line of your code that called it (`.op`, `.location`, `.reason`,
+    `.fix`). Engines lint their forward with it. `fn` runs eagerly under
+    `torch.inference_mode()` with torch.compile off (the uncompiled Python is what is
+    checked). On a real CUDA device, syncs the table does not know are caught by
+    `torch.cuda.set_sync_debug_mode("error")`. Works on tensors of a CUDA device under
+    `torch._subclasses.fake_tensor.FakeTensorMode`, so it runs on machines without a GPU::
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            x = torch.empty(8, 64, device="cuda")
+            check_capture_safe(lambda: model_step(x), "cuda")
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable taking no arguments; got {type(fn).__name__}")
+    device = torch.device(device)
+    on_gpu = device.type == "cuda" and torch.cuda.is_available()
+    with torch.inference_mode(), preflight(device, sync_debug=on_gpu):
+        return fn()

@@ -1,0 +1,274 @@
+"""gpu_check cases that capture and step: the CUDA tests, the tiny config, pipelined real batches,
+the cross-graph output probe, the data-parallel agreement (S1) and the 8B-shaped model. Each case
+is `(device, quick) -> dict` with `ok` (as predicted), `observed` (one line) and its numbers."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from graphcap import CaptureManager, StepBatch, load_config
+from graphcap.batch import GraphKey, dummy_batch
+from graphcap.config import CaptureConfig
+from graphcap.models import build_model
+from graphcap.report import format_bytes
+from graphcap.testing import fill_batch, time_key
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_8B = ROOT / "capture_configs" / "llama3-8b-h200.yaml"
+LLAMA_8B_MIN_FREE = 60 * 2**30  # weights 16 GiB + KV 16 GiB + activations and graph pool
+
+
+def tiny_config(device: str, quick: bool, **overrides) -> CaptureConfig:
+    """The embedded default config (tiny reference model) on `device`; checks at `basic` so that
+    timed replays do not pay a full address sweep (eager steps do not)."""
+    base = {"device": device, "checks.invariants": "basic", "checks.sync_debug": device.startswith("cuda")}
+    if quick:
+        base["capture.max_size"] = 8
+    return load_config(None, {**base, **overrides})
+
+
+def _manager(config: CaptureConfig) -> CaptureManager:
+    """A captured manager; `on_error: raise` (the default) means every key is also verified."""
+    manager = CaptureManager(build_model(config), config, progress=False)
+    manager.capture()
+    return manager
+
+
+def cuda_tests(device: str, quick: bool) -> dict:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/backends/test_cuda.py"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    lines = done.stdout.strip().splitlines()
+    failed = [line.split(" ", 1)[1] for line in lines if line.startswith("FAILED ")]
+    summary = lines[-1] if lines else done.stderr.strip()[-200:]
+    return {
+        "ok": done.returncode == 0,
+        "observed": summary + (f" ({'; '.join(failed)})" if failed else ""),
+        "failed": failed,
+    }
+
+
+def tiny(device: str, quick: bool) -> dict:
+    config = tiny_config(device, quick)
+    manager = _manager(config)
+    rows = []
+    for key in manager.graphs:
+        timing = time_key(manager, key, steps=2 if quick else 20, warmup=1 if quick else 3)
+        if timing is not None:
+            rows.append(
+                {"key": str(key), "eager_ms": timing.eager_ms, "replay_ms": timing.replay_ms, "speedup": timing.speedup}
+            )
+    rows.sort(key=lambda r: r["key"])
+    planned = len(manager.registry.planned)
+    captured = len(manager.graphs)
+    speed = {r["key"]: round(r["speedup"], 2) for r in rows}
+    observed = f"{captured} of {planned} keys captured and verified; replay speedup per key {speed}"
+    return {"ok": captured == planned, "observed": observed, "timings": rows}
+
+
+def unique_batch(key: GraphKey, config: CaptureConfig, rng: np.random.Generator) -> StepBatch:
+    """A real batch that fills `key` whose requests own distinct KV blocks (no two write one slot,
+    so graph and eager must agree exactly up to kernel tiling)."""
+    kv = config.kv_cache
+    q = dummy_batch(key, max_model_len=kv.max_model_len).query_lens.astype(np.int64)
+    blocks_each = (kv.num_blocks - 1) // max(1, len(q))
+    longest = np.minimum(kv.max_model_len, blocks_each * kv.block_size)
+    context = rng.integers(0, np.maximum(1, longest - q + 1))
+    seq = q + context
+    need = -(-seq // kv.block_size)
+    free = rng.permutation(np.arange(1, kv.num_blocks))
+    table = np.zeros((len(q), kv.max_blocks_per_req), dtype=np.int64)
+    start = 0
+    for i, n in enumerate(need):
+        table[i, :n] = free[start : start + n]
+        start += n
+    ids = rng.integers(0, config.model.vocab_size, int(q.sum()))
+    return StepBatch(q, seq, ids, table)
+
+
+def pipelined(device: str, quick: bool) -> dict:
+    config = tiny_config(device, quick)
+    manager = _manager(config)
+    model, keys = manager.model, sorted(manager.graphs, key=str)
+    rng = np.random.default_rng(0)
+    busy = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device) if device.startswith("cuda") else None
+    outputs, references = [], []
+    steps = 30 if quick else 300
+    for _ in range(steps):
+        batch = unique_batch(keys[rng.integers(len(keys))], config, rng)
+        if busy is not None:
+            busy @ busy  # queued GPU work: the next upload lags behind the host
+        model.reset_kv_cache()
+        outputs.append(manager.execute(batch).clone())
+        model.reset_kv_cache()
+        references.append(manager.eager(batch).clone())
+    manager.backend.synchronize()
+    mismatches, worst = 0, 0.0
+    for out, ref in zip(outputs, references):
+        worst = max(worst, float((out - ref).abs().max()))
+        try:
+            torch.testing.assert_close(out, ref, **config.checks.tolerance)
+        except AssertionError:
+            mismatches += 1
+    hits = sum(manager.stats.graph_hits.values())
+    observed = f"{steps} steps ({hits} replays), {mismatches} differ from eager (max |diff| {worst:.2e})"
+    return {"ok": mismatches == 0 and hits > 0, "observed": observed, "mismatches": mismatches, "max_abs_diff": worst}
+
+
+def clobber(device: str, quick: bool) -> dict:
+    """Keep a step's output view (no clone), run another step, see whether the view changed."""
+    config = tiny_config(device, quick)
+    first, second = _manager(config), _manager(config)
+    order = [k for k in first.registry.capture_order() if k in first.graphs]
+    small, large = order[-1], order[0]  # captured last (carved from freed memory), captured first
+    small_batch, large_batch = fill_batch(small, config, 1), fill_batch(large, config, 2)
+
+    def kept_after(other: CaptureManager) -> bool:
+        kept = first.execute(small_batch)
+        copy = kept.clone()
+        other.execute(large_batch)
+        first.backend.synchronize()
+        return torch.equal(kept, copy)
+
+    same_pool_intact = kept_after(first)
+    other_manager_intact = kept_after(second)
+    observed = (
+        f"one pool ({small} kept, {large} replayed): view {'intact' if same_pool_intact else 'changed'}; "
+        f"another manager's step: view {'intact' if other_manager_intact else 'changed'}"
+    )
+    return {"ok": other_manager_intact, "observed": observed, "same_pool_intact": same_pool_intact}
+
+
+def llama8b(device: str, quick: bool) -> dict:
+    free = torch.cuda.mem_get_info(device)[0]
+    if quick or free < LLAMA_8B_MIN_FREE:
+        why = "--quick" if quick else f"{format_bytes(free)} free, needs {format_bytes(LLAMA_8B_MIN_FREE)}"
+        return {"ok": True, "observed": f"skipped: {why}"}
+    config = load_config(LLAMA_8B, {"device": device, "report.path": None})
+    started = time.perf_counter()
+    model = build_model(config)
+    build_s = time.perf_counter() - started
+    manager = CaptureManager(model, config, progress=False)
+    torch.cuda.reset_peak_memory_stats(device)
+    report = manager.capture()
+    held_before_s3 = sum(k.num_tokens for k in manager.graphs) * config.model.vocab_size * 4
+    timed = {}
+    for key in manager.graphs:
+        if key.num_tokens in (1, 8, 32, 128, 256, 512):
+            wall = time_key(manager, key, steps=5)
+            if wall is not None:
+                timed[str(key)] = {
+                    "eager_ms": wall.eager_ms,
+                    "replay_ms": wall.replay_ms,
+                    **_event_ms(manager, key, config),
+                }
+    speed = {k: round(v["eager_ms"] / v["replay_ms"], 2) for k, v in sorted(timed.items())}
+    observed = (
+        f"{len(report.captured)} of {len(report.records)} keys in {report.total_seconds:.0f} s "
+        f"(build {build_s:.0f} s); "
+        f"pool {format_bytes(report.pool_bytes)}, largest graph {format_bytes(report.largest_graph_bytes)} "
+        f"(logits the old backend held: {format_bytes(held_before_s3)}); peak allocated "
+        f"{format_bytes(torch.cuda.max_memory_allocated(device))}; wall speedup {speed}"
+    )
+    return {
+        "ok": not report.skipped and report.pool_bytes < report.largest_graph_bytes + held_before_s3 / 2,
+        "observed": observed,
+        "report": {k: v for k, v in report.to_dict().items() if k != "config"},
+        "timed": timed,
+    }
+
+
+def _event_ms(manager: CaptureManager, key: GraphKey, config: CaptureConfig) -> dict:
+    """GPU time per step (CUDA events around the step; the host runs ahead between them)."""
+    batch = fill_batch(key, config)
+    out = {}
+    with manager.uncounted():
+        for side, step in (("eager_gpu_ms", manager.eager), ("replay_gpu_ms", manager.execute)):
+            samples = []
+            for _ in range(6):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step(batch)
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end))
+            out[side] = statistics.median(samples[1:])
+    return out
+
+
+def agreement(device: str, quick: bool) -> dict:
+    """Per-step cost of the agreement: `dispatch` (the collective and the key lookup, no forward)
+    and `execute` (the whole step, no sync between steps), with and without a group."""
+    import numpy as np
+    import torch.distributed as dist
+
+    on_cuda = device.startswith("cuda")
+    steps = 20 if quick else 300
+    with tempfile.TemporaryDirectory() as tmp:
+        store = f"file://{Path(tmp) / 'store'}"
+        dist.init_process_group("nccl" if on_cuda else "gloo", init_method=store, rank=0, world_size=1)
+        try:
+            config = tiny_config(device, True, **{"capture.mode": "full_decode_only"})
+            model = build_model(config)
+            world = f"world group ({dist.get_backend()})"
+            groups = {"no group": None, world: dist.group.WORLD, "gloo subgroup": dist.new_group(backend="gloo")}
+            dispatch_ms, execute_ms, agreement_backend, old_ms = {}, {}, None, None
+            for label, group in groups.items():
+                manager = CaptureManager(model, config, group=group, progress=False)
+                manager.capture()
+                batch = unique_batch(manager.registry.capture_order()[0], config, np.random.default_rng(0))
+                if group is dist.group.WORLD:
+                    agreement_backend = dist.get_backend(manager._sync.group)  # private: what the tool checks
+                dispatch_ms[label] = _step_ms(manager, manager.dispatch, batch, steps * 4)
+                execute_ms[label] = _step_ms(manager, manager.execute, batch, steps)
+            if on_cuda:  # the agreement as it was: a pageable upload, an NCCL all-reduce, a host read
+                old_ms = _step_ms(manager, lambda batch: _nccl_agreement(device), None, steps)
+        finally:
+            dist.destroy_process_group()
+    overhead = {k: round(v - dispatch_ms["no group"], 4) for k, v in dispatch_ms.items() if k != "no group"}
+    observed = f"agreement on {agreement_backend}; dispatch overhead ms per step {overhead}; execute ms {execute_ms}"
+    if old_ms is not None:
+        observed += f"; the old agreement alone (upload, NCCL all-reduce, host read): {old_ms} ms"
+    ok = agreement_backend == "gloo" and max(overhead.values()) < 1.0
+    result = {"dispatch_ms": dispatch_ms, "execute_ms": execute_ms, "old_nccl_ms": old_ms}
+    return {"ok": ok, "observed": observed, **result}
+
+
+def _nccl_agreement(device: str) -> list[int]:
+    import torch.distributed as dist
+
+    values = torch.tensor([8, 0, 0, 8], device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.tolist()
+
+
+def _step_ms(manager: CaptureManager, step, batch, steps: int) -> float:
+    """Median host ms per call over blocks of 10, with no sync between calls (a pipelined engine)."""
+    for _ in range(5):
+        step(batch)
+    manager.backend.synchronize()
+    samples = []
+    for _ in range(max(1, steps // 10)):
+        start = time.perf_counter()
+        for _ in range(10):
+            step(batch)
+        samples.append((time.perf_counter() - start) * 100)  # ms per call
+    manager.backend.synchronize()
+    return round(statistics.median(samples), 4)
+
+
+CASES = {
+    "cuda_tests": cuda_tests,
+    "tiny": tiny,
+    "pipelined": pipelined,
+    "clobber": clobber,
+    "agreement": agreement,
+    "llama8b": llama8b,
+}
