@@ -25,6 +25,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from graphcap.backends import CapturedGraph, GraphBackend, get_backend, is_sticky_cuda_error, resolve_device
+from graphcap.backends.base import flatten_output
 from graphcap.batch import GraphKey, StepBatch, dummy_batch, probe_batch
 from graphcap.buffers import ForwardInputs, PersistentBuffers
 from graphcap.config import CaptureConfig
@@ -245,11 +246,11 @@ class CaptureManager:
 
     def _verify(self, graph: CapturedGraph, run: Callable[[], torch.Tensor], inputs: ForwardInputs) -> float:
         """Replay the capture's own dummy inputs once and compare with an eager run of them."""
-        replayed = graph.replay()[: inputs.num_tokens].clone()
+        replayed = _cloned(_real_rows(graph.replay(), inputs.num_tokens, inputs.key.num_tokens))
         self.backend.synchronize()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            expected = run()[: inputs.num_tokens]
+            expected = _real_rows(run(), inputs.num_tokens, inputs.key.num_tokens)
         self.backend.synchronize()  # time the GPU work, not the launches
         seconds = time.perf_counter() - t0
         try:
@@ -274,13 +275,13 @@ class CaptureManager:
             vocab_size=self.config.model.vocab_size,
         )
         self._stage(batch, key, capturing=True, dummy=True)
-        replayed = graph.replay()[: batch.num_tokens].clone()
+        replayed = _cloned(_real_rows(graph.replay(), batch.num_tokens, key.num_tokens))
         self.backend.synchronize()
         t0 = time.perf_counter()
         eager_key = self.registry.eager_key(batch.num_tokens, batch.num_reqs)
         eager_inputs = self._stage(batch, eager_key, capturing=True, dummy=True, replay=False)
         with torch.inference_mode(), running(eager_inputs, "full"):  # the graph's own code path
-            expected = self._forward(eager_inputs)[: batch.num_tokens]
+            expected = _real_rows(self._forward(eager_inputs), batch.num_tokens, batch.num_tokens)
         self.backend.synchronize()
         seconds = time.perf_counter() - t0
         try:
@@ -335,13 +336,15 @@ class CaptureManager:
         with self._lock, self._step("dispatch"):  # with a group, a step's collective must not interleave
             return self._dispatch(_or_empty(batch))[0]
 
-    def execute(self, batch: StepBatch | None) -> torch.Tensor:
+    def execute(self, batch: StepBatch | None) -> Any:
         """Run one step: dispatch, stage, prepare, check invariants, replay or run eagerly.
 
         Before every replay the static inputs are checked (`StaticInputMovedError` when one
-        moved since capture). Returns the real rows `[:batch.num_tokens]` (a view valid until
-        the next step). `None` is an idle data-parallel rank: it joins the agreed key with no
-        real rows.
+        moved since capture). Returns what the forward returns (a tensor, or a tuple, list or
+        dict of tensors) with every tensor whose leading dim is the padded token count cut to
+        the real rows `[:batch.num_tokens]`: views valid until any graph of the backend's pool
+        replays (the next step), so read or clone them first. `None` is an idle data-parallel
+        rank: it joins the agreed key with no real rows.
         """
         batch = _or_empty(batch)
         with self._lock, self._step("execute"):
@@ -361,9 +364,9 @@ class CaptureManager:
                 stats.graph_hits[key] += 1
                 stats.real_tokens += batch.num_tokens
                 stats.padded_tokens += key.num_tokens
-            return output[: batch.num_tokens]
+            return _real_rows(output, batch.num_tokens, key.num_tokens)
 
-    def eager(self, batch: StepBatch) -> torch.Tensor:
+    def eager(self, batch: StepBatch) -> Any:
         """The reference: the model on the same staging path, unpadded, with no graph."""
         batch = _or_empty(batch)
         with self._lock, self._step("eager"):
@@ -374,7 +377,8 @@ class CaptureManager:
         self.last_key = key
         inputs = self._stage(batch, key, replay=False)
         with torch.inference_mode(), running(inputs):
-            return self._forward(inputs)[: batch.num_tokens]
+            output = self._forward(inputs)
+        return _real_rows(output, batch.num_tokens, batch.num_tokens, what="model.forward (eager) of")
 
     def _stage(
         self, batch: StepBatch, key: GraphKey, *, capturing: bool = False, dummy: bool = False, replay: bool = True
@@ -490,6 +494,21 @@ def _gc_frozen() -> Iterator[None]:
         if was_enabled:
             gc.enable()
         gc.collect()
+
+
+def _real_rows(output: Any, num_tokens: int, padded: int, what: str = "the forward of") -> Any:
+    """`output` (a tensor, or a tuple, list or dict of them) with token-row tensors cut to the real rows.
+
+    A tensor whose leading dim is the padded token count is cut to `[:num_tokens]`; any other
+    tensor (a per-request or pooled result) is returned whole.
+    """
+    leaves, rebuild = flatten_output(output, "this step", what)
+    return rebuild([t[:num_tokens] if t.dim() and t.shape[0] == padded else t for t in leaves])
+
+
+def _cloned(output: Any) -> Any:
+    leaves, rebuild = flatten_output(output, "this step", "the forward of")
+    return rebuild([t.clone() for t in leaves])
 
 
 def _buffer_specs(config: CaptureConfig, buffers: Iterable[BufferSpec]) -> tuple[BufferSpec, ...]:

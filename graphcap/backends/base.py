@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -39,8 +40,9 @@ __all__ = [
     "is_sticky_cuda_error",
 ]
 
-Forward = Callable[[], torch.Tensor]
-"""A forward closure: no arguments, reads its static inputs itself, returns one tensor."""
+Forward = Callable[[], Any]
+"""A forward closure: no arguments, reads its static inputs itself, returns a tensor (or a
+tuple, list or dict of tensors: see `flatten_output`)."""
 
 
 class GraphBackend:
@@ -182,14 +184,34 @@ class GraphBackend:
         return f"{type(self).__name__}(device={self.device}, {len(self.graphs)} graphs)"
 
 
-def check_output(output: object, name: str) -> torch.Tensor:
-    """Return `output` if it is a tensor, else raise the error that says what fn returned."""
-    if not isinstance(output, torch.Tensor):
-        raise CaptureError(
-            f"the forward captured as {name} returned {type(output).__name__}; it must return "
-            "one torch.Tensor (return a tuple's tensors concatenated, or capture each apart)"
-        )
-    return output
+def flatten_output(
+    output: Any, name: str, what: str = "the forward captured as"
+) -> tuple[list[torch.Tensor], Callable[[list], Any]]:
+    """The tensors of a forward's result, and how to rebuild the result's structure from them.
+
+    A forward returns a tensor, a tuple or list of tensors, or a dict of tensors by name
+    (hidden states and logits, say). Anything else is a `CaptureError` saying what it returned.
+    """
+    if isinstance(output, torch.Tensor):
+        return [output], lambda leaves: leaves[0]
+    if isinstance(output, (tuple, list)) and output and all(isinstance(t, torch.Tensor) for t in output):
+        kind = type(output)
+        return list(output), lambda leaves: kind(leaves)
+    if isinstance(output, dict) and output and all(isinstance(t, torch.Tensor) for t in output.values()):
+        keys = list(output)
+        return list(output.values()), lambda leaves: dict(zip(keys, leaves))
+    raise CaptureError(
+        f"{what} {name} returned {_describe(output)}; it must return a torch.Tensor, "
+        "a tuple or list of tensors, or a dict of tensors (e.g. {'hidden': h, 'logits': logits})"
+    )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (tuple, list, dict)):
+        items = value.values() if isinstance(value, dict) else value
+        kinds = sorted({type(v).__name__ for v in items})
+        return f"a {type(value).__name__} of {', '.join(kinds) or 'nothing'}"
+    return type(value).__name__
 
 
 def _check_callable(fn: object) -> None:

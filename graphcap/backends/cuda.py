@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from graphcap.backends.base import Forward, GraphBackend, check_output
+from graphcap.backends.base import Forward, GraphBackend, flatten_output
 from graphcap.backends.compiled import eager_only
 from graphcap.backends.graph import CapturedGraph
 from graphcap.backends.pool import GraphPool, unowned_alias
@@ -131,7 +131,7 @@ class CUDAGraphBackend(GraphBackend):
                         output = self._record(graph, fn, handle)
                 else:
                     output = self._record(graph, fn, handle)
-            check_output(output, name)
+            leaves, rebuild = flatten_output(output, name)
             self.synchronize()
         except BaseException as error:
             _discard(graph, self.device, handle)
@@ -148,7 +148,7 @@ class CUDAGraphBackend(GraphBackend):
         free_delta = free_before - torch.cuda.mem_get_info(self.device)[0]
         return CUDACapturedGraph(
             name=name,
-            output=unowned_alias(output),  # the pool keeps the memory; nothing else needs to
+            output=rebuild([unowned_alias(leaf) for leaf in leaves]),  # the pool keeps the memory
             input_ptrs=input_ptrs,
             memory_bytes=max(0, reserved_delta, free_delta),
             graph_pool=self.pool,

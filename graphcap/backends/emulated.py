@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphcap.backends.base import Forward, GraphBackend, check_output
+from graphcap.backends.base import Forward, GraphBackend, flatten_output
 from graphcap.backends.compiled import eager_only
 from graphcap.backends.graph import CapturedGraph
 from graphcap.backends.pool import invalidate
@@ -48,26 +48,31 @@ class EmulatedGraph(CapturedGraph):
     """A recorded tape standing in for a CUDA graph; see the module docstring."""
 
     tape: Tape | None = field(default=None, repr=False)
+    leaves: list[torch.Tensor] = field(default_factory=list, repr=False)
+    """The output's tensors (one, or those of a tuple, list or dict), as `tape.result_slots`."""
 
     @property
     def owns_output(self) -> bool:
-        """Whether the output is the graph's own memory (not a view of an external it writes)."""
+        """Whether the (first) output is the graph's own memory (not a view of an external it writes)."""
         return self.tape is not None and self.tape.result_slot >= 0
 
     def _replay(self) -> None:
-        with torch.inference_mode():  # the output is an inference tensor: copy_ needs it
-            value = self.tape.run()
-            if value is not None:
-                self.output.copy_(value)
+        with torch.inference_mode():  # the outputs are inference tensors: copy_ needs it
+            for leaf, value in zip(self.leaves, self.tape.run()):
+                if value is not None:
+                    leaf.copy_(value)
 
     def _release(self) -> None:
         self.tape = None
+        self.leaves = []
 
     def _invalidate_output(self) -> None:
         # An output that views an external (the forward returned a slice of a buffer it
         # writes) lives outside the pool on CUDA too: nothing reuses it.
-        if self.owns_output:
-            invalidate(self.output)
+        if self.tape is not None:
+            for leaf, slot in zip(self.leaves, self.tape.result_slots):
+                if slot >= 0:
+                    invalidate(leaf)
 
 
 class EmulatedBackend(GraphBackend):
@@ -83,16 +88,19 @@ class EmulatedBackend(GraphBackend):
         try:
             with eager_only() as uncompiled, unsafe_op_checker(self.device, recorder):
                 output = fn()
-            tape = compile_tape(recorder.records, check_output(output, name))
+            leaves, _ = flatten_output(output, name)
+            tape = compile_tape(recorder.records, leaves)
         finally:
             recorder.records.clear()  # capture-time intermediates die here, also on failure
-        # The output persists between replays next to the tape's transient peak.
-        output_bytes = output.untyped_storage().nbytes() if tape.result_slot >= 0 else 0
+        # The outputs persist between replays next to the tape's transient peak.
+        storages = {leaf.untyped_storage().data_ptr(): leaf.untyped_storage().nbytes()
+                    for leaf, slot in zip(leaves, tape.result_slots) if slot >= 0}  # fmt: skip
         return EmulatedGraph(
             name=name,
             output=output,
+            leaves=leaves,
             input_ptrs=input_ptrs,
-            memory_bytes=tape.peak_bytes + output_bytes,
+            memory_bytes=tape.peak_bytes + sum(storages.values()),
             graph_pool=self.pool,
             uncompiled=tuple(uncompiled),
             tape=tape,

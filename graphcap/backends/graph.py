@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -74,8 +75,9 @@ class CapturedGraph:
 
     name: str
     """The name given at capture (the manager uses the graph key)."""
-    output: torch.Tensor | None
-    """The static output (see the class docstring for how long it is valid)."""
+    output: Any
+    """The static output: a tensor, or the tuple, list or dict of tensors the forward returned
+    (see the class docstring for how long it is valid); None after `release()`."""
     input_ptrs: dict[str, int]
     """`data_ptr` of every static input at capture, by name."""
     memory_bytes: int
@@ -91,7 +93,7 @@ class CapturedGraph:
     def is_released(self) -> bool:
         return self._is_released
 
-    def replay(self) -> torch.Tensor:
+    def replay(self) -> Any:
         """Run the captured work again; returns `self.output`, overwritten in place."""
         if self._is_released:
             raise CaptureError(f"graph {self.name} was released; capture it again to replay it")

@@ -68,15 +68,22 @@ class TapeRecorder(UnsafeOpMode):
 class Tape:
     """The compiled steps, with slot liveness precomputed; holds externals, no slot values."""
 
-    def __init__(self, steps: list[_Step], num_slots: int, result_slot: int, peak: int) -> None:
+    def __init__(self, steps: list[_Step], num_slots: int, result_slots: tuple[int, ...], peak: int) -> None:
         self.steps = steps
         self.num_slots = num_slots
-        self.result_slot = result_slot
+        self.result_slots = result_slots
+        """Per output: the slot holding its value after a run, or -1 (a view of an external
+        the steps write in place)."""
         self.peak_bytes = peak
 
-    def run(self) -> torch.Tensor | None:
-        """Execute every step (under inference mode, as recorded); returns the result slot's
-        value, or None when the output is an external that the steps update in place."""
+    @property
+    def result_slot(self) -> int:
+        """The first output's slot (a forward with one output)."""
+        return self.result_slots[0]
+
+    def run(self) -> list[torch.Tensor | None]:
+        """Execute every step (under inference mode, as recorded); returns each output's value,
+        or None for an output that is an external the steps update in place."""
         slots: list[Any] = [None] * self.num_slots
         for op, args, kwargs, fills, build, out, multi_out, frees in self.steps:
             if build is not None:
@@ -93,7 +100,7 @@ class Tape:
                     slots[slot] = result[index]
             for slot in frees:
                 slots[slot] = None
-        return slots[self.result_slot] if self.result_slot >= 0 else None
+        return [slots[slot] if slot >= 0 else None for slot in self.result_slots]
 
 
 class _Compiler:
@@ -109,7 +116,7 @@ class _Compiler:
         self.aliases: dict[int, torch.Tensor] = {}  # id(external) -> alias over its capture storage
         self.slot_storages: set[int] = set()  # storages first allocated by an op on the tape
 
-    def compile(self, records: list[tuple[Any, tuple, dict, Any]], output: torch.Tensor) -> Tape:
+    def compile(self, records: list[tuple[Any, tuple, dict, Any]], outputs: list[torch.Tensor]) -> Tape:
         raw = []
         for step, (func, args, kwargs, out) in enumerate(records):
             args_t, fills, nested = self._template(func, args, step)
@@ -118,17 +125,20 @@ class _Compiler:
             call = native_binding(func, args, kwargs) or func
             kwargs_t = dict(zip(kwargs, kwargs_t))
             raw.append(_Raw(call, args_t, kwargs_t, fills, nested, kw_fills, kw_nested, made))
-        result_slot = self.slot_of.get(id(output), -1)
-        if result_slot >= 0 and output.untyped_storage().data_ptr() in self.external_storages:
-            result_slot = -1  # a view of an external: the replayed writes land in it already
-        if result_slot >= 0:
-            self.last_use[result_slot] = len(records)  # read by the copy into the output
+        result_slots = []
+        for output in outputs:
+            slot = self.slot_of.get(id(output), -1)
+            if slot >= 0 and output.untyped_storage().data_ptr() in self.external_storages:
+                slot = -1  # a view of an external: the replayed writes land in it already
+            if slot >= 0:
+                self.last_use[slot] = len(records)  # read by the copy into the output
+            result_slots.append(slot)
         frees_at: list[list[int]] = [[] for _ in records]
         for slot, step in enumerate(self.last_use):
             if step < len(records):
                 frees_at[step].append(slot)
         steps = [self._step(step, frees_at[step], entry) for step, entry in enumerate(raw)]
-        return Tape(steps, len(self.slot_tensors), result_slot, self._peak_bytes(raw, frees_at))
+        return Tape(steps, len(self.slot_tensors), tuple(result_slots), self._peak_bytes(raw, frees_at))
 
     def _use(self, func: Any, value: Any, step: int) -> int | None:
         """Slot of a tensor input (marking the use), or None for an external or a constant."""
@@ -279,11 +289,11 @@ def _builder(raw: _Raw) -> _Builder:
     return build
 
 
-def compile_tape(records: list[tuple[Any, tuple, dict, Any]], output: torch.Tensor) -> Tape:
-    """Compile `TapeRecorder.records` for a forward that returned `output`.
+def compile_tape(records: list[tuple[Any, tuple, dict, Any]], outputs: list[torch.Tensor]) -> Tape:
+    """Compile `TapeRecorder.records` for a forward whose results (or exported tensors) are `outputs`.
 
     Must run under the grad mode of the recording (inference mode) while the records are
     still alive (identities are keyed by `id()`). The tape references externals and
     constants only; the caller drops the records afterwards.
     """
-    return _Compiler().compile(records, output)
+    return _Compiler().compile(records, list(outputs))
