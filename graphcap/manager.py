@@ -24,6 +24,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_device
 from graphcap.batch import GraphKey, StepBatch, dummy_batch
+from graphcap.block_table import BlockTable
 from graphcap.buffers import ForwardInputs, PersistentBuffers
 from graphcap.config import CaptureConfig
 from graphcap.dispatch import KeyRegistry, StepStats
@@ -98,6 +99,17 @@ class CaptureManager:
                 self._counting = was
 
     @property
+    def block_table(self) -> BlockTable:
+        """The persistent block table: rows written as they change, named by a step instead of a fresh table.
+
+        `manager.block_table.set_row(i, blocks)` / `append` / `move` / `swap` / `clear` as requests
+        come, grow, move and go; `StepBatch(q, s, ids, block_table=manager.block_table)` then reads
+        request i's blocks from row i (see `BlockTable`). With several threads, write rows under
+        `lock`. A capture pass sets the rows aside and puts them back.
+        """
+        return self.buffers.block_table
+
+    @property
     def lock(self) -> threading.RLock:
         """The re-entrant lock every step and capture holds.
 
@@ -123,7 +135,7 @@ class CaptureManager:
             start = time.perf_counter()
             memory_before = self.backend.memory_in_use()
             try:
-                with _gc_frozen(), logging_redirect_tqdm():
+                with _gc_frozen(), logging_redirect_tqdm(), self.buffers.table_set_aside():
                     bar = tqdm(
                         order,
                         desc="capture",
