@@ -30,7 +30,7 @@ class Plan:
     """Everything a step of `(key, num_tokens, num_reqs)` reuses: views, constants, its `ForwardInputs`."""
 
     __slots__ = (
-        "key", "T", "R", "n", "r", "inputs", "end", "ok", "ok_r", "pos", "pos_u", "idx", "tmp", "ones", "vocab",
+        "key", "T", "R", "n", "r", "inputs", "upload", "ok", "ok_r", "pos", "pos_u", "idx", "tmp", "ones", "vocab",
         "ids", "positions", "slots", "seq", "table", "table_cap", "null_cap", "row_offset", "div", "modulus",
         "qsl", "qsl_from_1", "qsl_real", "qsl_content", "counts_padded", "arange", "all_true", "all_true_r",
         "fresh_width", "fresh_cap", "u", "u_reqs", "row_span", "mod_operand",
@@ -110,7 +110,7 @@ class Plans:
         p.key, p.T, p.R, p.n, p.r = key, T, R, n, r
         p.inputs = ForwardInputs(*views, n, r, key, host, self.limits, extras)
         p.inputs._broken = self._forget_clean_rows
-        p.end = end
+        p.upload = self._upload_rows(end)
         p.ok, p.ok_r, p.pos = self._scratch_ok[:n], self._scratch_ok[:r], self._scratch_pos[:n]
         p.idx, p.tmp = self._scratch_idx[:n], self._scratch_tmp[:n]
         p.pos_u = p.pos.view(_U32)

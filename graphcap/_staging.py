@@ -130,8 +130,8 @@ class Staging(Plans, PaddedRows):
         if self._qsl_written is not p:
             p.qsl[...] = p.qsl_content
             self._qsl_written = p
-        if self._device_tensor is not self._host_tensor:
-            self._upload(p.end)
+        if p.upload is not None:
+            self._upload(p.upload)
         return p.inputs
 
     # -- any step ----------------------------------------------------------------------------
@@ -203,6 +203,6 @@ class Staging(Plans, PaddedRows):
         self._fill_padding(T, R, n, r)
         for spec in self.extras:
             stage_extra(self.host[spec.name], spec, batch.extras.get(spec.name), T, R, n, r)
-        if self._device_tensor is not self._host_tensor:
-            self._upload(p.end)
+        if p.upload is not None:
+            self._upload(p.upload)
         return p.inputs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 import pytest
 import torch
@@ -222,3 +224,36 @@ def test_manager_steps_name_the_table_capture_sets_it_aside_and_replay_equals_ea
     table.reset()
     torch.testing.assert_close(first, manager.eager(StepBatch([5, 3], [5, 3], np.arange(8), fresh)))
     torch.testing.assert_close(second, manager.eager(StepBatch([1, 1], [6, 4], [9, 10], fresh)))
+
+
+class _Event:
+    """Stands in for `torch.cuda.Event`: records and waits are counted (the CPU copy is synchronous)."""
+
+    log: ClassVar[list[str]] = []
+
+    def record(self) -> None:
+        self.log.append("record")
+
+    def synchronize(self) -> None:
+        self.log.append("wait")
+
+
+def test_each_step_uploads_its_prefix_once_and_host_writes_wait_for_the_previous_upload(monkeypatch):
+    """The CUDA upload protocol with a separate 'device' tensor on the CPU (see docs/EMULATION.md)."""
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    _Event.log = []
+    buffers = make_buffers()
+    buffers._device_tensor = torch.zeros_like(buffers._host_tensor)  # as on CUDA: a second copy
+    table = buffers.block_table
+    table.set_row(0, [1, 2])
+    batch = StepBatch(np.ones(1, np.int32), np.array([6], np.int32), np.array([7], np.int32), table)
+    key = GraphKey(2, 2, False)
+    buffers.stage(batch, key)
+    end = buffers.upload_nbytes(key)
+    assert torch.equal(buffers._device_tensor[:end], buffers._host_tensor[:end])
+    assert not buffers._device_tensor[end:].any()  # one prefix, not the whole buffer
+    table.append(0, [3])  # waits: the upload may still read the pinned rows
+    table.set_row(1, [4])  # no second wait
+    buffers.stage(StepBatch(np.ones(2, np.int32), np.array([9, 3], np.int32), None, table), key)
+    assert _Event.log == ["record", "wait", "record"]
+    assert buffers._device_tensor[:end].numpy().tobytes() == buffers.packed_host[:end].tobytes()
