@@ -1,8 +1,10 @@
 """`PersistentBuffers`: the static inputs every graph reads, and the one path that fills them.
 
-Dummy runs (capture) and real steps both go through `PersistentBuffers.stage`, so there
-is no second place to forget a padded tail. The buffers are allocated once at the maxima
-and never reallocated: a captured graph keeps reading the addresses it was captured with.
+Dummy runs (capture) and real steps both go through `PersistentBuffers.stage` (the passes
+live in `_staging.py`, `_plans.py` and `_padding.py`), so there is no second place to forget
+a padded tail. The buffers are allocated once at the maxima and never reallocated: a
+captured graph keeps reading the addresses it was captured with. The staged `block_table`
+rows double as the persistent block table (`BlockTable`) of engines that keep one.
 
 Layout: every field of `inputs.FIELD_TABLE` and every engine buffer (`BufferSpec`) lives in
 one packed byte buffer, each at a 64-byte aligned offset, so with CUDA the host staging is
