@@ -3,10 +3,13 @@
 Layers, low to high: `PersistentBuffers.stage` + `check_invariants` (fill and prove the static
 inputs), the graph backends (`graphcap.backends`: capture one callable), and `CaptureManager`
 (capture every padded size, dispatch each step, replay or run eagerly). Most engines use only
-`CaptureManager`, `StepBatch`, `load_config` and, for their own buffers, `BufferSpec`.
+`CaptureManager`, `StepBatch`, `load_config` and, for their own buffers, `BufferSpec`; engines
+that keep a persistent block table write its rows through `CaptureManager.block_table`
+(`BlockTable`).
 """
 
 from graphcap.batch import GraphKey, StepBatch, dummy_batch
+from graphcap.block_table import BlockTable
 from graphcap.buffers import PAD_SLOT_ID, ForwardInputs, PadRules, PersistentBuffers
 from graphcap.config import CaptureConfig, load_config
 from graphcap.errors import (
@@ -29,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PAD_SLOT_ID",
     "BatchError",
+    "BlockTable",
     "BufferSpec",
     "CaptureConfig",
     "CaptureError",

@@ -1,17 +1,17 @@
 """Numpy helpers for the per-step host path, kept apart so domain modules read as domain code.
 
-The budget: staging plus the basic invariants of a 256-request decode step costs tens of
-microseconds on the host (`tools/bench_stage.py`, recorded in docs/BENCHMARKS.md), and at
-that size the cost is numpy *calls*, about 1 us each, not elements. Each helper here replaces
-two or more calls by one. Do not inline them back into `batch.py`, `buffers.py` or
-`invariants.py`: measure first.
+The budget: `StepBatch` + staging + the basic invariants of a 256-request decode step cost
+about 5 us on the host with the persistent block table (`tools/bench_stage.py --compare`,
+recorded in docs/BENCHMARKS.md), and at that size the cost is numpy *calls* (0.1-0.7 us
+each on a 2-core EPYC VM; reductions are the dear ones), not elements. Each helper here
+saves calls or call overhead. Measure before inlining or replacing one.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["INT32_MAX", "amax", "amin", "copy_into", "is_filled", "is_ramp", "unsigned_max"]
+__all__ = ["INT32_MAX", "ONES_BYTES", "amax", "amin", "filled", "ones", "unsigned_max"]
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -19,42 +19,39 @@ INT32_MAX = int(np.iinfo(np.int32).max)
 amin, amax = np.minimum.reduce, np.maximum.reduce
 
 _UNSIGNED = {np.dtype(f"i{size}"): np.dtype(f"u{size}") for size in (1, 2, 4, 8)}
-# int32 bytes of `[v, v, ...]` and `[0, q, 2q, ...]`, grown on demand: comparing an array
-# with one is a single exact memcmp, cheaper than any two numpy reductions.
-_FILLS: dict[tuple[int, np.dtype], bytes] = {}
-_RAMPS: dict[int, bytes] = {}
+# Read-only constant operands, grown on demand. A ufunc given a cached array runs ~0.25 us
+# faster than given a Python int (which it converts to a 0-d array on every call).
+_CONSTANTS: dict[tuple[int, np.dtype], np.ndarray] = {}
+_INT32 = np.dtype(np.int32)
+_MAX_CONSTANTS = 256
 
 
-def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
-    """`dst[...] = src` through a ufunc loop instead of memcpy above 2 KiB.
+def filled(value: int, size: int, dtype: np.dtype | type = _INT32) -> np.ndarray:
+    """A read-only array of `size` entries all equal to `value` (shared, grown on demand).
 
-    Above 2 KiB glibc's memcpy uses `rep movsb`, which on some x86 CPUs (AMD Zen 3, glibc
-    2.36) runs 10x slower when `dst` lies 1-63 bytes after `src` modulo 4 KiB. Where the
-    scheduler's arrays sit decides that, so plain assignment made staging slow for some
-    allocations only (a 64 KB block table: 2 us or 25 us). The ufunc costs the same at any
-    offset. Values must already be range-checked: the cast to `dst`'s dtype is unchecked.
+    Pass `dtype` as an `np.dtype` on hot paths (a type is normalized once per call).
     """
-    if src.nbytes > 2048:
-        np.positive(src, out=dst)
-    else:
-        dst[...] = src
+    key = (value, dtype)
+    array = _CONSTANTS.get(key)
+    if array is None or len(array) < size:
+        if len(_CONSTANTS) >= _MAX_CONSTANTS:
+            _CONSTANTS.pop(next(iter(_CONSTANTS)))
+        if not isinstance(dtype, np.dtype):
+            return filled(value, size, np.dtype(dtype))
+        array = np.full(max(size, 1024, 0 if array is None else 2 * len(array)), value, dtype=dtype)
+        array.flags.writeable = False
+        _CONSTANTS[key] = array
+    return array[:size]
 
 
-def is_filled(array: np.ndarray, value: int) -> bool:
-    """Every entry of an integer array equals `value` (one memcmp)."""
-    key = (value, array.dtype)
-    fill = _FILLS.get(key)
-    if fill is None or len(fill) < array.nbytes:
-        fill = _FILLS[key] = np.full(max(array.size, 1024), value, dtype=array.dtype).tobytes()
-    return fill.startswith(array.tobytes())
+_ONES = filled(1, 4096)
+ONES_BYTES = _ONES.tobytes()
+"""The bytes of 4096 int32 ones: `ONES_BYTES.startswith(q.tobytes())` is "q is all ones" in one memcmp."""
 
 
-def is_ramp(array: np.ndarray, step: int) -> bool:
-    """`array == step * arange(len(array))` exactly, for an int32 array (one memcmp)."""
-    ramp = _RAMPS.get(step)
-    if ramp is None or len(ramp) < array.nbytes:
-        ramp = _RAMPS[step] = (step * np.arange(max(len(array), 1024), dtype=np.int32)).tobytes()
-    return array.dtype == np.int32 and ramp.startswith(array.tobytes())
+def ones(size: int) -> np.ndarray:
+    """A read-only int32 array of `size` ones (a decode step's `query_lens`), shared."""
+    return _ONES[:size] if size <= len(_ONES) else filled(1, size)
 
 
 def unsigned_max(array: np.ndarray) -> int:

@@ -2,24 +2,28 @@
 
 A `StepBatch` is what a scheduler hands the model runner: per-request query lengths (the
 tokens computed this step) and total sequence lengths, optionally the token ids and the
-block table. It validates itself on construction with vectorized numpy, so an engine that
-already keeps numpy arrays pays no per-request Python loop.
+block table (an array, or the rows of a persistent `BlockTable`). Building one costs a few
+microseconds whatever its size: the value checks run in `PersistentBuffers.stage`, folded
+into the pass that stages the values.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from graphcap._fastnp import INT32_MAX, amax, amin, is_filled, unsigned_max
+from graphcap._fastnp import INT32_MAX, ONES_BYTES, amax, amin, ones
+from graphcap._refusals import check_block_ids, check_seq_lens, check_token_ids
+from graphcap.block_table import BlockTable
 from graphcap.errors import BatchError
 
 __all__ = ["GraphKey", "StepBatch", "distinct_blocks", "dummy_batch", "probe_batch"]
 
 _NO_EXTRAS: Mapping[str, np.ndarray] = MappingProxyType({})
+_I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
 
 
 class GraphKey(NamedTuple):
@@ -41,24 +45,29 @@ class GraphKey(NamedTuple):
 
 
 class StepBatch:
-    """One step as the scheduler sees it. Validated on construction; read-only afterwards.
+    """One step as the scheduler sees it: request lengths, token ids and where the blocks are.
 
     `query_lens[i]`: tokens of request i computed this step (>= 1).
     `seq_lens[i]`: total length of request i *including* this step's tokens (>= query_lens[i]).
     `input_ids`: `sum(query_lens)` token ids in request order, or None (all token 0).
-    `block_table[i, j]`: KV-cache block of request i's j-th block; needs
-    `ceil(seq_lens[i] / block_size)` columns. None: every request uses the null block 0
-    (dummy runs). Bounds that need the cache geometry are checked by
-    `PersistentBuffers.stage`, before it writes anything.
+    `block_table`: where each request's KV-cache blocks are, one of
+      - a 2-D array, `block_table[i, j]` the j-th block of request i, with at least
+        `ceil(seq_lens[i] / block_size)` columns (a fresh table: copied and checked every step);
+      - the manager's persistent `BlockTable` (`CaptureManager.block_table`): request i reads
+        row i, which the engine keeps with `set_row`/`append`/`move`/`clear` (checked at write;
+        the step neither copies nor scans it);
+      - None: every request uses the null block 0 (dummy runs).
+    `extras`: real rows of the engine's own buffers (`BufferSpec`), by name.
 
-    `extras`: real rows of the engine's own buffers (`BufferSpec`), by name; their shape,
-    dtype and values are checked by `PersistentBuffers.stage`, before it writes anything.
-
-    The batch owns its arrays: each is copied on construction and made read-only, so what
-    was validated is what gets staged, whatever the caller does with its own arrays later.
+    Construction checks what dispatch needs: shapes, lengths and `query_lens` (kept as a
+    read-only copy, or a shared constant for a decode step, so `num_tokens` and uniformity
+    cannot change after dispatch). The values of `seq_lens`, `input_ids` and `block_table`
+    are checked by `PersistentBuffers.stage` in the same pass that stages them, before it
+    writes anything: what was checked is what is staged. Native int32/int64 arrays are
+    referenced, not copied: an engine that changes one before staging stages (or is refused
+    for) the changed values. Anything else (lists, other dtypes, byte orders) is converted
+    into a read-only array the batch owns, and its values are checked here as well.
     Refusals raise `BatchError` (a `ValueError`) naming the field, the index and the value.
-    Derived on construction: `num_reqs`, `num_tokens`, `min_query_len`, `max_query_len`,
-    `max_seq_len`, `max_token_id` and `max_block_id` (-1 when there are no ids or blocks).
     """
 
     __slots__ = (
@@ -70,94 +79,82 @@ class StepBatch:
         "num_tokens",
         "min_query_len",
         "max_query_len",
-        "max_seq_len",
-        "max_token_id",
-        "max_block_id",
         "extras",
     )
 
     def __init__(self, query_lens, seq_lens, input_ids=None, block_table=None, *, extras=None) -> None:
-        # Hot path (every step): a handful of numpy reductions, no per-request Python. The
-        # maxima found here (`max_seq_len`, `max_token_id`, `max_block_id`) are kept so
-        # `PersistentBuffers.stage` checks its bounds without scanning the arrays again.
-        q = _int_array(query_lens, "query_lens", 1)
-        s = _int_array(seq_lens, "seq_lens", 1)
-        num_reqs = len(q)
+        # Hot path (every step): a decode step's int32 query_lens is one memcmp against a shared
+        # row of ones; the other arrays are taken by reference (no copy, no scan: stage does both).
+        q = query_lens
+        if type(q) is np.ndarray and q.dtype is _I32 and q.ndim == 1 and q.size and ONES_BYTES.startswith(q.tobytes()):
+            num_reqs = num_tokens = len(q)
+            q_min = q_max = 1
+            q = ones(num_reqs)
+        else:
+            q, q_min, q_max, num_tokens = _query_lens(q)
+            num_reqs = len(q)
+        s = seq_lens
+        if type(s) is not np.ndarray or s.ndim != 1 or (s.dtype is not _I32 and s.dtype is not _I64):
+            s = _converted(s, "seq_lens", 1)
+            if len(s) == num_reqs:
+                check_seq_lens(q, s)
+                s = _owned_int32(s)
         if len(s) != num_reqs:
             raise BatchError(
                 f"seq_lens has {len(s)} entries but query_lens has {num_reqs}; give one entry per request in both"
             )
-        if num_reqs:
-            if is_filled(q, 1):  # pure decode, the hot step: one memcmp, not two reductions
-                q_min = q_max = 1
-            else:
-                q_min = int(amin(q))
-                if q_min < 1:
-                    i = int(np.argmax(q < 1))
-                    raise BatchError(
-                        f"query_lens[{i}] is {int(q[i])}; every scheduled request computes at "
-                        "least one token: drop requests with nothing to compute from the step"
-                    )
-                q_max = int(amax(q))
-            if q_max == 1:
-                # Pure decode: seq_lens >= query_lens is seq_lens >= 1, i.e. no entry negative
-                # (read as unsigned, a negative exceeds int32) and none zero.
-                max_seq_len = unsigned_max(s)
-                if max_seq_len > INT32_MAX or np.count_nonzero(s) != num_reqs:
-                    _refuse_seq_lens(q, s)
-            else:
-                max_seq_len = int(amax(s))
-                if max_seq_len > INT32_MAX or np.less(s, q).any():
-                    _refuse_seq_lens(q, s)
-            num_tokens = num_reqs if q_max == 1 else int(q.sum())
-        else:
-            q_min = q_max = max_seq_len = 0
-            num_tokens = 0
-        max_token_id = max_block_id = -1
-        if input_ids is not None:
-            input_ids = _int_array(input_ids, "input_ids", 1)
-            # One reduction finds negatives and values above int32 together: viewed as
-            # unsigned, a negative id is larger than any id the buffers can hold.
-            max_token_id = unsigned_max(input_ids)
-            if max_token_id > INT32_MAX:
-                _check_int32(input_ids, "input_ids")
-            if len(input_ids) != num_tokens:
+        ids = input_ids
+        if ids is not None:
+            if type(ids) is not np.ndarray or ids.ndim != 1 or (ids.dtype is not _I32 and ids.dtype is not _I64):
+                ids = _converted(ids, "input_ids", 1)
+                check_token_ids(ids)
+                ids = _owned_int32(ids)
+            if len(ids) != num_tokens:
                 raise BatchError(
-                    f"input_ids has {len(input_ids)} entries but query_lens sum to {num_tokens}; "
+                    f"input_ids has {len(ids)} entries but query_lens sum to {num_tokens}; "
                     "give one token id per computed token, in request order"
                 )
-            if max_token_id > INT32_MAX:
-                t = int(np.argmax(input_ids < 0))
-                raise BatchError(f"input_ids[{t}] is {int(input_ids[t])}; token ids are >= 0")
-        if block_table is not None:
-            block_table = _int_array(block_table, "block_table", 2)
-            max_block_id = unsigned_max(block_table)
-            if max_block_id > INT32_MAX:
-                _check_int32(block_table, "block_table")
-            if block_table.shape[0] != num_reqs:
+        bt = block_table
+        if bt is not None and not isinstance(bt, BlockTable):
+            if type(bt) is not np.ndarray or bt.ndim != 2 or (bt.dtype is not _I32 and bt.dtype is not _I64):
+                bt = _converted(bt, "block_table", 2)
+                check_block_ids(bt)
+                bt = _owned_int32(bt)
+            if bt.shape[0] != num_reqs:
                 raise BatchError(
-                    f"block_table has {block_table.shape[0]} rows but the batch has {num_reqs} "
-                    "requests; give one row per request"
+                    f"block_table has {bt.shape[0]} rows but the batch has {num_reqs} requests; "
+                    "give one row per request"
                 )
-            if max_block_id > INT32_MAX:
-                i, j = np.argwhere(block_table < 0)[0]
-                raise BatchError(f"block_table[{i}, {j}] is {int(block_table[i, j])}; block ids are >= 0")
         self.query_lens = q
         self.seq_lens = s
-        self.input_ids = input_ids
-        self.block_table = block_table
+        self.input_ids = ids
+        self.block_table = bt
         self.num_reqs = num_reqs
         self.num_tokens = num_tokens
         self.min_query_len = q_min
         self.max_query_len = q_max
-        self.max_seq_len = max_seq_len
-        self.max_token_id = max_token_id
-        self.max_block_id = max_block_id
         self.extras = _NO_EXTRAS if not extras else _owned_extras(extras)
 
     def is_uniform(self, query_len: int) -> bool:
         """True when every request has exactly `query_len` tokens (an empty batch is uniform)."""
         return self.num_reqs == 0 or self.min_query_len == self.max_query_len == query_len
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest `seq_lens` entry (0 without requests); computed on each call."""
+        return int(amax(self.seq_lens)) if self.num_reqs else 0
+
+    @property
+    def max_token_id(self) -> int:
+        """The largest token id, -1 without ids; computed on each call."""
+        ids = self.input_ids
+        return int(amax(ids)) if ids is not None and len(ids) else -1
+
+    @property
+    def max_block_id(self) -> int:
+        """The largest block id of a fresh table, -1 without one; computed on each call."""
+        bt = self.block_table
+        return int(amax(bt.ravel())) if isinstance(bt, np.ndarray) and bt.size else -1
 
     def __repr__(self) -> str:
         return (
@@ -243,8 +240,33 @@ def distinct_blocks(seq_lens: np.ndarray, block_size: int, num_blocks: int, rng:
     return table
 
 
-def _int_array(values, name: str, ndim: int) -> np.ndarray:
-    """`values` as an integer numpy array the batch owns: a read-only copy (or conversion)."""
+def _query_lens(values) -> tuple[np.ndarray, int, int, int]:
+    """`(query_lens as a read-only int32 array the batch owns, min, max, sum)`, each checked."""
+    if type(values) is np.ndarray and values.ndim == 1 and values.dtype is _I32 and len(values):
+        q = values.copy()  # ours: the caller may reuse its array; num_tokens must stay true
+        q_min, q_max = int(amin(q)), int(amax(q))
+        if q_min >= 1:
+            q.flags.writeable = False
+            return q, q_min, q_max, int(np.add.reduce(q, dtype=_I64))
+    else:
+        q = _converted(values, "query_lens", 1)
+        if not len(q):
+            return _owned_int32(q), 0, 0, 0
+        q_min, q_max = int(amin(q)), int(amax(q))
+    if q_min < 1:
+        i = int(np.argmax(q < 1))
+        raise BatchError(
+            f"query_lens[{i}] is {int(q[i])}; every scheduled request computes at "
+            "least one token: drop requests with nothing to compute from the step"
+        )
+    if q_max > INT32_MAX:
+        raise BatchError(f"query_lens holds {q_max}, above the int32 range of the buffers")
+    q = _owned_int32(q)
+    return q, q_min, q_max, int(np.add.reduce(q, dtype=_I64))
+
+
+def _converted(values, name: str, ndim: int) -> np.ndarray:
+    """`values` as a new native integer numpy array (int64 or int32), shape-checked; values not yet range-checked."""
     if isinstance(values, np.ndarray):
         array = values.copy()  # ours: the caller may reuse its own array for the next step
     else:
@@ -259,19 +281,22 @@ def _int_array(values, name: str, ndim: int) -> np.ndarray:
     if array.dtype.kind not in "iu":
         if array.size != 0:
             raise BatchError(f"{name} must hold integers; got dtype {array.dtype}")
-        array = array.astype(np.int64)  # np.asarray([]) is float64
-    elif array.dtype.kind == "u" and array.itemsize == 8:
-        # uint64 with int32 arithmetic promotes to float64 (staging would fail half-way):
-        # refuse values above int32 here and keep the rest exactly as int64.
-        if array.size:
-            _check_int32(array, name)
-        array = array.astype(np.int64)
-    elif array.itemsize < 4:
-        # int8/int16 are widened: the negative-id checks read negatives as unsigned, which
-        # only exceeds the int32 range from 4 bytes up (int8 -1 would pass as block 255).
-        array = array.astype(np.int32)
-    array.flags.writeable = False
-    return array
+        return array.astype(np.int64)  # np.asarray([]) is float64
+    if array.dtype.kind == "u" and array.itemsize >= 4:
+        # uint32/uint64 hold values int32 cannot; with int32 arithmetic uint64 even promotes to
+        # float64. Refuse values above int32 here and keep the rest exactly as int64.
+        if array.size and int(amax(array.ravel())) > INT32_MAX:
+            raise BatchError(f"{name} holds {int(amax(array.ravel()))}, above the int32 range of the buffers")
+        return array.astype(np.int64)
+    # int8/int16 widen (read as unsigned, -1 would pass as 255); byte-swapped become native.
+    return array.astype(np.int64 if array.itemsize == 8 else np.int32)
+
+
+def _owned_int32(array: np.ndarray) -> np.ndarray:
+    """A read-only int32 array of `array`'s values (already checked to fit)."""
+    out = array.astype(np.int32, copy=array.dtype != _I32)
+    out.flags.writeable = False
+    return out
 
 
 def _owned_extras(extras: Any) -> Mapping[str, np.ndarray]:
@@ -288,26 +313,6 @@ def _owned_extras(extras: Any) -> Mapping[str, np.ndarray]:
         array.flags.writeable = False
         out[name] = array
     return MappingProxyType(out)
-
-
-def _refuse_seq_lens(q: np.ndarray, s: np.ndarray) -> NoReturn:
-    max_seq_len = int(amax(s))
-    if max_seq_len > INT32_MAX:
-        i = int(np.argmax(s))
-        raise BatchError(f"seq_lens[{i}] is {max_seq_len}, above the int32 range of the buffers")
-    i = int(np.argmax(s < q))
-    raise BatchError(
-        f"seq_lens[{i}] is {int(s[i])} but query_lens[{i}] is {int(q[i])}; "
-        "seq_lens count every token of the request including this step's, "
-        "so seq_lens >= query_lens"
-    )
-
-
-def _check_int32(array: np.ndarray, name: str) -> None:
-    # uint32 is 4 bytes too, but holds values the int32 buffers cannot.
-    top = int(array.max())
-    if top > INT32_MAX:
-        raise BatchError(f"{name} holds {top}, above the int32 range of the buffers")
 
 
 def _short(array: np.ndarray) -> str:

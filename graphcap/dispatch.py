@@ -18,7 +18,7 @@ from typing import Any
 from graphcap.batch import GraphKey, StepBatch
 from graphcap.sizes import CaptureSizes, uniform_sizes
 
-__all__ = ["EAGER_REASONS", "KeyRegistry", "StepStats"]
+__all__ = ["EAGER_REASONS", "MIXED_ROWS_FLOOR", "MIXED_ROWS_STEP", "KeyRegistry", "StepStats", "mixed_request_rows"]
 
 EAGER_REASONS = {
     "mode_none": "capture.mode is none",
@@ -32,27 +32,72 @@ EAGER_REASONS = {
 """Why a step ran eagerly; the keys of `CaptureManager.stats.eager`."""
 
 
+MIXED_ROWS_STEP = 4
+"""Each smaller request-row count of a mixed size is this many times fewer rows."""
+MIXED_ROWS_FLOOR = 64
+"""No mixed key gets fewer request rows than this by the ladder (below it padded rows cost little)."""
+
+
+def mixed_request_rows(size: int, max_num_seqs: int, max_model_len: int | None = None) -> tuple[int, ...]:
+    """Request-row counts of the mixed keys of `size` tokens, ascending.
+
+    `min(size, max_num_seqs)` (any step of `size` tokens fits), then `MIXED_ROWS_STEP` times
+    fewer (rounded down to a multiple of 8) while that leaves at least `MIXED_ROWS_FLOOR` rows
+    and `ceil(size / max_model_len)` (the requests `size` tokens need at least). A
+    mixed step of 256 requests and 2304 tokens then pads to 256 rows, not 1024: rows that a
+    step does not use still cost the upload, the attention kernels' grid and the host-side
+    planning of every padded request.
+    """
+    capacity = min(size, max_num_seqs)
+    least = 1 if not max_model_len else -(-size // max_model_len)
+    rows = [capacity]
+    while True:
+        smaller = rows[-1] // MIXED_ROWS_STEP // 8 * 8
+        if smaller < MIXED_ROWS_FLOOR or smaller < least or smaller >= rows[-1]:
+            break
+        rows.append(smaller)
+    return tuple(reversed(rows))
+
+
 class KeyRegistry:
     """Keys planned from a config, their capture state, and the dispatch table.
 
-    Mixed keys: one per size, `num_reqs = min(size, max_num_seqs)` (mode `full`). Uniform
-    keys: `num_reqs = size / q` at every size `sizes.uniform_sizes` gives (modes `full` and
-    `full_decode_only`): sizes of whole requests within `max_num_seqs`, plus
+    Mixed keys (mode `full`): per size, one per `mixed_request_rows(size, max_num_seqs,
+    max_model_len)` row count, `min(size, max_num_seqs)` and, for large sizes, a few with
+    fewer request rows; a mixed step replays the one with the fewest rows that hold it.
+    Uniform keys: `num_reqs = size / q` at every size `sizes.uniform_sizes` gives (modes
+    `full` and `full_decode_only`): sizes of whole requests within `max_num_seqs`, plus
     `max_num_seqs * q` itself. Mode `none` plans nothing. Does not stage or run anything.
     """
 
-    def __init__(self, sizes: CaptureSizes, mode: str, uniform_query_len: int, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        sizes: CaptureSizes,
+        mode: str,
+        uniform_query_len: int,
+        max_num_seqs: int,
+        max_model_len: int | None = None,
+    ) -> None:
         self.sizes = sizes
         self.mode = mode
         self.uniform_query_len = q = uniform_query_len
         self.max_num_seqs = max_num_seqs
         planned: list[GraphKey] = []
-        # Index by token count: the dispatch hot path is one list index per kind.
+        # Index by token count: the dispatch hot path is one list index per kind (mixed: the
+        # size's keys by ascending request rows).
         self._uniform: list[GraphKey | None] = [None] * (sizes.max_size + 1)
-        self._mixed: list[GraphKey | None] = [None] * (sizes.max_size + 1)
+        self._mixed: list[tuple[GraphKey, ...]] = [()] * (sizes.max_size + 1)
         if mode != "none":
             uniform = [GraphKey(size, size // q, True) for size in uniform_sizes(sizes, q, max_num_seqs)]
-            mixed = [GraphKey(size, min(size, max_num_seqs), False) for size in sizes] if mode == "full" else []
+            mixed = (
+                [
+                    GraphKey(size, rows, False)
+                    for size in sizes
+                    for rows in mixed_request_rows(size, max_num_seqs, max_model_len)
+                ]
+                if mode == "full"
+                else []
+            )
             planned = uniform + mixed
             # Each token count maps to the smallest key that holds it. A uniform key is used
             # only where it pads no further than the schedule does (its size <= pad(n)).
@@ -64,9 +109,13 @@ class KeyRegistry:
                 if key is not None and key.num_tokens <= sizes.pad(n):
                     self._uniform[n] = key
             if mixed:
-                by_size = {k.num_tokens: k for k in mixed}
+                by_size: dict[int, tuple[GraphKey, ...]] = {}
+                for key in mixed:
+                    by_size[key.num_tokens] = (*by_size.get(key.num_tokens, ()), key)
                 self._mixed = [by_size[sizes.pad(n)] for n in range(sizes.max_size + 1)]
-        self.planned: tuple[GraphKey, ...] = tuple(sorted(planned, key=lambda k: (k.num_tokens, not k.uniform)))
+        self.planned: tuple[GraphKey, ...] = tuple(
+            sorted(planned, key=lambda k: (k.num_tokens, not k.uniform, -k.num_reqs))
+        )
         self.captured: set[GraphKey] = set()
         self.skipped: dict[GraphKey, str] = {}
 
@@ -77,11 +126,12 @@ class KeyRegistry:
             config.capture.mode,
             config.capture.uniform_query_len,
             config.batching.max_num_seqs,
+            config.kv_cache.max_model_len,
         )
 
     def capture_order(self) -> list[GraphKey]:
-        """Largest first (smaller graphs then reuse the pool); uniform before mixed."""
-        return sorted(self.planned, key=lambda k: (-k.num_tokens, not k.uniform))
+        """Largest first (smaller graphs then reuse the pool); uniform before mixed; more rows first."""
+        return sorted(self.planned, key=lambda k: (-k.num_tokens, not k.uniform, -k.num_reqs))
 
     def mark_captured(self, key: GraphKey) -> None:
         self._check_planned(key)
@@ -116,14 +166,18 @@ class KeyRegistry:
             fallback = key
         else:
             fallback = None
-        key = self._mixed[num_tokens]
-        if key is None:  # full_decode_only plans no mixed keys
+        keys = self._mixed[num_tokens]
+        if not keys:  # full_decode_only plans no mixed keys
             return None, "decode_only" if fallback is None else self._state(fallback)
-        if num_reqs > key.num_reqs:
+        fits = None  # the fewest rows that hold the step; a larger captured one replays instead
+        for key in keys:
+            if key.num_reqs >= num_reqs:
+                if key in self.captured:
+                    return key, ""
+                fits = fits or key
+        if fits is None:
             return None, "too_many_requests"
-        if key in self.captured:
-            return key, ""
-        return None, self._state(key)
+        return None, self._state(fits)
 
     def key_for(self, batch: StepBatch) -> tuple[GraphKey | None, str]:
         """`dispatch` for a `StepBatch` (its counts and whether it is uniform)."""

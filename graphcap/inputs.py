@@ -155,6 +155,11 @@ class ForwardInputs:
     limits: StagingLimits
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
     """Engine buffers (`BufferSpec`) by name: views of their padded rows."""
+    _basic: Any = field(default=None, init=False, repr=False, compare=False)
+    """Cached by `check_invariants`: the views and expected bytes of this step's basic rules."""
+    _broken: Callable[[], None] | None = field(default=None, init=False, repr=False, compare=False)
+    """Set by staging: `check_invariants` calls it when it finds the rows broken, so the buffers
+    rewrite every padded row at the next step instead of trusting what they last wrote."""
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The static input tensors by name (built-ins in packed order, then the extras)."""

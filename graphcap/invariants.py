@@ -28,16 +28,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-from graphcap._fastnp import amax as _max
-from graphcap._fastnp import amin as _min
-from graphcap._fastnp import is_filled as _is_filled
-from graphcap._fastnp import is_ramp as _is_ramp
 from graphcap.errors import InvariantViolation
 from graphcap.inputs import ForwardInputs
 
 __all__ = ["LEVELS", "InvariantViolation", "check_invariants"]
 
 LEVELS = ("off", "basic", "full")
+_less, _subtract = np.less, np.subtract
 
 
 def check_invariants(
@@ -55,14 +52,19 @@ def check_invariants(
         return
     if level not in LEVELS:
         raise ValueError(f"level must be one of {', '.join(LEVELS)}; got {level!r}")
-    if not _basic_holds(inputs):
-        _check_basic(inputs)  # finds and names the first broken rule
-    if level == "full":
-        lens = _lengths(inputs.host.query_start_loc)
-        _check_full(inputs, lens)
-        _check_kv_writes(inputs, lens, dummy)
-    if inputs.limits.extras:
-        _check_extras(inputs, level)
+    try:
+        if not _basic_holds(inputs):
+            _check_basic(inputs)  # finds and names the first broken rule
+        if level == "full":
+            lens = _lengths(inputs.host.query_start_loc)
+            _check_full(inputs, lens)
+            _check_kv_writes(inputs, lens, dummy)
+        if inputs.limits.extras:
+            _check_extras(inputs, level)
+    except InvariantViolation:
+        if inputs._broken is not None:
+            inputs._broken()  # the next staging rewrites every padded row
+        raise
 
 
 def _check_extras(inputs: ForwardInputs, level: str) -> None:
@@ -94,39 +96,87 @@ def _basic_holds(inputs: ForwardInputs) -> bool:
     """True only when every basic rule holds, in a few numpy calls (the per-step cost).
 
     Together the tests below imply every rule `_check_basic` checks one by one (a test in
-    `test_invariants.py` holds the two to the same verdict): a padded `query_start_loc`
-    tail equal to its rule is non-decreasing from `num_tokens` and ends `<= T`; for a
-    uniform key the real offsets are exactly `0, q, 2q, ...`, so every length is `q` and
-    `seq_lens >= lens` is `min(seq_lens) >= q`. When it says False, `_check_basic` names
-    the first broken rule.
+    `test_invariants.py` holds the two to the same verdict). Each padded region is compared
+    byte for byte with the one content its pad rule allows (for a uniform key the whole
+    `query_start_loc`, `0, q, 2q, ..., n` then the tail), so every length is right and
+    `seq_lens >= lens` is one comparison. The views and expected bytes are built once per
+    `ForwardInputs` (staging hands back the same object for the same key and counts). When
+    it says False, `_check_basic` names the first broken rule.
     """
-    host, key, pad = inputs.host, inputs.key, inputs.limits.pad
-    n, r = inputs.num_tokens, inputs.num_reqs
-    T, R = key.num_tokens, key.num_reqs
-    if not (0 <= n <= T and 0 <= r <= R):
-        return False
-    qsl, seq = host.query_start_loc, host.seq_lens
-    if r and key.uniform:
-        # Every real request has q tokens: the real offsets are exactly 0, q, 2q, ..., n.
-        q = T // R
-        if n != r * q or not _is_ramp(qsl[: r + 1], q) or _min(seq[:r]) < q:
+    p = inputs._basic
+    if (
+        p is None
+        or p.key is not inputs.key
+        or p.n != inputs.num_tokens
+        or p.r != inputs.num_reqs
+        or p.host is not inputs.host
+        or p.limits is not inputs.limits
+    ):
+        p = _BasicPlan.of(inputs)
+        if p is None:
             return False
-    elif qsl[0] != 0 or qsl[r] != n:
-        return False
-    elif r:
-        lens = np.subtract(qsl[1 : r + 1], qsl[:r], dtype=np.int64)  # int64: garbage must not wrap
-        if _min(lens) < 0 or _min(np.subtract(seq[:r], lens, out=lens)) < 0:
+        inputs._basic = p
+    if p.uniform:
+        if p.qsl.tobytes() != p.qsl_bytes:
             return False
-    if r < R:
-        tail = qsl[r + 1 :]
-        if pad.query_len == 0 or n == T:
-            if _min(tail) != n or _max(tail) != n:
+        if _less(p.seq, p.floor, out=p.ok).tobytes() != p.none:
+            return False
+    else:
+        qsl, r = p.qsl, p.r
+        if qsl[0] != 0 or qsl[r] != p.n:
+            return False
+        if r:
+            # Non-decreasing from 0 to n, so every entry lies in [0, n]: int32 lengths cannot wrap.
+            if _less(p.qsl_hi, p.qsl_lo, out=p.ok).tobytes() != p.none:
                 return False
-        elif (tail != _qsl_tail(n, r, T, R, pad.query_len)).any():
+            lens = _subtract(p.qsl_hi, p.qsl_lo, out=p.lens)
+            if _less(p.seq, lens, out=p.ok).tobytes() != p.none:
+                return False
+        if p.qsl_tail is not None and p.qsl_tail.tobytes() != p.qsl_tail_bytes:
             return False
-        if not _is_filled(seq[r:], pad.seq_len):
-            return False
-    return n == T or _is_filled(host.slot_mapping[n:], pad.slot)
+    if p.seq_tail is not None and p.seq_tail.tobytes() != p.seq_tail_bytes:
+        return False
+    return p.slot_tail is None or p.slot_tail.tobytes() == p.slot_tail_bytes
+
+
+class _BasicPlan:
+    """What `_basic_holds` reads for one `ForwardInputs`: views of its host rows and the bytes they must equal."""
+
+    __slots__ = (
+        "key", "n", "r", "host", "limits", "uniform", "qsl", "qsl_bytes", "qsl_hi", "qsl_lo", "qsl_tail",
+        "qsl_tail_bytes", "seq", "floor", "ok", "none", "lens", "seq_tail", "seq_tail_bytes", "slot_tail",
+        "slot_tail_bytes",
+    )  # fmt: skip
+
+    @classmethod
+    def of(cls, inputs: ForwardInputs) -> _BasicPlan | None:
+        """The plan, or None when the counts do not fit the key (`_check_basic` names that)."""
+        host, key, pad = inputs.host, inputs.key, inputs.limits.pad
+        n, r = inputs.num_tokens, inputs.num_reqs
+        T, R = key.num_tokens, key.num_reqs
+        if not (0 <= n <= T and 0 <= r <= R) or host.query_start_loc.dtype != np.int32:
+            return None
+        p = cls()
+        p.key, p.n, p.r, p.host, p.limits = key, n, r, host, inputs.limits
+        p.qsl, p.seq = host.query_start_loc, host.seq_lens[:r]
+        tail = _qsl_tail(n, r, T, R, pad.query_len).astype(np.int32)
+        p.uniform = bool(key.uniform and r)
+        if p.uniform:
+            q = T // R
+            if n != r * q:
+                return None  # a uniform key's real requests have q tokens each: broken, and named slowly
+            p.qsl_bytes = (q * np.arange(r + 1, dtype=np.int32)).tobytes() + tail.tobytes()
+            p.floor = np.full(r, q, dtype=np.int32)
+        p.qsl_hi, p.qsl_lo = host.query_start_loc[1 : r + 1], host.query_start_loc[:r]
+        p.qsl_tail = host.query_start_loc[r + 1 :] if r < R else None
+        p.qsl_tail_bytes = tail.tobytes()
+        p.ok, p.none = np.empty(r, dtype=bool), bytes(r)
+        p.lens = np.empty(r, dtype=np.int32)
+        p.seq_tail = host.seq_lens[r:] if r < R else None
+        p.seq_tail_bytes = np.full(R - r, pad.seq_len, dtype=host.seq_lens.dtype).tobytes()
+        p.slot_tail = host.slot_mapping[n:] if n < T else None
+        p.slot_tail_bytes = np.full(T - n, pad.slot, dtype=host.slot_mapping.dtype).tobytes()
+        return p
 
 
 def _check_basic(inputs: ForwardInputs) -> None:

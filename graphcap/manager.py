@@ -27,6 +27,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from graphcap.backends import CapturedGraph, GraphBackend, get_backend, is_sticky_cuda_error, resolve_device
 from graphcap.backends.base import flatten_output
 from graphcap.batch import GraphKey, StepBatch, dummy_batch, probe_batch
+from graphcap.block_table import BlockTable
 from graphcap.buffers import ForwardInputs, PersistentBuffers
 from graphcap.config import CaptureConfig
 from graphcap.dispatch import KeyRegistry, StepStats
@@ -117,6 +118,17 @@ class CaptureManager:
                 self._counting = was
 
     @property
+    def block_table(self) -> BlockTable:
+        """The persistent block table: rows written as they change, named by a step instead of a fresh table.
+
+        `manager.block_table.set_row(i, blocks)` / `append` / `move` / `swap` / `clear` as requests
+        come, grow, move and go; `StepBatch(q, s, ids, block_table=manager.block_table)` then reads
+        request i's blocks from row i (see `BlockTable`). With several threads, write rows under
+        `lock`. A capture pass sets the rows aside and puts them back.
+        """
+        return self.buffers.block_table
+
+    @property
     def lock(self) -> threading.RLock:
         """The re-entrant lock every step and capture holds.
 
@@ -146,7 +158,7 @@ class CaptureManager:
             records: list[GraphRecord] = []
             start = time.perf_counter()
             try:
-                with _gc_frozen(), logging_redirect_tqdm():
+                with _gc_frozen(), logging_redirect_tqdm(), self.buffers.table_set_aside():
                     self.backend.empty_cache()  # once per pass (S4); the graphs then share the pool
                     memory_before = self.backend.memory_in_use()
                     bar = tqdm(
@@ -396,7 +408,7 @@ class CaptureManager:
         elif self._prepare is not None:
             self._prepare(inputs, capturing=capturing)
         check_invariants(inputs, self._level, dummy=dummy or batch.block_table is None)
-        self.buffers.upload(key)
+        self.buffers.upload()  # the rows just staged and checked
         return inputs
 
     def _dispatch(self, batch: StepBatch) -> tuple[GraphKey | None, str]:

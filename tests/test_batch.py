@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap.batch import GraphKey, StepBatch, dummy_batch
+from graphcap.buffers import PersistentBuffers
+from tests.conftest import BLOCK_SIZE, NUM_BLOCKS, make_buffers
 
 INT32_MAX = 2**31 - 1
 
@@ -25,14 +27,41 @@ def test_step_batch_accepts_lists_and_integer_arrays(dtype):
     assert batch.block_table.shape == (3, 2)
 
 
-def test_step_batch_owns_read_only_copies_so_later_caller_writes_cannot_slip_past_validation():
+def test_what_stage_checked_is_what_it_staged_even_when_the_caller_reuses_its_arrays():
+    """Native int arrays are referenced, so stage checks the values it stages in the same pass."""
     q, s = np.array([1, 1], np.int32), np.array([4, 9], np.int64)
-    ids, table = np.array([3, 4], np.int32), np.array([[1], [2]], np.int32)
+    ids, table = np.array([3, 4], np.int32), np.array([[1, 2, 0], [2, 3, 4]], np.int32)
     batch = StepBatch(q, s, ids, table)
-    q[0], s[0], ids[0], table[0, 0] = 0, -5, -1, -1  # the scheduler reuses its arrays
-    assert batch.query_lens.tolist() == [1, 1] and batch.seq_lens.tolist() == [4, 9]
-    assert batch.input_ids.tolist() == [3, 4] and batch.block_table.tolist() == [[1], [2]]
-    for array in (batch.query_lens, batch.seq_lens, batch.input_ids, batch.block_table):
+    buffers = make_buffers()
+    q[0] = 0  # query_lens decided num_tokens and uniformity at construction: the batch keeps its own
+    assert batch.query_lens.tolist() == [1, 1] and batch.num_tokens == 2
+    with pytest.raises(ValueError, match="read-only"):
+        batch.query_lens[0] = 7
+    for array, index, bad, match in (
+        (s, 0, -5, r"seq_lens\[0\] is -5"),
+        (ids, 1, -1, r"input_ids\[1\] is -1"),
+        (table, (1, 0), -1, r"block_table\[1, 0\] is -1"),
+        (table, (1, 2), NUM_BLOCKS, rf"block_table\[1, 2\] is {NUM_BLOCKS}, outside the KV cache"),
+    ):
+        good = array[index]
+        array[index] = bad  # the scheduler reuses its arrays before the step is staged
+        before = buffers.packed_host.copy()
+        with pytest.raises(ValueError, match=match):
+            buffers.stage(batch, GraphKey(4, 2, False))
+        assert buffers.packed_host.tobytes() == before.tobytes()  # refused before any write
+        array[index] = good
+    s[1], ids[1] = 10, 7  # valid changes are staged as they are now, and checked
+    inputs = buffers.stage(batch, GraphKey(4, 2, False))
+    assert inputs.seq_lens[:2].tolist() == [4, 10] and inputs.input_ids[:2].tolist() == [3, 7]
+    assert inputs.slot_mapping[:2].tolist() == [1 * BLOCK_SIZE + 3, 4 * BLOCK_SIZE + 1]
+
+
+def test_converted_inputs_are_owned_read_only_copies_checked_at_construction():
+    s = [4, 9]
+    batch = StepBatch([1, 1], s, np.array([3, 4], np.int16), [[1], [2]])
+    s[0] = -5
+    assert batch.seq_lens.tolist() == [4, 9] and batch.input_ids.dtype == np.int32
+    for array in (batch.seq_lens, batch.input_ids, batch.block_table):
         with pytest.raises(ValueError, match="read-only"):
             array[0] = 7
 
@@ -108,10 +137,16 @@ def test_uint32_values_above_int32_are_refused(field):
 
 
 def test_int64_extremes_are_refused_not_wrapped():
-    with pytest.raises(ValueError, match=r"input_ids holds 9223372036854775807"):
-        StepBatch([1], [1], input_ids=np.array([np.iinfo(np.int64).max]))
-    with pytest.raises(ValueError, match=r"input_ids\[0\] is -9223372036854775808"):
-        StepBatch([1], [1], input_ids=np.array([np.iinfo(np.int64).min]))
+    buffers = make_buffers()
+    for ids, match in (
+        (np.array([np.iinfo(np.int64).max]), r"input_ids holds 9223372036854775807"),
+        (np.array([np.iinfo(np.int64).min]), r"input_ids\[0\] is -9223372036854775808"),
+        (np.array([2**32 + 3]), r"input_ids holds 4294967299, above the int32"),  # would wrap to token 3
+    ):
+        with pytest.raises(ValueError, match=match):
+            buffers.stage(StepBatch([1], [1], input_ids=ids), GraphKey(1, 1, False))
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] is 4294967297, above the int32"):
+        buffers.stage(StepBatch([1], np.array([2**32 + 1])), GraphKey(1, 1, False))  # would wrap to 1
 
 
 @given(
@@ -123,14 +158,23 @@ def test_step_batch_accepts_exactly_the_valid_steps(query_lens, context):
     context = (context + [0] * len(query_lens))[: len(query_lens)]
     seq_lens = [q + c for q, c in zip(query_lens, context)]
     valid = all(q >= 1 for q in query_lens) and all(s >= q for s, q in zip(seq_lens, query_lens))
-    for dtype in (np.int32, np.int64):
+    buffers = PersistentBuffers(10, 60, 8, block_size=4, max_model_len=32)  # holds any step drawn here
+    key = GraphKey(60, 10, False)
+    for form in (list, np.int32, np.int64):
+
+        def make(values, form=form):
+            return values if form is list else np.array(values, form)
+
         if valid:
-            batch = StepBatch(np.array(query_lens, dtype), np.array(seq_lens, dtype))
+            batch = StepBatch(make(query_lens), make(seq_lens))
             assert batch.num_tokens == sum(query_lens) and batch.num_reqs == len(query_lens)
             assert batch.max_seq_len == max(seq_lens, default=0)
+            buffers.stage(batch, key)
         else:
+            # query_lens are checked at construction; a seq_len the batch references (a native
+            # int array) when it is staged, one it converted (a list) at construction.
             with pytest.raises(ValueError, match=r"(query_lens|seq_lens)\[\d+\] is -?\d+"):
-                StepBatch(np.array(query_lens, dtype), np.array(seq_lens, dtype))
+                buffers.stage(StepBatch(make(query_lens), make(seq_lens)), key)
 
 
 def test_graph_key_is_immutable_hashable_and_readable():

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphcap.batch import GraphKey, StepBatch
+from graphcap.batch import GraphKey, StepBatch, dummy_batch
 from graphcap.config import load_config
-from graphcap.dispatch import EAGER_REASONS, KeyRegistry
+from graphcap.dispatch import EAGER_REASONS, KeyRegistry, mixed_request_rows
 from graphcap.sizes import CaptureSizes
 
 SIZES = CaptureSizes([1, 2, 4, 8, 16, 32], 64)
@@ -214,3 +214,62 @@ def test_every_decode_step_within_the_max_size_replays_a_graph(max_num_seqs, q, 
             assert key is not None and key.uniform and key.num_reqs >= num_reqs, (num_reqs, reason)
         else:
             assert (key, reason) == (None, "above_max_size")
+
+
+# -- request rows of mixed keys ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("size", "max_num_seqs", "max_model_len", "rows"),
+    [
+        (2304, 1024, 2048, (64, 256, 1024)),  # a 256-request step no longer pads to 1024 rows
+        (512, 256, 2048, (64, 256)),
+        (300, 1024, None, (72, 300)),  # rounded down to a multiple of 8
+        (232, 1024, None, (232,)),  # a quarter would be below 64 rows
+        (64, 32, 512, (32,)),
+        (4096, 1024, 32, (256, 1024)),  # 4096 tokens need at least 128 requests of 32
+    ],
+)
+def test_mixed_request_rows_step_down_by_four_to_64_and_never_below_what_the_tokens_need(
+    size, max_num_seqs, max_model_len, rows
+):
+    assert mixed_request_rows(size, max_num_seqs, max_model_len) == rows
+
+
+def test_a_mixed_step_replays_the_key_of_its_size_with_the_fewest_rows_that_hold_it():
+    keys = KeyRegistry(CaptureSizes([64, 512], 512), "full", 1, 1024, 2048)
+    assert [k for k in keys.planned if not k.uniform and k.num_tokens == 512] == [
+        GraphKey(512, 512, False),
+        GraphKey(512, 128, False),
+    ]
+    for key in keys.planned:
+        keys.mark_captured(key)
+    assert keys.dispatch(300, 100, False) == (GraphKey(512, 128, False), "")
+    assert keys.dispatch(300, 128, False) == (GraphKey(512, 128, False), "")
+    assert keys.dispatch(300, 129, False) == (GraphKey(512, 512, False), "")
+    keys.mark_skipped(GraphKey(512, 128, False), "x")  # fewer rows failed to capture: more rows replay
+    assert keys.dispatch(300, 100, False) == (GraphKey(512, 512, False), "")
+    keys.mark_skipped(GraphKey(512, 512, False), "x")
+    assert keys.dispatch(300, 100, False) == (None, "skipped")
+
+
+def test_capture_order_takes_more_rows_first_within_a_size():
+    keys = KeyRegistry(CaptureSizes([64, 512], 512), "full", 1, 1024, 2048)
+    order = keys.capture_order()
+    assert order[:3] == [GraphKey(512, 512, True), GraphKey(512, 512, False), GraphKey(512, 128, False)]
+
+
+def test_from_config_gives_mixed_keys_rows_that_max_model_len_can_fill():
+    config = load_config(
+        overrides={
+            "batching.max_num_seqs": 1024,
+            "batching.max_num_tokens": 4096,
+            "capture.max_size": 4096,
+            "kv_cache.max_model_len": 32,
+            "kv_cache.num_blocks": 4096,
+        }
+    )
+    keys = KeyRegistry.from_config(config)
+    assert {k.num_reqs for k in keys.planned if k.num_tokens == 4096 and not k.uniform} == {256, 1024}
+    for key in keys.planned:  # every planned key has a dummy batch (capture stages one)
+        dummy_batch(key, max_model_len=32)

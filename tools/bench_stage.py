@@ -9,13 +9,25 @@ per-request Python builder (lists filled in a loop per request and token, then o
     python tools/bench_stage.py            # the full table (about a minute)
     python tools/bench_stage.py --quick    # a few repetitions, to see that it runs
     python tools/bench_stage.py --compare  # graphcap vs a vLLM-style host step (tools/vllm_prep.py)
+    python tools/bench_stage.py --compare --peer-copies on   # ... with both sides' uploads
 
-`--compare` times graphcap's step against a numpy re-implementation of vLLM v1's host-side
-input preparation (`tools/vllm_prep.py`; its docstring lists the vLLM steps it includes and
-omits) on decode steps of 1 to 1024 requests and one mixed step. Both first must produce the
-same real rows; then they run interleaved in rounds (one block of calls each per round, the
-order alternating), so drift in the machine's speed hits both alike. The ratio is graphcap's
-median over the vLLM-style median; the spread is that of the per-round median ratios.
+`--compare` times graphcap's two per-step paths against a numpy re-implementation of vLLM
+v1's host-side input preparation (`tools/vllm_prep.py`; its docstring lists the vLLM steps
+it includes and omits) on decode steps of 1 to 1024 requests and one mixed step:
+
+- graphcap: `StepBatch` with a fresh block table array + `stage` + `check_invariants(basic)`;
+- table: the same with the persistent block table (`buffers.block_table`), its rows
+  written once before timing as vLLM's `add_request` writes its `BlockTable` rows;
+- vllm-style: `prepare_inputs`. `--peer-copies off` (the default): the metadata
+  computation only, no uploads and no pad fills (on a CPU an upload is a memcpy, so this
+  is the cheaper, stricter peer). `--peer-copies on`: its six uploads (as copies into
+  separate CPU tensors) and the two tail fills that precede them; graphcap's steps then
+  also make the one upload they make on CUDA (a copy of the packed prefix).
+
+All three first must produce the same real rows; then they run interleaved in rounds (one
+block of calls each per round, the order rotating), so drift in the machine's speed hits
+them alike. A ratio is graphcap's median over the vLLM-style median; the spreads are those
+of the per-round median ratios (graphcap, then table).
 
 Results are on stdout; see docs/BENCHMARKS.md for recorded numbers.
 """
@@ -226,29 +238,54 @@ def python_step(
     return {name: torch.tensor(values, dtype=torch.int32) for name, values in fields.items()}
 
 
-def interleaved(first, second, rounds: int, calls: int, warmup: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-call microseconds of two step functions timed in alternating blocks: [rounds, calls] each.
+def interleaved(steps, rounds: int, calls: int, warmup: int) -> list[np.ndarray]:
+    """Per-call microseconds of several step functions timed in turns: one [rounds, calls] array each.
 
-    Each round times `calls` calls of one, then `calls` of the other; the order flips every
-    round, so neither always follows the other's cache footprint.
+    Each round times `calls` calls of each function in turn; the order rotates every round, so
+    none always follows another's cache footprint.
     """
     for _ in range(warmup):
-        first()
-        second()
-    a = np.empty((rounds, calls))
-    b = np.empty((rounds, calls))
+        for step in steps:
+            step()
+    samples = [np.empty((rounds, calls)) for _ in steps]
     for i in range(rounds):
-        if i % 2 == 0:
-            a[i] = measure(first, calls, 0)
-            b[i] = measure(second, calls, 0)
-        else:
-            b[i] = measure(second, calls, 0)
-            a[i] = measure(first, calls, 0)
-    return a, b
+        for j in range(len(steps)):
+            k = (i + j) % len(steps)
+            samples[k][i] = measure(steps[k], calls, 0)
+    return samples
 
 
-def compare(rounds: int, calls: int, warmup: int) -> int:
-    """graphcap's step vs the vLLM-style host step (tools/vllm_prep.py): same rows first, then time."""
+def graphcap_table_step(buffers: PersistentBuffers, case: Case):
+    """The persistent-block-table path: the rows were written once (as requests arrived); a step names them."""
+    table = buffers.block_table
+    table.reset()
+    for row, blocks in enumerate(case.block_table):
+        table.set_row(row, blocks)
+    query_lens, seq_lens, input_ids, key = case.query_lens, case.seq_lens, case.input_ids, case.key
+    stage = buffers.stage
+
+    def step() -> None:
+        check_invariants(stage(StepBatch(query_lens, seq_lens, input_ids, table), key), "basic")
+
+    return step
+
+
+def with_upload(buffers: PersistentBuffers, key: GraphKey, step):
+    """`step`, then the one upload graphcap issues on CUDA: a copy of the packed prefix (on CPU, a memcpy)."""
+    packed = buffers.storage()["packed"]
+    twin = torch.empty_like(packed)
+    end = buffers.upload_nbytes(key)
+    source, target = packed[:end], twin[:end]
+
+    def stepped() -> None:
+        step()
+        target.copy_(source, non_blocking=True)
+
+    return stepped
+
+
+def compare(rounds: int, calls: int, warmup: int, peer_copies: bool) -> int:
+    """graphcap's two paths vs the vLLM-style host step (tools/vllm_prep.py): same rows first, then time."""
     # vLLM's multiprocess workers run torch with one intra-op thread unless OMP_NUM_THREADS says
     # otherwise; do the same. (With more, each large upload `copy_` is an OpenMP region that
     # stalls for a whole scheduler slice, milliseconds, whenever another process holds a core.)
@@ -256,42 +293,68 @@ def compare(rounds: int, calls: int, warmup: int) -> int:
         torch.set_num_threads(1)
     config = load_config(overrides=COMPARE_OVERRIDES)
     registry = KeyRegistry.from_config(config)
-    buffers = PersistentBuffers.from_config(config, "cpu")
+    fresh = PersistentBuffers.from_config(config, "cpu")
+    persistent = PersistentBuffers.from_config(config, "cpu")
     kv = config.kv_cache
-    prep = VllmStylePrep(config.batching.max_num_seqs, config.batching.max_num_tokens, kv.max_model_len, kv.block_size)
+    prep = VllmStylePrep(
+        config.batching.max_num_seqs,
+        config.batching.max_num_tokens,
+        kv.max_model_len,
+        kv.block_size,
+        copies=peer_copies,
+    )
 
     print(
         f"# bench_stage --compare: torch {torch.__version__}, numpy {np.__version__}, "
         f"python {platform.python_version()}"
     )
-    print("# graphcap: StepBatch + stage + check_invariants(basic); vllm-style: tools/vllm_prep.py prepare_inputs")
+    print("# graphcap: StepBatch (fresh block table) + stage + check_invariants(basic)")
+    print("# table: the same with the persistent block table (rows written once, named by the step)")
+    print(
+        "# vllm-style: tools/vllm_prep.py prepare_inputs, "
+        + (
+            "with its uploads (six copies and two tail fills); graphcap then also does its one upload copy"
+            if peer_copies
+            else "metadata computation only (no uploads, no pad fills: --peer-copies off)"
+        )
+    )
     print(f"# interleaved: {rounds} rounds x {calls} calls each, after {warmup} warm-up calls each")
     print(f"# torch intra-op threads: {torch.get_num_threads()}; ratio = graphcap median / vllm-style median")
     header = (
-        f"{'case':<26} {'key':<32} {'graphcap med':>12} {'p90':>8} {'vllm med':>9} {'p90':>8} "
-        f"{'ratio':>6} {'round ratio p10-p90':>20} {'min-max':>10}"
+        f"{'case':<26} {'key':<30} {'graphcap med':>12} {'p90':>7} {'table med':>9} {'p90':>7} "
+        f"{'vllm med':>9} {'p90':>7} {'ratio':>6} {'table ratio':>11} {'round ratio p10-p90':>20} {'min-max':>10}"
     )
     print(header)
     print("-" * len(header))
     for case in make_compare_cases(config, registry):
         width = case.block_table.shape[1]
         loaded = load_step(prep, case.query_lens, case.seq_lens, case.input_ids, case.block_table)
-        ours = graphcap_step(buffers, case)
-        # Same real rows before any timing: the comparison is like for like.
-        inputs = buffers.stage(StepBatch(case.query_lens, case.seq_lens, case.input_ids, case.block_table), case.key)
+        ours = graphcap_step(fresh, case)
+        table = graphcap_table_step(persistent, case)
+        # Same real rows before any timing, on both graphcap paths: the comparison is like for like.
         loaded.step()
-        expected = graphcap_real_rows(inputs.host, inputs.num_reqs, inputs.num_tokens, width)
-        bad = metadata_mismatches(expected, loaded.metadata(), width)
-        if bad:
-            raise SystemExit(f"bench_stage: {case.name}: graphcap and vllm-style rows differ in {', '.join(bad)}")
-        g, v = interleaved(ours, loaded.step, rounds, calls, warmup)
+        theirs = loaded.metadata()
+        for buffers, block_table in ((fresh, case.block_table), (persistent, persistent.block_table)):
+            batch = StepBatch(case.query_lens, case.seq_lens, case.input_ids, block_table)
+            inputs = buffers.stage(batch, case.key)
+            expected = graphcap_real_rows(inputs.host, inputs.num_reqs, inputs.num_tokens, width)
+            bad = metadata_mismatches(expected, theirs, width)
+            if bad:
+                raise SystemExit(f"bench_stage: {case.name}: graphcap and vllm-style rows differ in {', '.join(bad)}")
+        if peer_copies:
+            ours, table = with_upload(fresh, case.key, ours), with_upload(persistent, case.key, table)
+        g, t, v = interleaved([ours, table, loaded.step], rounds, calls, warmup)
         gmed, gp90 = np.median(g), np.percentile(g, 90)
+        tmed, tp90 = np.median(t), np.percentile(t, 90)
         vmed, vp90 = np.median(v), np.percentile(v, 90)
         per_round = np.median(g, axis=1) / np.median(v, axis=1)
+        per_round_table = np.median(t, axis=1) / np.median(v, axis=1)
         lo, hi = np.percentile(per_round, [10, 90])
+        tlo, thi = np.percentile(per_round_table, [10, 90])
         print(
-            f"{case.name:<26} {case.key!s:<32} {gmed:>10.1f}us {gp90:>6.1f}us {vmed:>7.1f}us {vp90:>6.1f}us "
-            f"{gmed / vmed:>6.2f} {lo:>13.2f} - {hi:<4.2f} {per_round.min():>5.2f}-{per_round.max():<4.2f}"
+            f"{case.name:<26} {case.key!s:<30} {gmed:>10.1f}us {gp90:>5.1f}us {tmed:>7.1f}us {tp90:>5.1f}us "
+            f"{vmed:>7.1f}us {vp90:>5.1f}us {gmed / vmed:>6.2f} {tmed / vmed:>11.2f} "
+            f"{lo:>8.2f}-{hi:<4.2f} {tlo:>4.2f}-{thi:<4.2f} {per_round.min():>4.2f}-{per_round.max():<4.2f}"
         )
     return 0
 
@@ -303,11 +366,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", action="store_true", help="graphcap vs a vLLM-style host step (vllm_prep.py)")
     parser.add_argument("--rounds", type=int, default=50, help="--compare: interleaved rounds per case")
     parser.add_argument("--calls", type=int, default=100, help="--compare: timed calls per side per round")
+    parser.add_argument(
+        "--peer-copies",
+        choices=("on", "off"),
+        default="off",
+        help="--compare: off (default): the vLLM-style step computes the metadata only; on: it also uploads "
+        "(six copies, two tail fills) and graphcap also does its one upload copy",
+    )
     args = parser.parse_args(argv)
     if args.compare:
+        copies = args.peer_copies == "on"
         if args.quick:
-            return compare(rounds=4, calls=10, warmup=5)
-        return compare(args.rounds, args.calls, warmup=200)
+            return compare(rounds=4, calls=10, warmup=5, peer_copies=copies)
+        return compare(args.rounds, args.calls, warmup=200, peer_copies=copies)
     repeats = 20 if args.quick else args.repeats
     warmup = 5 if args.quick else 300
     # The Python builder is ~100x slower; fewer samples give the same median precision.

@@ -9,17 +9,20 @@ with `block_table_np` [max_num_reqs, max_num_blocks_per_req] and `slot_mapping_n
 runner's `arange_np`, `input_ids`, `positions`, `query_start_loc` and `seq_lens` buffers, and
 live requests in rows 0..num_reqs-1. Dtypes follow vLLM: positions and slot_mapping are
 int64, everything else int32. This is an independent port written from how vLLM works, not a
-copy of its code.
+copy of its code; each step below was checked against vLLM's `gpu_model_runner.py` and
+`block_table.py` of those releases.
 
 Each buffer pairs a host tensor (`.cpu`, with a numpy view `.np`) with a "device" twin
-(`.gpu`). On a CPU run the twin is a second CPU tensor, so every host->device upload vLLM
-issues is a real `copy_` of the same rows; with `device="cuda"` the host side is pinned and
-the copies are asynchronous, as in vLLM.
+(`.gpu`). With `copies=True` (the default) on a CPU run the twin is a second CPU tensor, so
+every host->device upload vLLM issues is a real `copy_` of the same rows; with
+`device="cuda"` the host side is pinned and the copies are asynchronous, as in vLLM. With
+`copies=False` nothing is uploaded: the step is the metadata computation alone, and
+`metadata()` reads the host buffers (the stricter peer for graphcap: see below).
 
 Per step (`VllmStylePrep.prepare_inputs`), in vLLM's order, included:
 
 1. `block_table.commit_block_table(num_reqs)`: upload rows `[:num_reqs]` of the block table
-   (first, so that on a GPU the copy overlaps the numpy work below).
+   (first, so that on a GPU the copy overlaps the numpy work below). [copies]
 2. `req_indices = np.repeat(arange_np[:num_reqs], num_scheduled_tokens)`.
 3. `_get_cumsum_and_arange`: `cu_num_tokens = np.cumsum(num_scheduled_tokens)` and each
    token's offset in its request (`arange_np[:T]` minus the repeated request starts).
@@ -31,40 +34,43 @@ Per step (`VllmStylePrep.prepare_inputs`), in vLLM's order, included:
 6. `block_table.compute_slot_mapping(req_indices, positions)`: `block_numbers =
    block_table_np.ravel()[req_indices * max_num_blocks_per_req + positions // block_size]`,
    `slot = block_numbers * block_size + positions % block_size` into `slot_mapping_np[:T]`;
-   then `commit_slot_mapping(T)` (upload `[:T]`).
-7. `query_start_loc_np[0] = 0`, `query_start_loc_np[1:num_reqs+1] = cu_num_tokens`, and the
-   whole-buffer upload `query_start_loc.copy_to_gpu()` (vLLM passes no count here).
-8. `seq_lens_np[:num_reqs] = num_computed_tokens_cpu[:num_reqs] + num_scheduled_tokens`, the
-   whole-buffer upload `seq_lens.copy_to_gpu()`, and `max_seq_len =
+   then `commit_slot_mapping(T)` (upload `[:T]`). [upload: copies]
+7. `query_start_loc_np[0] = 0`, `query_start_loc_np[1:num_reqs+1] = cu_num_tokens`; the
+   padded tail `query_start_loc_np[num_reqs+1:]` filled with the last offset and the
+   whole-buffer upload `query_start_loc.copy_to_gpu()` (vLLM passes no count). [tail and
+   upload: copies]
+8. `seq_lens_np[:num_reqs] = num_computed_tokens_cpu[:num_reqs] + num_scheduled_tokens`; the
+   tail `seq_lens_np[num_reqs:]` filled with 0 and the whole-buffer upload
+   `seq_lens.copy_to_gpu()` [tail and upload: copies]; `max_seq_len =
    seq_lens_np[:num_reqs].max().item()` (host work the attention metadata needs).
 9. `input_ids.copy_to_gpu(T)` (`_prepare_input_ids` without async scheduling) and
-   `positions.copy_to_gpu(T)` (1-D positions).
+   `positions.copy_to_gpu(T)` (1-D positions). [copies]
 
-Omitted, and why:
+The two tail fills belong with the uploads: those releases fill the host tails so that the
+whole-buffer uploads carry right padding (earlier releases filled the device tails with
+`fill_` after the upload instead). Without uploads they have nothing to prepare.
 
-- The two device-side pad fills that follow the uploads: `seq_lens.gpu[num_reqs:].fill_(0)`
-  and `query_start_loc.gpu[num_reqs+1:].fill_(...)` (-1 in early releases, the last offset
-  once kernels needed it non-decreasing; later 0.10.x releases write the same tails with
-  numpy on the host before the whole-buffer upload instead), and the device-side
-  `slot_mapping.gpu[T:].fill_(-1)` done when the attention metadata is built. They write
-  padding only; this peer is compared on the real rows, and on a CPU run a device `fill_`
-  would be a host memset that costs nothing like a kernel launch. The "device" tails
-  therefore hold whatever the host tails held: read only the real rows.
+Omitted, and why (each omission makes the peer cheaper, so graphcap's ratios are upper bounds):
+
 - Building `num_scheduled_tokens` from the scheduler output's per-request dict (a Python
   loop over the requests in vLLM) and `max_num_scheduled_tokens`: this step takes the int32
   array directly, as graphcap's step takes numpy arrays.
+- The discard mask of partial prefills (`num_tokens` of every request gathered in a Python
+  list, compared with `seq_lens`, `np.nonzero`, uploaded): O(requests) Python per step.
 - `_update_states` (per-request bookkeeping before `_prepare_inputs`: new requests, appended
   sampled tokens and blocks, updated `num_computed_tokens`): it is setup here
   (`InputBatch.add_request` / `update_request`, untimed), because graphcap's inputs arrive
   as whole arrays every step. In vLLM it is per-step host work too.
 - Features this comparison does not exercise: M-RoPE, prompt embeddings, speculative
-  decoding metadata, LoRA, cascade attention, the discard mask for partial prefills (a
-  per-request Python list), DP/micro-batch padding, CUDA-graph dispatch, the attention
-  backends' `build()`, and `logits_indices = query_start_loc[1:] - 1` (a device op).
+  decoding metadata, LoRA, cascade attention, DP/micro-batch padding, CUDA-graph dispatch,
+  the attention backends' `build()`, and `logits_indices = query_start_loc[1:] - 1` (a
+  device op). The device-side `slot_mapping.gpu[T:].fill_(-1)` done when the attention
+  metadata is built is a kernel launch, not host work; with `copies=True` the "device"
+  slot tail holds whatever the host tail held: read only the real rows.
 
 Use: `load_step(prep, query_lens, seq_lens, input_ids, block_table)` loads graphcap-style
 inputs into the persistent batch (untimed) and returns a `LoadedStep` whose zero-argument
-`step()` does exactly the per-step work above and whose `metadata()` reads the uploaded rows.
+`step()` does exactly the per-step work above and whose `metadata()` reads the step's rows.
 
 Timing note: time it with one torch intra-op thread (`torch.set_num_threads(1)`), as vLLM's
 multiprocess workers run unless OMP_NUM_THREADS is set. With more, every large `copy_` is an
@@ -298,7 +304,10 @@ class VllmStylePrep:
         max_model_len: int,
         block_size: int = 16,
         device: torch.device | str = "cpu",
+        *,
+        copies: bool = True,
     ) -> None:
+        self.copies = copies
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
         self.input_batch = InputBatch(max_num_reqs, max_model_len, max_num_tokens, block_size, device)
@@ -337,8 +346,10 @@ class VllmStylePrep:
         batch = self.input_batch
         num_reqs = batch.num_reqs
         block_table = batch.block_table
+        copies = self.copies
         # Upload the block table first: on a GPU the copy then overlaps the numpy work below.
-        block_table.commit_block_table(num_reqs)
+        if copies:
+            block_table.commit_block_table(num_reqs)
 
         # The request of each token: [2, 5, 3] -> [0, 0, 1, 1, 1, 1, 1, 2, 2, 2].
         req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled_tokens)  # [T]
@@ -358,37 +369,45 @@ class VllmStylePrep:
         )
 
         block_table.compute_slot_mapping(req_indices, positions_np)
-        block_table.commit_slot_mapping(total_num_scheduled_tokens)
+        if copies:
+            block_table.commit_slot_mapping(total_num_scheduled_tokens)
 
         query_start_loc_np = self.query_start_loc.np
         query_start_loc_np[0] = 0
         query_start_loc_np[1 : num_reqs + 1] = cu_num_tokens
-        self.query_start_loc.copy_to_gpu()
+        if copies:
+            # Padded tail non-decreasing (kernels need it), then the whole-buffer upload.
+            query_start_loc_np[num_reqs + 1 :].fill(cu_num_tokens[-1])
+            self.query_start_loc.copy_to_gpu()
 
         self.seq_lens.np[:num_reqs] = batch.num_computed_tokens_cpu[:num_reqs] + num_scheduled_tokens
-        self.seq_lens.copy_to_gpu()
+        if copies:
+            self.seq_lens.np[num_reqs:].fill(0)
+            self.seq_lens.copy_to_gpu()
         self.max_seq_len = self.seq_lens.np[:num_reqs].max().item()
 
-        self.input_ids.copy_to_gpu(total_num_scheduled_tokens)
-        self.positions.copy_to_gpu(total_num_scheduled_tokens)
+        if copies:
+            self.input_ids.copy_to_gpu(total_num_scheduled_tokens)
+            self.positions.copy_to_gpu(total_num_scheduled_tokens)
 
     def metadata(self, num_reqs: int, num_tokens: int) -> dict[str, np.ndarray]:
-        """The uploaded real rows (read from the device twins) as numpy arrays.
+        """The step's real rows as numpy arrays: the uploaded copies (with `copies`), else the host buffers.
 
         `query_start_loc[:num_reqs+1]`, `seq_lens[:num_reqs]`, `positions[:num_tokens]`,
         `slot_mapping[:num_tokens]`, `input_ids[:num_tokens]`, `block_table[:num_reqs]` (all
         `max_num_blocks_per_req` columns). On the CPU these are views: valid until the next step.
         """
         block_table = self.input_batch.block_table
-        rows = {
-            "query_start_loc": self.query_start_loc.gpu[: num_reqs + 1],
-            "seq_lens": self.seq_lens.gpu[:num_reqs],
-            "positions": self.positions.gpu[:num_tokens],
-            "slot_mapping": block_table.slot_mapping.gpu[:num_tokens],
-            "input_ids": self.input_ids.gpu[:num_tokens],
-            "block_table": block_table.block_table.gpu[:num_reqs],
+        side = "gpu" if self.copies else "cpu"
+        buffers = {
+            "query_start_loc": (self.query_start_loc, num_reqs + 1),
+            "seq_lens": (self.seq_lens, num_reqs),
+            "positions": (self.positions, num_tokens),
+            "slot_mapping": (block_table.slot_mapping, num_tokens),
+            "input_ids": (self.input_ids, num_tokens),
+            "block_table": (block_table.block_table, num_reqs),
         }
-        return {name: tensor.cpu().numpy() for name, tensor in rows.items()}
+        return {name: getattr(buffer, side)[:rows].cpu().numpy() for name, (buffer, rows) in buffers.items()}
 
 
 @dataclass(frozen=True)

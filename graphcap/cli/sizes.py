@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from graphcap.cli._common import UserError, add_common, config_from_args
-from graphcap.dispatch import KeyRegistry
+from graphcap.dispatch import MIXED_ROWS_FLOOR, MIXED_ROWS_STEP, KeyRegistry
 from graphcap.sizes import CaptureSizes, default_capture_sizes
 
 EPILOG = """examples:
@@ -71,7 +71,17 @@ def run(args: argparse.Namespace) -> int:
         if uniform:
             print(f"    uniform (tokens/reqs): {' '.join(f'{k.num_tokens}/{k.num_reqs}' for k in uniform)}")
         if mixed:
-            print(f"    mixed   (tokens/reqs): {' '.join(f'{k.num_tokens}/{k.num_reqs}' for k in mixed)}")
+            rows: dict[int, list[int]] = {}
+            for k in mixed:
+                rows.setdefault(k.num_tokens, []).append(k.num_reqs)
+            listing = " ".join(f"{size}/{','.join(map(str, sorted(r)))}" for size, r in rows.items())
+            print(f"    mixed   (tokens/reqs): {listing}")
+            if any(len(r) > 1 for r in rows.values()):
+                print(
+                    "    a mixed step pads its requests to the fewest rows of its size that hold them "
+                    f"(every {MIXED_ROWS_STEP}x fewer down to {MIXED_ROWS_FLOOR}), not always to "
+                    "min(size, max_num_seqs)"
+                )
     print()
     what = (
         f"over the histogram in {args.histogram}"

@@ -105,3 +105,15 @@ def test_invalid_set_value_reports_the_config_problem_and_exits_2(capsys):
         "graphcap sizes: error: 1 problem in <embedded default.yaml>:",
         "  override: capture.max_size: must be >= 1; got 0",
     ]
+
+
+def test_sizes_lists_the_request_rows_of_each_mixed_size(capsys):
+    code, out, _ = run(
+        capsys, "--set", "batching.max_num_seqs=1024", "--set", "batching.max_num_tokens=2304",
+        "--set", "capture.sizes=[8, 256, 2304]", "--set", "capture.max_size=2304",
+        "--set", "kv_cache.max_model_len=2048", "--set", "kv_cache.num_blocks=200000",
+    )  # fmt: skip
+    assert code == 0
+    lines = out.splitlines()
+    assert "    mixed   (tokens/reqs): 8/8 256/64,256 2304/64,256,1024" in lines
+    assert any(line.startswith("    a mixed step pads its requests to the fewest rows") for line in lines)

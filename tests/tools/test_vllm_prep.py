@@ -66,21 +66,24 @@ def steps(draw, *, decode_only: bool) -> tuple[list[int], list[int], list[int], 
     return query_lens, seq_lens, input_ids, block_table
 
 
-def _both(query_lens, seq_lens, input_ids, block_table) -> tuple[dict, dict]:
-    """(graphcap's staged real rows, the vLLM-style uploaded rows) for one step."""
+def _both(query_lens, seq_lens, input_ids, block_table, prep=_PREP) -> tuple[dict, dict]:
+    """(graphcap's staged real rows, the vLLM-style rows: uploaded, or on the host without copies) for one step."""
     batch = StepBatch(np.array(query_lens), np.array(seq_lens), np.array(input_ids), block_table)
     inputs = _BUFFERS.stage(batch, GraphKey(batch.num_tokens, batch.num_reqs, False))
-    loaded = load_step(_PREP, query_lens, seq_lens, input_ids, block_table)
+    loaded = load_step(prep, query_lens, seq_lens, input_ids, block_table)
     loaded.step()
     expected = graphcap_real_rows(inputs.host, batch.num_reqs, batch.num_tokens, block_table.shape[1])
     return expected, loaded.metadata()
 
 
-@given(step=steps(decode_only=True) | steps(decode_only=False))
+_PREP_NO_COPIES = VllmStylePrep(MAX_REQS, MAX_TOKENS, MAX_MODEL_LEN, BLOCK_SIZE, copies=False)
+
+
+@given(step=steps(decode_only=True) | steps(decode_only=False), copies=st.booleans())
 @settings(max_examples=200, deadline=None)
-def test_vllm_style_rows_equal_graphcap_staged_rows(step):
+def test_vllm_style_rows_equal_graphcap_staged_rows(step, copies):
     query_lens, seq_lens, input_ids, block_table = step
-    expected, actual = _both(query_lens, seq_lens, input_ids, block_table)
+    expected, actual = _both(query_lens, seq_lens, input_ids, block_table, _PREP if copies else _PREP_NO_COPIES)
     width = block_table.shape[1]
     for name in METADATA_FIELDS:
         got = actual[name][:, :width] if name == "block_table" else actual[name]
@@ -168,13 +171,27 @@ def test_load_step_refuses_steps_a_scheduler_would_not_make(query_lens, seq_lens
         load_step(_PREP, query_lens, seq_lens, input_ids, block_table)
 
 
-def test_bench_stage_compare_quick_runs():
-    result = run_tool("bench_stage.py", "--compare", "--quick", timeout=300)
+def test_without_copies_nothing_is_uploaded_and_the_pad_tails_are_left_alone():
+    prep = VllmStylePrep(4, 16, 64, copies=False)
+    prep.query_start_loc.np[:] = prep.seq_lens.np[:] = -7
+    load_step(prep, [2, 1], [2, 5], [5, 6, 7], np.array([[4], [5]], dtype=np.int32)).step()
+    assert prep.query_start_loc.np.tolist() == [0, 2, 3, -7, -7] and prep.seq_lens.np.tolist() == [2, 5, -7, -7]
+    for buffer in (prep.query_start_loc, prep.seq_lens, prep.input_ids, prep.positions):
+        assert not buffer.gpu.any()
+    copying = VllmStylePrep(4, 16, 64)
+    load_step(copying, [2, 1], [2, 5], [5, 6, 7], np.array([[4], [5]], dtype=np.int32)).step()
+    assert copying.query_start_loc.gpu.tolist() == [0, 2, 3, 3, 3] and copying.seq_lens.gpu.tolist() == [2, 5, 0, 0]
+
+
+@pytest.mark.parametrize("copies", ["off", "on"])
+def test_bench_stage_compare_quick_runs(copies):
+    result = run_tool("bench_stage.py", "--compare", "--quick", "--peer-copies", copies, timeout=300)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     header = next(line for line in lines if line.startswith("case"))
-    for column in ("graphcap med", "vllm med", "ratio", "round ratio p10-p90", "min-max"):
+    for column in ("graphcap med", "table med", "vllm med", "ratio", "table ratio", "round ratio p10-p90", "min-max"):
         assert column in header
+    assert any(("uploads" if copies == "on" else "metadata computation only") in line for line in lines)
     rows = [line for line in lines if line.startswith(("decode", "mixed"))]
     assert [row.split("  ")[0] for row in rows] == [
         "decode 1 reqs",

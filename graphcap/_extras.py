@@ -1,0 +1,113 @@
+"""Engine buffers (`BufferSpec`) in staging: their real rows from a step, their padded rows, their checks.
+
+`PersistentBuffers` lays them out beside the built-in fields; this module holds what staging
+does with them, so the built-in hot path stays free of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from graphcap.errors import BatchError
+from graphcap.inputs import BufferSpec
+
+__all__ = ["check_extras", "check_extras_fit", "full_shape", "pad_extra", "rows", "stage_extra"]
+
+
+def check_extras(extras: tuple[BufferSpec, ...]) -> None:
+    """Every declared buffer is a `BufferSpec` with its own name."""
+    names = set()
+    for spec in extras:
+        if not isinstance(spec, BufferSpec):
+            raise TypeError(f"buffers must be graphcap.BufferSpec; got {type(spec).__name__}")
+        if spec.name in names:
+            raise ValueError(f"buffer {spec.name!r} is declared twice; give each BufferSpec its own name")
+        names.add(spec.name)
+
+
+def check_extras_fit(
+    extras: tuple[BufferSpec, ...], values: Mapping[str, np.ndarray], num_tokens: int, num_reqs: int
+) -> None:
+    """Refuse (`BatchError`) a step's engine-buffer rows that are undeclared, misshapen or out of range."""
+    declared = {spec.name: spec for spec in extras}
+    for name, value in values.items():
+        spec = declared.get(name)
+        if spec is None:
+            known = ", ".join(declared) or "none"
+            raise BatchError(f"extras[{name!r}]: no such buffer; declared buffers: {known} (BufferSpec)")
+        real = {"tokens": num_tokens, "reqs": num_reqs, "none": None}[spec.rows]
+        expected = real_shape(spec, real)
+        if value.shape != expected:
+            raise BatchError(
+                f"extras[{name!r}] has shape {tuple(value.shape)}; expected {expected} "
+                f"({spec.rows} rows{'' if real is None else f' = {real}'}, shape {spec.shape}, "
+                f"row_dim {spec.row_dim})"
+            )
+        _check_extra_values(spec, value)
+
+
+def stage_extra(host: np.ndarray, spec: BufferSpec, value: np.ndarray | None, T: int, R: int, n: int, r: int) -> None:
+    """Real rows of an engine buffer from the step (checked by `check_extras_fit`), then its pad."""
+    if spec.rows == "none":
+        host[...] = spec.pad if value is None else value
+        return
+    real = n if spec.rows == "tokens" else r
+    if value is not None and real:
+        host[rows(spec, 0, real)] = value
+    pad_extra(host, spec, T, R, n if value is not None else 0, r if value is not None else 0)
+
+
+def pad_extra(host: np.ndarray, spec: BufferSpec, T: int, R: int, n: int, r: int) -> None:
+    """Padded rows of an engine buffer (a `none` buffer: all of it) hold its pad."""
+    if spec.rows == "none":
+        host[...] = spec.pad
+        return
+    lo, hi = (n, T) if spec.rows == "tokens" else (r, R)
+    if lo < hi:
+        host[rows(spec, lo, hi)] = spec.pad
+
+
+def full_shape(spec: BufferSpec, T: int, R: int) -> tuple[int, ...]:
+    return real_shape(spec, T if spec.rows == "tokens" else R)
+
+
+def real_shape(spec: BufferSpec, num_rows: int | None) -> tuple[int, ...]:
+    if spec.rows == "none":
+        return spec.shape
+    shape = list(spec.shape)
+    shape.insert(spec.row_dim, num_rows)
+    return tuple(shape)
+
+
+def rows(spec: BufferSpec, lo: int, hi: int) -> tuple:
+    """Index of rows `[lo, hi)` along the spec's row axis."""
+    return (slice(None),) * spec.row_dim + (slice(lo, hi),)
+
+
+def _check_extra_values(spec: BufferSpec, value: np.ndarray) -> None:
+    dtype = spec.np_dtype
+    if value.size == 0:
+        return
+    if dtype.kind == "b":
+        if value.dtype.kind != "b":
+            raise BatchError(f"extras[{spec.name!r}] must hold booleans; got dtype {value.dtype}")
+        return
+    if value.dtype.kind not in "iub" + ("f" if dtype.kind == "f" else ""):
+        want = "numbers" if dtype.kind == "f" else "integers"
+        raise BatchError(f"extras[{spec.name!r}] must hold {want} for dtype {spec.dtype}; got dtype {value.dtype}")
+    if dtype.kind == "f":
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
+            index = tuple(int(i) for i in np.argwhere(~np.isfinite(value))[0])
+            raise BatchError(f"extras[{spec.name!r}]{list(index)} is {value[index]}; values must be finite")
+        return
+    info = np.iinfo(dtype)
+    low, high = int(value.min()), int(value.max())
+    if low < info.min or high > info.max:
+        bad = value < info.min if low < info.min else value > info.max
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise BatchError(
+            f"extras[{spec.name!r}]{list(index)} is {int(value[index])}, outside the range of {spec.dtype} "
+            f"[{info.min}, {info.max}]"
+        )
