@@ -1,7 +1,5 @@
 """`python -m graphcap` is the `graphcap` command."""
 
-import sys
+from graphcap.cli import console_main
 
-from graphcap.cli import main
-
-sys.exit(main())
+console_main()

@@ -1,4 +1,4 @@
-"""`CaptureReport`: what a capture pass did, per graph; JSON/YAML, a text table, a plot."""
+"""`CaptureReport`: what a capture pass did, per graph; JSON/YAML and a text table (records and serialisation)."""
 
 from __future__ import annotations
 
@@ -138,47 +138,3 @@ def format_bytes(num: int | float) -> str:
             return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
         num /= 1024
     return f"{num:.1f} GiB"
-
-
-def plot_capture(report: CaptureReport, timings, path: str | os.PathLike) -> Path:
-    """Three panels over token count: capture ms, graph memory, replay speedup (PNG, atomic)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    speedups = {t.key: t.speedup for t in timings}
-    for uniform, marker, label in ((True, "o", "uniform decode"), (False, "s", "mixed")):
-        rows = sorted((r for r in report.captured if r.key.uniform == uniform), key=lambda r: r.key.num_tokens)
-        if not rows:
-            continue
-        tokens = [r.key.num_tokens for r in rows]
-        axes[0].plot(tokens, [r.capture_seconds * 1e3 for r in rows], marker=marker, label=label)
-        axes[1].plot(tokens, [r.memory_bytes / 2**20 for r in rows], marker=marker, label=label)
-        with_speed = [r for r in rows if r.key in speedups]
-        axes[2].plot(
-            [r.key.num_tokens for r in with_speed], [speedups[r.key] for r in with_speed], marker=marker, label=label
-        )
-    axes[2].axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    # Log scale: the first graph of a process also pays one-time setup (imports, lazy
-    # init) and would flatten every other point on a linear axis.
-    axes[0].set_yscale("log")
-    titles = ("capture time per graph (ms, log)", "graph memory (MiB)", "replay speedup over eager (x)")
-    for axis, title in zip(axes, titles):
-        axis.set_title(title)
-        axis.set_xlabel("padded tokens per step")
-        axis.grid(alpha=0.3)
-        axis.legend()
-    note = ""
-    if report.backend == "emulated":
-        note = " (CPU emulation: replay runs the same kernels as eager, so ~1x is expected)"
-    fig.suptitle(f"graphcap: {len(report.captured)} graphs, {report.backend} backend on {report.device}{note}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path

@@ -16,6 +16,7 @@ import torch
 from graphcap.backends.base import CapturedGraph, GraphBackend
 from graphcap.backends.emulated import EmulatedBackend, EmulatedGraph
 from graphcap.backends.unsafe import UNSAFE_OPS, UnsafeOp
+from graphcap.config.sections import BACKEND_NAMES  # defined with the config's choices: torch-free
 from graphcap.errors import CaptureError, CaptureUnsafeError, ConfigError, ConfigProblem, StaticInputMovedError
 
 if TYPE_CHECKING:
@@ -35,9 +36,6 @@ __all__ = [
     "get_backend",
     "resolve_device",
 ]
-
-BACKEND_NAMES = ("auto", "cuda", "emulated")
-"""Valid `name`s for `get_backend`."""
 
 
 def get_backend(name: str, device: torch.device | str, *, sync_debug: bool = False) -> GraphBackend:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
-from types import ModuleType
 
-from graphcap.config import CaptureConfig, load_config
+from graphcap.config import BACKEND_NAMES, CaptureConfig, load_config
 from graphcap.config._yaml import YamlSyntaxError, parse_scalar
 
 log = logging.getLogger("graphcap")
@@ -17,19 +15,14 @@ class UserError(Exception):
     """A mistake in what the user typed or pointed at; printed as one line, exit code 2."""
 
 
+class CommandFailed(Exception):
+    """The command ran and failed (not a usage mistake); printed as one line, exit code 1."""
+
+
 def version() -> str:
     from graphcap import __version__
 
     return __version__
-
-
-def command_module(name: str) -> ModuleType | None:
-    try:
-        return importlib.import_module(f"graphcap.cli.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name == f"graphcap.cli.{name}":
-            return None
-        raise
 
 
 def add_common(parser: argparse.ArgumentParser, *, config: bool = True, device: bool = True) -> None:
@@ -61,10 +54,13 @@ def add_logging(parser: argparse.ArgumentParser) -> None:
 
 
 def setup_logging(args: argparse.Namespace) -> None:
+    """Log lines on stderr: graphcap's at INFO (`-q`: WARNING, `-v`: DEBUG), other libraries' only
+    from WARNING up (torch logs INFO lines of its own, some from exit handlers)."""
     level = logging.WARNING if getattr(args, "quiet", False) else logging.INFO
     if getattr(args, "verbose", 0):
         level = logging.DEBUG
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", force=True)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True)
+    log.setLevel(level)
 
 
 def parse_overrides(items: list[str]) -> dict[str, object]:
@@ -94,9 +90,7 @@ def config_from_args(args: argparse.Namespace, **extra: object) -> CaptureConfig
 
 
 def add_backend(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--backend", choices=("auto", "cuda", "emulated"), default="auto", help="graph backend (default: auto)"
-    )
+    parser.add_argument("--backend", choices=BACKEND_NAMES, default="auto", help="graph backend (default: auto)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 

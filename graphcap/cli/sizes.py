@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 
 from graphcap.cli._common import UserError, add_common, config_from_args
-from graphcap.dispatch import KeyRegistry
 from graphcap.sizes import CaptureSizes, default_capture_sizes
 
 EPILOG = """examples:
@@ -40,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from graphcap.dispatch import KeyRegistry  # numpy: loaded when the command runs, not for --help
+
     if args.max_size is not None:
         if args.config or args.overrides:
             raise UserError("give either --max-size or --config/--set, not both")

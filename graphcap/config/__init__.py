@@ -16,6 +16,7 @@ from typing import Any
 
 from graphcap.config._load import DEFAULT_CONFIG, config_from_text, load_config
 from graphcap.config.sections import (
+    BACKEND_NAMES,
     BUILTIN_MODELS,
     PAD_SLOT_ID,
     SECTIONS,
@@ -32,6 +33,7 @@ from graphcap.config.sections import (
 from graphcap.errors import ConfigError, ConfigProblem
 
 __all__ = [
+    "BACKEND_NAMES",
     "BUILTIN_MODELS",
     "DEFAULT_CONFIG",
     "PAD_SLOT_ID",

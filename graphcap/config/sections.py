@@ -22,6 +22,7 @@ from graphcap.config._schema import INT32_MAX, INT32_MIN, ConfigProblem, Section
 from graphcap.sizes import CaptureSizes, default_capture_sizes
 
 __all__ = [
+    "BACKEND_NAMES",
     "BUILTIN_MODELS",
     "PAD_SLOT_ID",
     "BatchingConfig",
@@ -41,6 +42,11 @@ PAD_SLOT_ID = -1
 
 BUILTIN_MODELS = ("tiny-llama",)
 """Names accepted by `model.name` (built by `graphcap.models.build_model`)."""
+
+BACKEND_NAMES = ("auto", "cuda", "emulated")
+"""Names `graphcap.backends.get_backend` and `graphcap --backend` accept. Defined here, beside the
+device choices, so the command line reads them without importing torch; `graphcap.backends`
+re-exports this tuple."""
 
 DEFAULT_MAX_SIZE = 64
 """`capture.max_size` when neither it nor an explicit `capture.sizes` list is given."""
