@@ -64,17 +64,23 @@ def setup_logging(args: argparse.Namespace) -> None:
 
 
 def parse_overrides(items: list[str]) -> dict[str, object]:
-    """`["capture.max_size=16"]` -> `{"capture.max_size": 16}`; values parse as YAML 1.2 scalars."""
+    """`["capture.max_size=16"]` -> `{"capture.max_size": 16}`; values parse as YAML 1.2 scalars
+    (quotes are stripped as YAML strips them: `model.name="tiny-llama"` is the string tiny-llama)."""
     out: dict[str, object] = {}
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
-            raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. --set capture.max_size=16")
+            raise UserError(f"--set {_shown(item)}: expected KEY=VALUE, e.g. --set capture.max_size=16")
         try:
             out[key.strip()] = parse_scalar(text.strip())
         except YamlSyntaxError as exc:
-            raise UserError(f"--set {item!r}: value is not YAML: {exc.message}") from None
+            raise UserError(f"--set {_shown(item)}: {exc.message}") from None
     return out
+
+
+def _shown(item: str) -> str:
+    """`item` quoted for a message, cut short: a 5000-digit value should not fill the terminal."""
+    return repr(item) if len(item) <= 60 else repr(item[:57] + "...")
 
 
 def config_from_args(args: argparse.Namespace, **extra: object) -> CaptureConfig:

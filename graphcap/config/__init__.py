@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphcap.config._load import DEFAULT_CONFIG, config_from_text, load_config
+from graphcap.config._load import DEFAULT_CONFIG, MAX_CONFIG_BYTES, config_from_text, load_config
 from graphcap.config.sections import (
     BACKEND_NAMES,
     BUILTIN_MODELS,
@@ -36,6 +36,7 @@ __all__ = [
     "BACKEND_NAMES",
     "BUILTIN_MODELS",
     "DEFAULT_CONFIG",
+    "MAX_CONFIG_BYTES",
     "PAD_SLOT_ID",
     "SECTIONS",
     "BatchingConfig",
