@@ -26,11 +26,12 @@ from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_
 from graphcap.batch import GraphKey, StepBatch, dummy_batch
 from graphcap.buffers import ForwardInputs, PersistentBuffers
 from graphcap.config import CaptureConfig
+from graphcap.config.fingerprint import compared_items, fingerprint_int
 from graphcap.dispatch import KeyRegistry, StepStats
 from graphcap.distributed import DataParallelSync
 from graphcap.errors import CaptureError, CaptureUnsafeError
 from graphcap.invariants import check_invariants
-from graphcap.report import CaptureReport, GraphRecord, format_bytes
+from graphcap.report import CaptureReport, GraphRecord, check_report_path, format_bytes
 
 __all__ = ["CaptureManager"]
 
@@ -82,6 +83,8 @@ class CaptureManager:
         self._prepare = getattr(model, "prepare", None)
         self._lock = threading.RLock()
         self._sync = DataParallelSync(group, timeout=dp_timeout) if group is not None else None
+        if self._sync is not None:  # ranks with different configs would plan different keys: refuse now
+            self._sync.agree_on_config(fingerprint_int(config), compared_items(config))
         self._counting = True
         self.last_key: GraphKey | None = None
         """The key the last `execute`/`eager` step ran with (a captured key, or the unpadded
@@ -115,7 +118,15 @@ class CaptureManager:
         releases every graph of this pass and raises `CaptureError` naming the key and a
         hint. `skip`: the key is recorded as skipped and runs eagerly. On every exit path GC
         is unfrozen and re-enabled and no partial graph stays registered.
+
+        With `report.path`, the path is checked before anything is captured (`ConfigError`
+        when it cannot be written) and the report is written atomically after the pass; if
+        that write still fails, the pass is undone like any other failure (graphs released,
+        `CaptureError` naming the path and the reason; the old report stays whole).
         """
+        report_path = self.config.report.path
+        if report_path:
+            check_report_path(report_path)
         with self._lock:
             self._release_all()
             order = self.registry.capture_order()
@@ -147,15 +158,27 @@ class CaptureManager:
                 pool_bytes=max(0, self.backend.memory_in_use() - memory_before),
                 config=self.config.to_dict(),
             )
+            if report_path:
+                self._write_report(report, report_path)
         log.info(
             "captured %d graphs in %.2f s (%s)",
             len(report.captured),
             report.total_seconds,
             format_bytes(report.pool_bytes),
         )
-        if self.config.report.path:
-            report.write(self.config.report.path)
         return report
+
+    def _write_report(self, report: CaptureReport, path: str) -> None:
+        try:
+            report.write(path)
+        except BaseException as exc:  # the pass is all or nothing: undo it, as for a failed key
+            self._release_all()
+            if not isinstance(exc, Exception):
+                raise
+            raise CaptureError(
+                f"captured {len(report.captured)} graphs, but writing the report to {path} failed "
+                f"({type(exc).__name__}: {exc}); the graphs were released, the old report is unchanged"
+            ) from exc
 
     def _capture_key(self, key: GraphKey) -> GraphRecord:
         start = time.perf_counter()
