@@ -20,23 +20,61 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-__all__ = ["console_main", "main"]
+__all__ = ["INTERRUPTED", "console_main", "interrupted", "main"]
 
 INTERRUPTED = 130
+
+_interrupts = 0  # SIGINTs seen by the running command (see `interrupted`)
+
+
+def interrupted() -> bool:
+    """Whether Ctrl-C was pressed while the current command ran.
+
+    Third-party code can swallow the `KeyboardInterrupt` (an import cut short may surface as
+    an `AttributeError` much later), so the command's outcome is decided by this flag, set by
+    the handler `main` installs first, not by which exception happens to arrive.
+    """
+    return _interrupts > 0
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    global _interrupts
+    _interrupts += 1
+    raise KeyboardInterrupt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (the console script exits with it)."""
+    global _interrupts
+    _interrupts = 0
+    previous = None
+    with contextlib.suppress(ValueError):  # signals can only be set from the main thread
+        previous = signal.signal(signal.SIGINT, _on_sigint)
     args = None
     try:
         from graphcap.cli._main import build_parser, run_command
 
         args = build_parser().parse_args(argv)
-        return run_command(args)
+        args.argv = list(sys.argv[1:] if argv is None else argv)
+        code = run_command(args)
+        if interrupted():  # swallowed somewhere, and the command went on: it was still interrupted
+            raise KeyboardInterrupt
+        return code
+    except Exception:
+        if not interrupted():
+            raise  # a bug in graphcap: keep its traceback
+        return _say_interrupted(args)
     except KeyboardInterrupt:
-        command = getattr(args, "command", None)
-        print(f"graphcap{' ' + command if command else ''}: interrupted", file=sys.stderr)
-        return INTERRUPTED
+        return _say_interrupted(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _say_interrupted(args: object) -> int:
+    command = getattr(args, "command", None)
+    print(f"graphcap{' ' + command if command else ''}: interrupted", file=sys.stderr)
+    return INTERRUPTED
 
 
 def console_main() -> NoReturn:

@@ -1,4 +1,4 @@
-"""Options and plumbing shared by the subcommands: config loading, `--set`, logging."""
+"""Options and plumbing shared by the subcommands: config loading, `--set`, logging, the report path."""
 
 from __future__ import annotations
 
@@ -98,21 +98,33 @@ def config_from_args(args: argparse.Namespace, **extra: object) -> CaptureConfig
 def add_backend(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKEND_NAMES, default="auto", help="graph backend (default: auto)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-
-
-def build_manager(args: argparse.Namespace, *, report_path: str | None = None):
-    """Config, model and `CaptureManager` from the common options; says which backend it uses."""
-    from graphcap.manager import CaptureManager
-    from graphcap.models import build_model
-
-    config = config_from_args(args, report__path=report_path)
-    model = build_model(config)
-    manager = CaptureManager(model, config, backend=args.backend, progress=False if args.no_progress else None)
-    model_name = config.model.name or config.model.factory
-    note = (
-        " (no CUDA here: the emulated backend reproduces CUDA-graph semantics on the CPU)"
-        if manager.backend.name == "emulated"
-        else ""
+    parser.add_argument(
+        "--skip-memory-check",
+        action="store_true",
+        help="build even when the memory estimate exceeds what the device has (the estimate is shown anyway)",
     )
-    log.info("model %s on %s, %s backend%s", model_name, manager.device, manager.backend.name, note)
-    return manager
+
+
+def add_report(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--report", metavar="PATH", help="write the full report here (.json/.yaml), atomically (overrides report.path)"
+    )
+
+
+def report_target(args: argparse.Namespace, config: CaptureConfig) -> str | None:
+    """Where the report goes (`--report`, else `report.path`), checked before any work is done."""
+    from graphcap.report import check_report_path
+
+    path = config.report.path
+    if path:
+        check_report_path(path, not_same_as=(args.config,) if args.config else ())
+    return path
+
+
+def write_report(report, path: str) -> None:
+    """Write the report; a failure is one line and exit 1 (the table is already printed)."""
+    try:
+        report.write(path)
+    except OSError as exc:
+        raise CommandFailed(f"cannot write the report to {path}: {exc.strerror or exc}") from exc
+    print(f"report written to {path}")

@@ -99,6 +99,10 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace, word: str, error: BaseException | str, code: int) -> int:
+    from graphcap.cli import interrupted
+
+    if interrupted():  # the error is what Ctrl-C left behind (e.g. an import cut short): say so
+        raise KeyboardInterrupt
     if args.debug and isinstance(error, BaseException):
         raise error
     print(f"graphcap {args.command}: {word}: {error}", file=sys.stderr)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from graphcap.cli._common import UserError, add_common, build_manager
+from graphcap.cli._common import UserError, add_common
+from graphcap.cli._setup import build_manager
+from graphcap.cli.capture import check_something_captured
 from graphcap.errors import InvariantViolation
 
 EPILOG = """examples:
@@ -40,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     manager = build_manager(args)
     report = manager.capture()
     print(f"captured {len(report.captured)} graphs ({len(report.skipped)} skipped) in {report.total_seconds:.2f} s")
+    check_something_captured(report)
     staged = sweep_keys(manager)
     print(f"staging sweep: {staged} (key, real requests) combinations pass the full invariants")
     failures, steps = replay_sequences(manager, args.batches, args.steps, args.seed)
