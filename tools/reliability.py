@@ -688,6 +688,10 @@ def cli_rows(scale: Scale, workdir: Path) -> list[Row]:
             "one line, no traceback, the process ends by SIGINT (a shell sees 130)",
         )
     )
+    return rows
+
+
+def dp_config_rows(scale: Scale, workdir: Path) -> list[Row]:
     tally = Tally()
     for world_size in scale.dp_worlds:
         with tally.trial(f"{world_size} ranks"):
@@ -696,14 +700,13 @@ def cli_rows(scale: Scale, workdir: Path) -> list[Row]:
             for result in mismatched_world(world_size, directory):
                 if result.get("error") or result.get("keys") != ["capture.max_size", "capture.sizes"]:
                     raise AssertionError(f"rank {result['rank']}: {result}")
-    rows.append(
+    return [
         tally.row(
             "configs",
             f"data-parallel ranks with different configs (gloo, {' and '.join(map(str, scale.dp_worlds))} ranks)",
             "every rank refuses at construction, naming each differing key with every rank's value",
         )
-    )
-    return rows
+    ]
 
 
 # -- report ------------------------------------------------------------------------------
@@ -793,6 +796,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="graphcap-reliability-") as workdir:
         sections: list[tuple[str, Callable[[], list[Row]]]] = [
             ("configs", lambda: config_rows(scale, rng)),
+            ("data-parallel configs", lambda: dp_config_rows(scale, Path(workdir))),
             ("steps", lambda: step_rows(scale, rng)),
             ("faults", lambda: fault_rows(scale, Path(workdir))),
             ("stale data", lambda: stress_rows(scale)),

@@ -6,6 +6,7 @@
 | `_load.py` | `load_config`, `config_from_text`: reading, overrides, unknown keys, `file:line` |
 | `_schema.py` | the validation machinery every section shares (types, ranges, problems) |
 | `_yaml.py` | strict YAML 1.2 reading with a line for every key |
+| `fingerprint.py` | the config's fingerprint (what data-parallel ranks must share), key by key |
 
 Importing this package does not import torch (the CLI's `validate` and `sizes` stay fast).
 """
