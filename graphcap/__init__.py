@@ -5,29 +5,68 @@ inputs), the graph backends (`graphcap.backends`: capture one callable), and `Ca
 (capture every padded size, dispatch each step, replay or run eagerly). Most engines use only
 `CaptureManager`, `StepBatch`, `load_config` and, for their own buffers, `BufferSpec`; engines
 that keep a persistent block table write its rows through `CaptureManager.block_table`
-(`BlockTable`).
+(`BlockTable`); models that run parts eagerly between graph pieces use `eager_op` and
+`current_inputs`.
+
+The names below load on first use: `import graphcap` alone imports neither torch nor numpy,
+so the `graphcap` command starts in milliseconds (`--help`, `--version`, `validate` never
+import torch) and a Ctrl-C at start-up lands in its handler, not in a half-imported torch.
+`graphcap.__version__` comes from the installed package's metadata (pyproject.toml is the
+one place it is written).
 """
 
-from graphcap.batch import GraphKey, StepBatch, dummy_batch
-from graphcap.block_table import BlockTable
-from graphcap.buffers import PAD_SLOT_ID, ForwardInputs, PadRules, PersistentBuffers
-from graphcap.config import CaptureConfig, load_config
-from graphcap.errors import (
-    BatchError,
-    CaptureError,
-    CaptureUnsafeError,
-    ConfigError,
-    InvariantViolation,
-    StaticInputMovedError,
-)
-from graphcap.inputs import BufferSpec
-from graphcap.invariants import check_invariants
-from graphcap.manager import CaptureManager
-from graphcap.piecewise import current_inputs, eager_op
-from graphcap.report import CaptureReport
-from graphcap.sizes import CaptureSizes, default_capture_sizes
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name loads on first use
+    from graphcap.batch import GraphKey, StepBatch, dummy_batch
+    from graphcap.block_table import BlockTable
+    from graphcap.buffers import PAD_SLOT_ID, ForwardInputs, PadRules, PersistentBuffers
+    from graphcap.config import CaptureConfig, load_config
+    from graphcap.errors import (
+        BatchError,
+        CaptureError,
+        CaptureUnsafeError,
+        ConfigError,
+        InvariantViolation,
+        StaticInputMovedError,
+    )
+    from graphcap.inputs import BufferSpec
+    from graphcap.invariants import check_invariants
+    from graphcap.manager import CaptureManager
+    from graphcap.piecewise import current_inputs, eager_op
+    from graphcap.report import CaptureReport
+    from graphcap.sizes import CaptureSizes, default_capture_sizes
+
+_EXPORTS = {
+    "GraphKey": "graphcap.batch",
+    "StepBatch": "graphcap.batch",
+    "dummy_batch": "graphcap.batch",
+    "BlockTable": "graphcap.block_table",
+    "PAD_SLOT_ID": "graphcap.buffers",
+    "ForwardInputs": "graphcap.buffers",
+    "PadRules": "graphcap.buffers",
+    "PersistentBuffers": "graphcap.buffers",
+    "CaptureConfig": "graphcap.config",
+    "load_config": "graphcap.config",
+    "BatchError": "graphcap.errors",
+    "CaptureError": "graphcap.errors",
+    "CaptureUnsafeError": "graphcap.errors",
+    "ConfigError": "graphcap.errors",
+    "InvariantViolation": "graphcap.errors",
+    "StaticInputMovedError": "graphcap.errors",
+    "BufferSpec": "graphcap.inputs",
+    "check_invariants": "graphcap.invariants",
+    "CaptureManager": "graphcap.manager",
+    "current_inputs": "graphcap.piecewise",
+    "eager_op": "graphcap.piecewise",
+    "CaptureReport": "graphcap.report",
+    "CaptureSizes": "graphcap.sizes",
+    "default_capture_sizes": "graphcap.sizes",
+}
+"""Public name -> the module that defines it."""
 
 __all__ = [
     "PAD_SLOT_ID",
@@ -55,3 +94,27 @@ __all__ = [
     "eager_op",
     "load_config",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        value: Any = _version()
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
+        raise AttributeError(f"module 'graphcap' has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, "__version__"})
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("graphcap")
+    except PackageNotFoundError:  # a source checkout on PYTHONPATH that was never installed
+        return "0+unknown"

@@ -15,12 +15,12 @@ ranks is made once (a collective call: every rank builds its manager at the same
 from __future__ import annotations
 
 import datetime as _dt
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from graphcap.errors import DistributedTimeoutError
+from graphcap.errors import ConfigError, ConfigProblem, DistributedTimeoutError
 
 __all__ = ["DataParallelSync", "DistributedTimeoutError"]
 
@@ -63,7 +63,45 @@ class DataParallelSync:
     def first_failed_rank(self, failed: bool, what: str) -> int | None:
         """All-reduce a failure flag; the lowest failing rank, or None when all succeeded."""
         (value,) = self.reduce_max([self.world_size - self.rank if failed else 0], what)
+        if not 0 <= value <= self.world_size:  # a peer answered another collective: out of step
+            raise DistributedTimeoutError(
+                f"step {self.step}: {what}: the ranks are out of step (a peer sent {value}, not a failure flag); "
+                "every rank must run the same calls in the same order with the same config"
+            )
         return None if value == 0 else self.world_size - value
+
+    def agree_on_config(self, fingerprint: int, items: Mapping[str, str]) -> None:
+        """Collective, before any other: every rank must hold the same config fingerprint.
+
+        `fingerprint` is a non-negative int below 2**62 (`config.fingerprint.fingerprint_int`);
+        one all-reduce of `[fp, -fp]` tells whether all are equal. When they are not, the ranks
+        gather `items` (dotted key -> value) and raise `ConfigError` naming each differing key
+        with every rank's value, instead of a misleading timeout or a capture failure later.
+        """
+        pair = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64)
+        self._all_reduce_max(pair, "config agreement")
+        highest, lowest = int(pair[0]), -int(pair[1])
+        if highest == lowest:
+            return
+        gathered: list[Any] = [None] * self.world_size
+        try:
+            self._dist.all_gather_object(gathered, dict(items), group=self.group)
+        except RuntimeError as exc:
+            raise self._timeout_error("config agreement", str(exc)) from exc
+        keys = sorted({key for values in gathered for key in values})
+        problems = []
+        for key in keys:
+            values = [values.get(key, "<absent>") for values in gathered]
+            if len(set(values)) > 1:
+                per_rank = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
+                problems.append(
+                    ConfigProblem(
+                        key,
+                        f"differs across the {self.world_size} data-parallel ranks ({per_rank}); every rank "
+                        "must load the same config (only device and report.path may differ)",
+                    )
+                )
+        raise ConfigError(problems, f"the config of data-parallel rank {self.rank}")
 
     def _all_reduce_max(self, tensor: torch.Tensor, what: str) -> None:
         try:

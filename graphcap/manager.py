@@ -30,6 +30,7 @@ from graphcap.batch import GraphKey, StepBatch, dummy_batch, probe_batch
 from graphcap.block_table import BlockTable
 from graphcap.buffers import ForwardInputs, PersistentBuffers
 from graphcap.config import CaptureConfig
+from graphcap.config.fingerprint import compared_items, fingerprint_int
 from graphcap.dispatch import KeyRegistry, StepStats
 from graphcap.distributed import DataParallelSync
 from graphcap.errors import CaptureError, CaptureUnsafeError, ConfigError, ConfigProblem
@@ -37,7 +38,7 @@ from graphcap.guard import StaticGuard
 from graphcap.inputs import BufferSpec
 from graphcap.invariants import check_invariants
 from graphcap.piecewise import running
-from graphcap.report import CaptureReport, GraphRecord, format_bytes
+from graphcap.report import CaptureReport, GraphRecord, check_report_path, format_bytes
 
 __all__ = ["CaptureManager"]
 
@@ -100,6 +101,8 @@ class CaptureManager:
         self._prepare_replay = self._prepare is not None and _accepts(self._prepare, "replay")
         self._lock = threading.RLock()
         self._sync = DataParallelSync(group, timeout=dp_timeout) if group is not None else None
+        if self._sync is not None:  # ranks with different configs would plan different keys: refuse now
+            self._sync.agree_on_config(fingerprint_int(config), compared_items(config))
         self._counting = True
         self._in_step: str | None = None
         self._guard = StaticGuard()
@@ -149,7 +152,15 @@ class CaptureManager:
         A failed key's tensors are freed before the next key runs. On every exit path GC is
         unfrozen and re-enabled and no partial graph stays registered. Raises `ConfigError`
         when `capture.num_warmups` is below what the backend needs (cuda: 1).
+
+        With `report.path`, the path is checked before anything is captured (`ConfigError`
+        when it cannot be written) and the report is written atomically after the pass; if
+        that write still fails, the pass is undone like any other failure (graphs released,
+        `CaptureError` naming the path and the reason; the old report stays whole).
         """
+        report_path = self.config.report.path
+        if report_path:
+            check_report_path(report_path)
         with self._lock, self._step("capture"):
             self._check_warmups()
             self._release_all()
@@ -185,15 +196,27 @@ class CaptureManager:
                 config=self.config.to_dict(),
                 warnings=self._pass_warnings(),
             )
+            if report_path:
+                self._write_report(report, report_path)
         log.info(
             "captured %d graphs in %.2f s (%s)",
             len(report.captured),
             report.total_seconds,
             format_bytes(report.pool_bytes),
         )
-        if self.config.report.path:
-            report.write(self.config.report.path)
         return report
+
+    def _write_report(self, report: CaptureReport, path: str) -> None:
+        try:
+            report.write(path)
+        except BaseException as exc:  # the pass is all or nothing: undo it, as for a failed key
+            self._release_all()
+            if not isinstance(exc, Exception):
+                raise
+            raise CaptureError(
+                f"captured {len(report.captured)} graphs, but writing the report to {path} failed "
+                f"({type(exc).__name__}: {exc}); the graphs were released, the old report is unchanged"
+            ) from exc
 
     def _capture_key(self, key: GraphKey) -> GraphRecord:
         start = time.perf_counter()

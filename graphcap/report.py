@@ -1,10 +1,18 @@
-"""`CaptureReport`: what a capture pass did, per graph; JSON/YAML, a text table, a plot."""
+"""`CaptureReport`: what a capture pass did, per graph; JSON/YAML and a text table (records and serialisation).
+
+Besides the records, a report says where it was made (graphcap, torch, CUDA and driver
+versions, the device's name, a UTC timestamp, the command line when the CLI made it and the
+config's fingerprint), so two reports can be told apart and compared, and it labels what
+each memory number measures: the CUDA pool and the emulated backend count differently.
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
-import tempfile
+import platform
+import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -12,8 +20,31 @@ from typing import Any, Literal
 import yaml
 
 from graphcap.batch import GraphKey
+from graphcap.config.fingerprint import config_fingerprint
+from graphcap.errors import ConfigError, ConfigProblem
 
-__all__ = ["CaptureReport", "GraphRecord", "atomic_write", "format_bytes"]
+__all__ = [
+    "MEMORY_MEANING",
+    "CaptureReport",
+    "GraphRecord",
+    "atomic_write",
+    "check_report_path",
+    "environment",
+    "format_bytes",
+]
+
+MEMORY_MEANING = {
+    "cuda": {
+        "pool_bytes": "growth of the shared CUDA graph memory pool over the pass (what the graphs hold together)",
+        "memory_bytes": "device memory the capture of this graph took from the shared pool (allocator delta)",
+    },
+    "emulated": {
+        "pool_bytes": "sum over graphs of memory_bytes: an upper bound, not a process peak (emulated graphs "
+        "share no pool and replay one at a time: the process holds every output plus one replay's peak)",
+        "memory_bytes": "peak of live intermediates during one replay of this graph, plus its static output",
+    },
+}
+"""What the memory numbers of a report measure, per backend (written into every report)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,13 +56,16 @@ class GraphRecord:
     capture_seconds: float
     """Wall time of staging, warmups, capture and verification for this key."""
     memory_bytes: int
-    """Memory the graph took (CUDA: allocator delta into the backend's pool; emulated: peak live intermediates)."""
+    """Memory the graph took (see `MEMORY_MEANING` for what each backend counts)."""
     verified: bool
     """Replayed once after capture and matched an eager run on the same inputs."""
     reason: str = ""
     """Why a skipped key was skipped."""
     eager_seconds: float = 0.0
     """Of capture_seconds, the time spent in eager forwards (warmups and the verification run)."""
+    latency: dict[str, Any] | None = None
+    """Step latency where it was measured (`graphcap bench`): milliseconds per step of `eager` and
+    `replay` (each `median`, `p10`, `p90`, `iqr`, `samples`) and `noisy`; None when not measured."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -41,17 +75,36 @@ class GraphRecord:
 
 @dataclass(slots=True)
 class CaptureReport:
-    """Per-graph records of one capture pass plus totals. Written with `write(path)`."""
+    """Per-graph records of one capture pass plus totals and where it ran. Written with `write(path)`.
+
+    `created`, `environment` and `config_fingerprint` fill themselves in when not given.
+    """
 
     records: list[GraphRecord]
     backend: str
     device: str
     total_seconds: float
     pool_bytes: int
-    """Memory all graphs hold together (CUDA: the backend's pool; emulated: sum over graphs)."""
+    """Memory all graphs hold together (see `MEMORY_MEANING`: CUDA pool growth; emulated: a sum)."""
     config: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     """What the pass did that a reader must know beyond the records (compiled code captured uncompiled)."""
+    created: str = ""
+    """UTC time the report was made (ISO 8601)."""
+    environment: dict[str, Any] = field(default_factory=dict)
+    """graphcap, Python, torch, CUDA runtime and driver versions, the device's name (see `environment`)."""
+    command: str | None = None
+    """The command line that made the report (set by the CLI)."""
+    config_fingerprint: str = ""
+    """`graphcap.config.fingerprint.config_fingerprint` of `config`: equal configs, equal fingerprints."""
+
+    def __post_init__(self) -> None:
+        if not self.created:
+            self.created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        if not self.environment:
+            self.environment = environment(self.device)
+        if not self.config_fingerprint and self.config:
+            self.config_fingerprint = config_fingerprint(self.config)
 
     @property
     def captured(self) -> list[GraphRecord]:
@@ -67,6 +120,9 @@ class CaptureReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "created": self.created,
+            "command": self.command,
+            "environment": self.environment,
             "backend": self.backend,
             "device": self.device,
             "total_seconds": self.total_seconds,
@@ -74,13 +130,15 @@ class CaptureReport:
             "num_skipped": len(self.skipped),
             "pool_bytes": self.pool_bytes,
             "largest_graph_bytes": self.largest_graph_bytes,
+            "memory_meaning": MEMORY_MEANING.get(self.backend, {}),
             "graphs": [r.to_dict() for r in self.records],
             "warnings": list(self.warnings),
+            "config_fingerprint": self.config_fingerprint,
             "config": self.config,
         }
 
     def write(self, path: str | os.PathLike) -> Path:
-        """Write JSON (`.json`) or YAML (`.yaml`/`.yml`) atomically: complete or absent."""
+        """Write JSON (`.json`) or YAML (`.yaml`/`.yml`) atomically: complete or absent (see `atomic_write`)."""
         path = Path(path)
         data = self.to_dict()
         if path.suffix == ".json":
@@ -106,13 +164,19 @@ class CaptureReport:
         return "\n".join(rows)
 
     def summary(self) -> str:
-        """Totals in a few lines: graphs, time, pool memory vs the largest graph, skipped sizes."""
+        """Totals in a few lines: graphs, time, memory (labelled by what it measures), skipped sizes."""
+        if self.backend == "cuda":
+            memory = f"graph memory: {format_bytes(self.pool_bytes)} (growth of the shared CUDA graph pool)"
+        else:
+            memory = (
+                f"graph memory: {format_bytes(self.pool_bytes)} (sum of each graph's replay peak and output; "
+                "an upper bound: emulated graphs replay one at a time)"
+            )
         lines = [
             f"graphs captured: {len(self.captured)} of {len(self.records)} keys "
             f"({self.backend} backend on {self.device})",
             f"total capture time: {self.total_seconds:.2f} s",
-            f"graph memory: {format_bytes(self.pool_bytes)} in all; largest single graph "
-            f"{format_bytes(self.largest_graph_bytes)}",
+            f"{memory}; largest single graph {format_bytes(self.largest_graph_bytes)}",
         ]
         if self.skipped:
             skipped = ", ".join(f"{r.key}" for r in self.skipped)
@@ -121,68 +185,108 @@ class CaptureReport:
         return "\n".join(lines)
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write `text` to `path` via a temporary file and `os.replace`: never half-written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def environment(device: str) -> dict[str, Any]:
+    """Versions and the device's name, for a report: what a bug report or a comparison needs."""
+    import torch
+
+    from graphcap import __version__
+
+    out: dict[str, Any] = {
+        "graphcap": __version__,
+        "python": platform.python_version(),
+        "torch": str(torch.__version__),
+        "cuda_runtime": torch.version.cuda,
+        "platform": platform.platform(),
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        index = torch.device(device).index
+        out["device_name"] = torch.cuda.get_device_name(torch.cuda.current_device() if index is None else index)
+        driver_api = getattr(torch._C, "_cuda_getDriverVersion", None)  # CUDA driver API version, e.g. 12040
+        out["cuda_driver_api"] = driver_api() if callable(driver_api) else None
+        out["nvidia_driver"] = _nvidia_driver()
+    else:
+        out["device_name"] = _cpu_name()
+    return out
+
+
+def _nvidia_driver() -> str | None:
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with open("/proc/driver/nvidia/version") as handle:  # "NVRM version: NVIDIA UNIX ... 550.54.15 ..."
+            words = handle.readline().split()
+    except OSError:
+        return None
+    return next((w for w in words if w[:1].isdigit() and w.count(".") >= 1), None)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def check_report_path(path: str | os.PathLike, *, not_same_as: tuple[str | os.PathLike, ...] = ()) -> None:
+    """Refuse, before any work, a report path that cannot be written or must not be.
+
+    Raises `ConfigError` (key `report.path`) when `path` is a directory, lies under a file, is
+    in a directory without write permission, or is the same file as one of `not_same_as` (the
+    config the report describes: writing it there would destroy the config).
+    """
+    target = Path(path)
+    problem = None
+    if target.is_dir():
+        problem = f"{path} is a directory; give a file name ending in .json, .yaml or .yml"
+    elif target.exists() and any(Path(o).exists() and os.path.samefile(target, o) for o in not_same_as):
+        problem = f"{path} is the config file itself; writing the report there would overwrite it: pick another path"
+    else:
+        parent = target.parent
+        while not parent.exists() and parent != parent.parent:  # the directories write() would create
+            parent = parent.parent
+        if not parent.is_dir():
+            problem = f"{path} cannot be created: {parent} is not a directory"
+        elif not os.access(parent, os.W_OK | os.X_OK):
+            problem = f"{path} cannot be written: no write permission in {parent}"
+    if problem:
+        raise ConfigError([ConfigProblem("report.path", problem)])
+
+
+def atomic_write(path: Path | str, data: str | bytes) -> None:
+    """Write `data` to `path` via a temporary file and `os.replace`: never half-written.
+
+    The file keeps the mode of the file it replaces; a new file gets 0666 under the umask
+    (usually 0644), like any file an editor writes. On any failure (also `KeyboardInterrupt`)
+    the temporary file is removed and the old file is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = os.stat(path).st_mode & 0o7777
+    except FileNotFoundError:
+        mode = None
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    # O_EXCL: never follow a planted link or reuse a file; 0o666 lets the kernel apply the umask.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            if mode is not None:
+                os.fchmod(handle.fileno(), mode)
+            handle.write(data.encode("utf-8") if isinstance(data, str) else data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
 def format_bytes(num: int | float) -> str:
+    """`1536` -> `1.5 KiB`: binary units up to TiB."""
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(num) < 1024 or unit == "GiB":
+        if abs(num) < 1024:
             return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
         num /= 1024
-    return f"{num:.1f} GiB"
-
-
-def plot_capture(report: CaptureReport, timings, path: str | os.PathLike) -> Path:
-    """Three panels over token count: capture ms, graph memory, replay speedup (PNG, atomic)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    speedups = {t.key: t.speedup for t in timings}
-    for uniform, marker, label in ((True, "o", "uniform decode"), (False, "s", "mixed")):
-        rows = sorted((r for r in report.captured if r.key.uniform == uniform), key=lambda r: r.key.num_tokens)
-        if not rows:
-            continue
-        tokens = [r.key.num_tokens for r in rows]
-        axes[0].plot(tokens, [r.capture_seconds * 1e3 for r in rows], marker=marker, label=label)
-        axes[1].plot(tokens, [r.memory_bytes / 2**20 for r in rows], marker=marker, label=label)
-        with_speed = [r for r in rows if r.key in speedups]
-        axes[2].plot(
-            [r.key.num_tokens for r in with_speed], [speedups[r.key] for r in with_speed], marker=marker, label=label
-        )
-    axes[2].axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    # Log scale: the first graph of a process also pays one-time setup (imports, lazy
-    # init) and would flatten every other point on a linear axis.
-    axes[0].set_yscale("log")
-    titles = ("capture time per graph (ms, log)", "graph memory (MiB)", "replay speedup over eager (x)")
-    for axis, title in zip(axes, titles):
-        axis.set_title(title)
-        axis.set_xlabel("padded tokens per step")
-        axis.grid(alpha=0.3)
-        axis.legend()
-    note = ""
-    if report.backend == "emulated":
-        note = " (CPU emulation: replay runs the same kernels as eager, so ~1x is expected)"
-    fig.suptitle(f"graphcap: {len(report.captured)} graphs, {report.backend} backend on {report.device}{note}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return f"{num:.1f} TiB"

@@ -1,4 +1,4 @@
-"""Reliability campaign: bad configs, fuzzed steps, injected capture faults, poisoned stress, threads.
+"""Reliability campaign: bad configs, fuzzed steps, capture faults, poisoned stress, threads, the command line.
 
 Runs everything the reliability suite (`tests/reliability/`) checks, many more times, and
 writes docs/RELIABILITY.md: date, machine, command, and one table row per experiment with
@@ -76,6 +76,8 @@ from graphcap.testing import (
     stress,
     violations,
 )
+from graphcap.testing.cli_cases import CLI_CASES, check_case, interrupt_after, interrupted_cleanly
+from graphcap.testing.dp_agreement import mismatched_world
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "tests" / "assets"
@@ -94,10 +96,14 @@ class Scale:
     stress_steps: int
     thread_rounds: int
     control_rounds: int
+    cli_cases_per_area: int | None
+    """None: every case of `graphcap.testing.cli_cases` (the quick run takes the first of each area)."""
+    interrupts: int
+    dp_worlds: tuple[int, ...]
 
 
-FULL = Scale(2000, 300, 5000, 8, 6, 4, 2500, 20, 5)
-QUICK = Scale(60, 20, 200, 1, 2, 1, 150, 2, 1)
+FULL = Scale(2000, 300, 5000, 8, 6, 4, 2500, 20, 5, None, 10, (2, 3))
+QUICK = Scale(60, 20, 200, 1, 2, 1, 150, 2, 1, 1, 1, (2,))
 
 
 @dataclasses.dataclass
@@ -606,8 +612,9 @@ def fault_rows(scale: Scale, workdir: Path) -> list[Row]:
     for trial in range(scale.report_writes):
         path = workdir / f"write-{trial}.yaml"
         atomic_write(path, OLD_REPORT)
-        manager = make_manager(make_config(capture__mode="none", report__path=str(path)))
+        manager = make_manager(make_config(FAULT_SIZES, report__path=str(path)))
         exc_type = (KeyboardInterrupt, OSError)[trial % 2]
+        expected = KeyboardInterrupt if exc_type is KeyboardInterrupt else CaptureError
         with tally.trial(f"{exc_type.__name__} in fsync"):
             fsync = os.fsync
 
@@ -617,22 +624,23 @@ def fault_rows(scale: Scale, workdir: Path) -> list[Row]:
             os.fsync = fail
             try:
                 manager.capture()
-            except exc_type:
+            except expected:
                 pass
             else:
                 raise AssertionError("the write did not fail")
             finally:
                 os.fsync = fsync
+            assert_nothing_left(manager)  # the pass is undone, not left half-done
             if path.read_text() != OLD_REPORT or leftover_temp_files(path):
                 raise AssertionError("the old report changed or a temporary file remains")
             manager.capture()
-            if yaml.safe_load(path.read_text())["num_graphs"] != 0:
+            if yaml.safe_load(path.read_text())["num_graphs"] != len(manager.registry.planned):
                 raise AssertionError("the next write is wrong")
     rows.append(
         tally.row(
             "faults",
-            "report write interrupted (`KeyboardInterrupt` / `OSError` before the rename)",
-            "old report whole, no temporary file, next write complete",
+            "report write fails after the pass (`KeyboardInterrupt` / `OSError` before the rename)",
+            "pass undone (no graph left), old report whole, no temporary file, next write complete",
         )
     )
     return rows
@@ -709,6 +717,77 @@ def thread_rows(scale: Scale) -> list[Row]:
     return rows
 
 
+# -- the command line and data-parallel configs ------------------------------------------
+
+CLI_AREAS = {
+    "files": (
+        "config files: unreadable (ELOOP, ENOTDIR, ENAMETOOLONG, EISDIR, EIO, EACCES), endless or huge "
+        "(`/dev/zero`, 3 MB, 20 MB, 350k nodes), not UTF-8, 5000-digit integers"
+    ),
+    "flags": (
+        "flags and values: `--set` long integers and quotes, sizes that cannot run, a failing model build or "
+        "factory, `sizes --max-size 10**9`, bad histograms, stdout on a full disk, `--backend cuda` without "
+        "CUDA, every key skipped"
+    ),
+    "reports": (
+        "reports and plots: `--report` onto the config, file modes, a failed write, what a report records, "
+        "`--plot` into a directory or with a suffix matplotlib cannot write, a PDF plot"
+    ),
+    "memory": "memory: an 8B-shaped config with a huge cache on the CPU, the estimate in `capture` and `sizes`",
+    "packaging": "names: a factory override on the embedded default, vLLM mode spellings",
+}
+
+
+def cli_rows(scale: Scale, workdir: Path) -> list[Row]:
+    rows = []
+    for area, what in CLI_AREAS.items():
+        cases = [c for c in CLI_CASES if c.area == area][: scale.cli_cases_per_area]
+        tally, skipped = Tally(), []
+        for i, case in enumerate(cases):
+            reason = case.skip() if case.skip is not None else None
+            if reason:
+                skipped.append(f"{case.name}: {reason}")
+                continue
+            with tally.trial(case.name):
+                check_case(case, workdir / f"cli-{area}-{i}")
+        note = f" (not run on this machine: {'; '.join(skipped)})" if skipped else ""
+        outcome = "the documented exit code, one line naming the file, key or flag, no traceback"
+        rows.append(tally.row("command line", what + note, outcome))
+    tally = Tally()
+    for i in range(scale.interrupts):
+        delay = 0.1 + 2.4 * i / max(1, scale.interrupts - 1)  # start-up, torch import, model, capture
+        with tally.trial(f"Ctrl-C after {delay:.2f} s"):
+            code, err = interrupt_after(delay, workdir / f"interrupt-{i}")
+            if not interrupted_cleanly(code, err):
+                raise AssertionError(f"exit {code}: {err.strip()[-300:]!r}")
+    rows.append(
+        tally.row(
+            "command line",
+            f"Ctrl-C at {scale.interrupts} moments of `python -m graphcap verify`, 0.1-2.5 s after start",
+            "one line, no traceback, the process ends by SIGINT (a shell sees 130)",
+        )
+    )
+    return rows
+
+
+def dp_config_rows(scale: Scale, workdir: Path) -> list[Row]:
+    tally = Tally()
+    for world_size in scale.dp_worlds:
+        with tally.trial(f"{world_size} ranks"):
+            directory = workdir / f"dp-{world_size}"
+            directory.mkdir()
+            for result in mismatched_world(world_size, directory):
+                if result.get("error") or result.get("keys") != ["capture.max_size", "capture.sizes"]:
+                    raise AssertionError(f"rank {result['rank']}: {result}")
+    return [
+        tally.row(
+            "configs",
+            f"data-parallel ranks with different configs (gloo, {' and '.join(map(str, scale.dp_worlds))} ranks)",
+            "every rank refuses at construction, naming each differing key with every rank's value",
+        )
+    ]
+
+
 # -- report ------------------------------------------------------------------------------
 
 
@@ -764,6 +843,10 @@ def render(rows: list[Row], command: str, seconds: float) -> str:
         "  sentinel before every step, so a read of a padded row the pad rules did not write is garbage.",
         "- threads: steps are self-contained, so every output is compared bit for bit with a",
         "  single-threaded run; staging and replay (or the eager forward) are logged per thread.",
+        "- command line: the cases of `graphcap/testing/cli_cases.py` (also run once each by",
+        "  `tests/cli/test_hostile.py`), each with its files, flags, expected exit code and message;",
+        "  a case also fails on any traceback or on more than one error line. Ctrl-C is sent to a real",
+        "  process at evenly spaced moments from start-up to capture.",
     ]
     failed = [r for r in rows if not r.ok]
     if failed:
@@ -792,11 +875,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="graphcap-reliability-") as workdir:
         sections: list[tuple[str, Callable[[], list[Row]]]] = [
             ("configs", lambda: config_rows(scale, rng)),
+            ("data-parallel configs", lambda: dp_config_rows(scale, Path(workdir))),
             ("steps", lambda: step_rows(scale, rng)),
             ("faults", lambda: fault_rows(scale, Path(workdir))),
             ("stale data", lambda: stress_rows(scale)),
             ("threads", lambda: thread_rows(scale)),
             ("moved inputs", lambda: moved_rows(scale)),
+            ("command line", lambda: cli_rows(scale, Path(workdir))),
         ]
         for name, run in sections:
             t0 = time.perf_counter()

@@ -1,63 +1,90 @@
 """The `graphcap` command: one subcommand per module, results on stdout, progress on stderr.
 
-Exit codes: 0 ok, 1 verification failed, 2 usage or config error. A user error prints one
-line per problem and no traceback (`--debug` shows it).
+Exit codes: 0 ok, 1 the command ran and failed (capture, verification, a report that could not
+be written, stdout that could not be written), 2 usage or config error, 130 interrupted (`main`
+returns it; the console script and `python -m graphcap` then end by SIGINT itself, so a shell
+reports 130 and a calling script stops too). Every error is one line (or one line per config
+problem) without a traceback; `--debug` shows it.
+
+Start-up is cheap on purpose: this module imports only the standard library, and `main`
+imports everything else inside its own handler, so a Ctrl-C at any moment prints
+"interrupted" (exit 130), and `--help`, `--version` and `validate` never import torch.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
+import contextlib
+import os
+import signal
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
-from graphcap.backends import CaptureError
-from graphcap.cli import _common
-from graphcap.config import ConfigError
-from graphcap.invariants import InvariantViolation
+__all__ = ["INTERRUPTED", "console_main", "interrupted", "main"]
 
-__all__ = ["main"]
+INTERRUPTED = 130
 
-# Subcommand modules, in the order `--help` lists them.
-_COMMANDS = ("capture", "verify", "sizes", "bench", "validate")
+_interrupts = 0  # SIGINTs seen by the running command (see `interrupted`)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="graphcap",
-        description="Capture and replay CUDA graphs for LLM inference, with the padded tail proven right.",
-        epilog="Run `graphcap COMMAND --help` for a command's options and an example.",
-    )
-    parser.add_argument("--version", action="version", version=f"graphcap {_common.version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in _COMMANDS:
-        module = _common.command_module(name)
-        if module is not None:
-            module.register(sub)
-    return parser
+def interrupted() -> bool:
+    """Whether Ctrl-C was pressed while the current command ran.
+
+    Third-party code can swallow the `KeyboardInterrupt` (an import cut short may surface as
+    an `AttributeError` much later), so the command's outcome is decided by this flag, set by
+    the handler `main` installs first, not by which exception happens to arrive.
+    """
+    return _interrupts > 0
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    global _interrupts
+    _interrupts += 1
+    raise KeyboardInterrupt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (the console script exits with it)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _common.setup_logging(args)
+    global _interrupts
+    _interrupts = 0
+    previous = None
+    with contextlib.suppress(ValueError):  # signals can only be set from the main thread
+        previous = signal.signal(signal.SIGINT, _on_sigint)
+    args = None
     try:
-        return int(args.run(args) or 0)
-    except (_common.UserError, ConfigError) as exc:
-        if args.debug:
-            raise
-        print(f"graphcap {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except (CaptureError, InvariantViolation) as exc:
-        if args.debug:
-            raise
-        print(f"graphcap {args.command}: failed: {exc}", file=sys.stderr)
-        return 1
+        from graphcap.cli._main import build_parser, run_command
+
+        args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)
+        code = run_command(args)
+        if interrupted():  # swallowed somewhere, and the command went on: it was still interrupted
+            raise KeyboardInterrupt
+        return code
+    except Exception:
+        if not interrupted():
+            raise  # a bug in graphcap: keep its traceback
+        return _say_interrupted(args)
     except KeyboardInterrupt:
-        print(f"graphcap {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        return 0
+        return _say_interrupted(args)
     finally:
-        logging.shutdown()
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _say_interrupted(args: object) -> int:
+    command = getattr(args, "command", None)
+    print(f"graphcap{' ' + command if command else ''}: interrupted", file=sys.stderr)
+    return INTERRUPTED
+
+
+def console_main() -> NoReturn:
+    """The `graphcap` console script and `python -m graphcap`: run `main`, exit with its code."""
+    code = main()
+    if code == INTERRUPTED and hasattr(signal, "SIGINT"):
+        # End the way an interrupted program should: by the signal, with the default action.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing to add
+                stream.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    sys.exit(code)

@@ -1,13 +1,11 @@
-"""Options and plumbing shared by the subcommands: config loading, `--set`, logging."""
+"""Options and plumbing shared by the subcommands: config loading, `--set`, logging, the report path."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
-from types import ModuleType
 
-from graphcap.config import CaptureConfig, load_config
+from graphcap.config import BACKEND_NAMES, CaptureConfig, load_config
 from graphcap.config._yaml import YamlSyntaxError, parse_scalar
 
 log = logging.getLogger("graphcap")
@@ -17,19 +15,14 @@ class UserError(Exception):
     """A mistake in what the user typed or pointed at; printed as one line, exit code 2."""
 
 
+class CommandFailed(Exception):
+    """The command ran and failed (not a usage mistake); printed as one line, exit code 1."""
+
+
 def version() -> str:
     from graphcap import __version__
 
     return __version__
-
-
-def command_module(name: str) -> ModuleType | None:
-    try:
-        return importlib.import_module(f"graphcap.cli.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name == f"graphcap.cli.{name}":
-            return None
-        raise
 
 
 def add_common(parser: argparse.ArgumentParser, *, config: bool = True, device: bool = True) -> None:
@@ -61,24 +54,33 @@ def add_logging(parser: argparse.ArgumentParser) -> None:
 
 
 def setup_logging(args: argparse.Namespace) -> None:
+    """Log lines on stderr: graphcap's at INFO (`-q`: WARNING, `-v`: DEBUG), other libraries' only
+    from WARNING up (torch logs INFO lines of its own, some from exit handlers)."""
     level = logging.WARNING if getattr(args, "quiet", False) else logging.INFO
     if getattr(args, "verbose", 0):
         level = logging.DEBUG
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", force=True)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True)
+    log.setLevel(level)
 
 
 def parse_overrides(items: list[str]) -> dict[str, object]:
-    """`["capture.max_size=16"]` -> `{"capture.max_size": 16}`; values parse as YAML 1.2 scalars."""
+    """`["capture.max_size=16"]` -> `{"capture.max_size": 16}`; values parse as YAML 1.2 scalars
+    (quotes are stripped as YAML strips them: `model.name="tiny-llama"` is the string tiny-llama)."""
     out: dict[str, object] = {}
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
-            raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. --set capture.max_size=16")
+            raise UserError(f"--set {_shown(item)}: expected KEY=VALUE, e.g. --set capture.max_size=16")
         try:
             out[key.strip()] = parse_scalar(text.strip())
         except YamlSyntaxError as exc:
-            raise UserError(f"--set {item!r}: value is not YAML: {exc.message}") from None
+            raise UserError(f"--set {_shown(item)}: {exc.message}") from None
     return out
+
+
+def _shown(item: str) -> str:
+    """`item` quoted for a message, cut short: a 5000-digit value should not fill the terminal."""
+    return repr(item) if len(item) <= 60 else repr(item[:57] + "...")
 
 
 def config_from_args(args: argparse.Namespace, **extra: object) -> CaptureConfig:
@@ -94,25 +96,35 @@ def config_from_args(args: argparse.Namespace, **extra: object) -> CaptureConfig
 
 
 def add_backend(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--backend", choices=("auto", "cuda", "emulated"), default="auto", help="graph backend (default: auto)"
-    )
+    parser.add_argument("--backend", choices=BACKEND_NAMES, default="auto", help="graph backend (default: auto)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-
-
-def build_manager(args: argparse.Namespace, *, report_path: str | None = None):
-    """Config, model and `CaptureManager` from the common options; says which backend it uses."""
-    from graphcap.manager import CaptureManager
-    from graphcap.models import build_model
-
-    config = config_from_args(args, report__path=report_path)
-    model = build_model(config)
-    manager = CaptureManager(model, config, backend=args.backend, progress=False if args.no_progress else None)
-    model_name = config.model.name or config.model.factory
-    note = (
-        " (no CUDA here: the emulated backend reproduces CUDA-graph semantics on the CPU)"
-        if manager.backend.name == "emulated"
-        else ""
+    parser.add_argument(
+        "--skip-memory-check",
+        action="store_true",
+        help="build even when the memory estimate exceeds what the device has (the estimate is shown anyway)",
     )
-    log.info("model %s on %s, %s backend%s", model_name, manager.device, manager.backend.name, note)
-    return manager
+
+
+def add_report(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--report", metavar="PATH", help="write the full report here (.json/.yaml), atomically (overrides report.path)"
+    )
+
+
+def report_target(args: argparse.Namespace, config: CaptureConfig) -> str | None:
+    """Where the report goes (`--report`, else `report.path`), checked before any work is done."""
+    from graphcap.report import check_report_path
+
+    path = config.report.path
+    if path:
+        check_report_path(path, not_same_as=(args.config,) if args.config else ())
+    return path
+
+
+def write_report(report, path: str) -> None:
+    """Write the report; a failure is one line and exit 1 (the table is already printed)."""
+    try:
+        report.write(path)
+    except OSError as exc:
+        raise CommandFailed(f"cannot write the report to {path}: {exc.strerror or exc}") from exc
+    print(f"report written to {path}")

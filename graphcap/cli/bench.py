@@ -1,19 +1,34 @@
-"""`graphcap bench`: eager vs replay per captured key; optional plot of time, memory, speedup."""
+"""`graphcap bench`: eager vs replay per captured key, with spread; optional plot and report."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import io
+from pathlib import Path
 
-from graphcap.cli._common import UserError, add_common, build_manager
-from graphcap.report import format_bytes, plot_capture
-from graphcap.testing.timing import time_key
+from graphcap.cli._common import (
+    CommandFailed,
+    UserError,
+    add_common,
+    add_report,
+    config_from_args,
+    report_target,
+    write_report,
+)
+from graphcap.cli._setup import build_manager
+from graphcap.cli.capture import check_something_captured, command_line
 
 EPILOG = """examples:
   graphcap bench --steps 50
-  graphcap bench --config capture_configs/llama3-8b-h200.yaml --plot bench.png
+  graphcap bench --config capture_configs/llama3-8b-h200.yaml --plot bench.png --report bench.json
 
-Times are medians per step through the real step path (staging, invariants, then the
-model eagerly or the graph replay), for a batch that fills each key exactly.
+Each key runs --steps timed steps per side through the real step path (staging, invariants,
+then the model eagerly or the graph replay) on a batch that fills it, eager and replay
+interleaved, timed with torch.utils.benchmark.Timer. The table gives the median and the
+10th-90th percentile range; '!' marks a noisy key (interquartile range above 10% of the
+median): rerun it on a quiet machine or with more --steps before trusting its speedup.
+The plot's format follows the suffix of --plot (png, pdf, svg, ...).
 """
 
 
@@ -28,45 +43,158 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_common(parser)
     parser.add_argument("--steps", type=int, default=20, metavar="N", help="timed steps per key and side (default 20)")
     parser.add_argument(
-        "--plot", metavar="PNG", help="draw capture time, memory and speedup per size (needs matplotlib)"
+        "--plot", metavar="FILE", help="draw capture time, memory and speedup per size (needs matplotlib)"
     )
+    add_report(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from graphcap.report import format_bytes
+    from graphcap.testing.timing import time_key
+
     if args.steps < 1:
         raise UserError(f"--steps must be >= 1; got {args.steps}")
     if args.plot:
-        _require_matplotlib()
-    manager = build_manager(args)
+        _check_plot_path(args.plot)
+    config = config_from_args(args, report__path=args.report)
+    report_path = report_target(args, config)
+    manager = build_manager(args, dataclasses.replace(config, report=dataclasses.replace(config.report, path=None)))
     report = manager.capture()
+    check_something_captured(report)
     timed = {r.key: time_key(manager, r.key, steps=args.steps) for r in report.captured}
     timings = [t for t in timed.values() if t is not None]
     by_key = {r.key: r for r in report.records}
     print(
         f"{'key':<8} {'tokens':>6} {'reqs':>5} {'capture ms':>10} {'memory':>10} "
-        f"{'eager ms':>9} {'replay ms':>9} {'speedup':>7}"
+        f"{'eager ms':>9} {'p10-p90':>15} {'replay ms':>9} {'p10-p90':>15} {'speedup':>7}"
     )
     for t in timings:
         r = by_key[t.key]
         kind = "uniform" if t.key.uniform else "mixed"
         print(
             f"{kind:<8} {t.key.num_tokens:>6} {t.key.num_reqs:>5} {r.capture_seconds * 1e3:>10.1f} "
-            f"{format_bytes(r.memory_bytes):>10} {t.eager_ms:>9.3f} {t.replay_ms:>9.3f} {t.speedup:>6.2f}x"
+            f"{format_bytes(r.memory_bytes):>10} {t.eager.median:>9.3f} {_range(t.eager):>15} "
+            f"{t.replay.median:>9.3f} {_range(t.replay):>15} {t.speedup:>6.2f}x{' !' if t.noisy else ''}".rstrip()
+        )
+    noisy = [t for t in timings if t.noisy]
+    if noisy:
+        print(
+            f"! noisy ({len(noisy)} of {len(timings)} keys): interquartile range above 10% of the median; "
+            "rerun on a quiet machine or with more --steps before trusting these speedups"
         )
     untimed = [str(k) for k, t in timed.items() if t is None]
     if untimed:
         print(f"not timed (no real batch dispatches to them): {', '.join(untimed)}")
     print()
     print(report.summary())
+    latency = {t.key: t.to_dict() for t in timings}
+    report.records = [dataclasses.replace(r, latency=latency.get(r.key)) for r in report.records]
+    report.config = config.to_dict()
+    report.command = command_line(args)
     if args.plot:
-        plot_capture(report, timings, args.plot)
-        print(f"plot written to {args.plot}")
+        _write_plot(report, timings, args.plot)
+    if report_path:
+        write_report(report, report_path)
     return 0
 
 
-def _require_matplotlib() -> None:
+def _range(spread) -> str:
+    return f"{spread.p10:.3f}-{spread.p90:.3f}"
+
+
+def _check_plot_path(path: str) -> None:
+    """Refuse, before any capture, a plot that matplotlib cannot write in the format its suffix names."""
     try:
-        import matplotlib  # noqa: F401
+        from matplotlib.figure import Figure
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install 'graphcap[plot]'") from None
+    formats = Figure().canvas.get_supported_filetypes()
+    target = Path(path)
+    suffix = target.suffix.lower().lstrip(".")
+    if target.is_dir():
+        raise UserError(f"--plot {path}: is a directory; give a file name such as {Path(path) / 'bench.png'}")
+    if suffix not in formats:
+        named = f"unknown image format {suffix!r}" if suffix else "no suffix to name the image format"
+        raise UserError(f"--plot {path}: {named}; use one of {', '.join(sorted(formats))} (e.g. bench.png)")
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"--plot {path}: cannot be created: {parent} is not a directory")
+
+
+def _write_plot(report, timings, path: str) -> None:
+    from graphcap.report import atomic_write
+
+    data = plot_capture(report, timings, Path(path).suffix.lower().lstrip("."))
+    try:
+        atomic_write(Path(path), data)
+    except OSError as exc:
+        raise CommandFailed(f"cannot write the plot to {path}: {exc.strerror or exc}") from exc
+    print(f"plot written to {path}")
+
+
+def plot_capture(report, timings, image_format: str = "png") -> bytes:
+    """Three panels over token count: capture ms, graph memory, replay speedup; the image's bytes.
+
+    Speedups are medians with the p10-p90 range as error bars, on a log axis so that one
+    outlier cannot flatten the rest; noisy keys are drawn hollow.
+    """
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+
+    fig = Figure(figsize=(15, 4.2))
+    axes = fig.subplots(1, 3)
+    by_key = {t.key: t for t in timings}
+    for uniform, marker, label in ((True, "o", "uniform decode"), (False, "s", "mixed")):
+        rows = sorted((r for r in report.captured if r.key.uniform == uniform), key=lambda r: r.key.num_tokens)
+        if not rows:
+            continue
+        tokens = [r.key.num_tokens for r in rows]
+        axes[0].plot(tokens, [r.capture_seconds * 1e3 for r in rows], marker=marker, label=label)
+        axes[1].plot(tokens, [r.memory_bytes / 2**20 for r in rows], marker=marker, label=label)
+        timed = [by_key[r.key] for r in rows if r.key in by_key]
+        if not timed:
+            continue
+        x = [t.key.num_tokens for t in timed]
+        y = [t.speedup for t in timed]
+        low = [t.speedup - t.speedup_range[0] for t in timed]
+        high = [t.speedup_range[1] - t.speedup for t in timed]
+        line = axes[2].errorbar(x, y, yerr=[low, high], marker=marker, capsize=3, label=label)
+        noisy = [t for t in timed if t.noisy]
+        if noisy:
+            color = line.lines[0].get_color()
+            axes[2].scatter(
+                [t.key.num_tokens for t in noisy],
+                [t.speedup for t in noisy],
+                marker=marker,
+                s=80,
+                facecolors="white",
+                edgecolors=color,
+                zorder=3,
+                label=f"{label}: noisy",
+            )
+    axes[2].axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    # Log scales: the first graph of a process also pays one-time setup, and a speedup of 0.1x
+    # and one of 10x are the same distance from 1x.
+    axes[0].set_yscale("log")
+    axes[2].set_yscale("log")
+    titles = (
+        "capture time per graph (ms, log)",
+        "graph memory (MiB)",
+        "replay speedup over eager (x, log; bars p10-p90)",
+    )
+    for axis, title in zip(axes, titles):
+        axis.set_title(title)
+        axis.set_xlabel("padded tokens per step")
+        axis.grid(alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend()
+    note = ""
+    if report.backend == "emulated":
+        note = " (CPU emulation: replay runs the same kernels as eager, so ~1x is expected)"
+    fig.suptitle(f"graphcap: {len(report.captured)} graphs, {report.backend} backend on {report.device}{note}")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=image_format, dpi=110)
+    return buffer.getvalue()

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import shlex
 import sys
 
-from graphcap.cli._common import add_common, build_manager
+from graphcap.cli._common import CommandFailed, add_common, add_report, config_from_args, report_target, write_report
+from graphcap.cli._setup import build_manager
 
 EPILOG = """examples:
   graphcap capture                                  # embedded default: tiny model, best device
   graphcap capture --config capture_configs/llama3-8b-h200.yaml --report capture.json
   graphcap capture --set capture.max_size=16 --device cpu --no-progress
 
-The table goes to stdout, progress and logs to stderr. Exit 0 when every graph was
-captured (or skipped under capture.on_error: skip), 1 when capture failed, 2 for a
-config or usage error.
+The first log line gives the memory estimate; a config that cannot fit the device is refused
+before anything is built (exit 2; --skip-memory-check to try anyway). The table goes to stdout,
+progress and logs to stderr. Exit 0 when graphs were captured (keys skipped under
+capture.on_error: skip are listed), 1 when capture failed, nothing was captured, or the report
+could not be written (the table is printed first), 2 for a config or usage error.
 """
 
 
@@ -28,17 +33,38 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_common(parser)
-    parser.add_argument("--report", metavar="PATH", help="write the full report here (.json/.yaml), atomically")
+    add_report(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    manager = build_manager(args, report_path=args.report)
+    config = config_from_args(args, report__path=args.report)
+    report_path = report_target(args, config)
+    # The manager does not write the report: this command writes it after printing the table,
+    # so a failed write costs one line, not the capture's result.
+    manager = build_manager(args, dataclasses.replace(config, report=dataclasses.replace(config.report, path=None)))
     report = manager.capture()
+    report.config = config.to_dict()
+    report.command = command_line(args)
     print(report.table())
     print()
     print(report.summary())
-    if manager.config.report.path:
-        print(f"report written to {manager.config.report.path}")
     sys.stdout.flush()
+    if report_path:
+        write_report(report, report_path)
+    check_something_captured(report)
     return 0
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command as typed (for the report), quoted so it can be pasted back into a shell."""
+    return shlex.join(["graphcap", *args.argv])
+
+
+def check_something_captured(report) -> None:
+    """Exit 1 when keys were planned and every one was skipped: nothing would replay."""
+    if report.records and not report.captured:
+        raise CommandFailed(
+            f"nothing was captured: all {len(report.records)} keys were skipped (capture.on_error: skip); "
+            "every step would run eagerly. The reasons are in the table above"
+        )

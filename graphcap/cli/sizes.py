@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 from graphcap.cli._common import UserError, add_common, config_from_args
-from graphcap.dispatch import MIXED_ROWS_FLOOR, MIXED_ROWS_STEP, KeyRegistry
 from graphcap.sizes import CaptureSizes, default_capture_sizes
 
 EPILOG = """examples:
@@ -40,13 +38,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from graphcap.dispatch import MIXED_ROWS_FLOOR, MIXED_ROWS_STEP, KeyRegistry  # numpy: loaded when run
+    from graphcap.memory import estimate_memory
+
     if args.max_size is not None:
         if args.config or args.overrides:
             raise UserError("give either --max-size or --config/--set, not both")
-        try:
-            sizes = CaptureSizes(default_capture_sizes(args.max_size, args.uniform_query_len), args.max_size)
-        except ValueError as exc:
-            raise UserError(f"--max-size/--uniform-query-len: {exc}") from None
+        _check_schedule_flags(args.max_size, args.uniform_query_len)
+        sizes = CaptureSizes(default_capture_sizes(args.max_size, args.uniform_query_len), args.max_size)
         registry = None
         source = f"default_capture_sizes({args.max_size}, uniform_query_len={args.uniform_query_len})"
     else:
@@ -82,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
                     f"(every {MIXED_ROWS_STEP}x fewer down to {MIXED_ROWS_FLOOR}), not always to "
                     "min(size, max_num_seqs)"
                 )
+        print()
+        for backend in _backends_of(config.device):
+            print(f"  {estimate_memory(config, backend=backend).describe()}")
     print()
     what = (
         f"over the histogram in {args.histogram}"
@@ -96,31 +98,78 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_histogram(path: str) -> dict[int, float]:
+def _backends_of(device: str) -> tuple[str, ...]:
+    """The backends a config's device may use (without importing torch to resolve `auto`)."""
+    if device == "auto":
+        return ("cuda", "emulated")
+    return ("cuda",) if device.startswith("cuda") else ("emulated",)
+
+
+def _check_schedule_flags(max_size: int, uniform_query_len: int) -> None:
+    """The flags obey the config's own bounds (`capture.max_size` <= 65536: the padding table has
+    one entry per token count, so 10**8 would run for minutes and 10**9 exhaust memory)."""
+    from graphcap.config import CaptureSectionConfig, ConfigError
+
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        CaptureSectionConfig(max_size=max_size, uniform_query_len=uniform_query_len)
+    except ConfigError as exc:
+        flags = {"capture.max_size": "--max-size", "capture.uniform_query_len": "--uniform-query-len"}
+        raise UserError("; ".join(f"{flags.get(p.key, p.key)}: {p.message}" for p in exc.problems)) from None
+
+
+MAX_HISTOGRAM_BYTES = 64 << 20
+"""Largest histogram read (64 MiB: ten million one-per-line observations)."""
+_MAX_LINE = 4096
+
+
+def _read_histogram(path: str) -> dict[int, float]:
+    """`TOKENS [COUNT]` lines -> {tokens: weight}; every problem is a `UserError` naming file and line."""
+    counts: dict[int, float] = {}
+    try:
+        with open(path, "rb") as handle:
+            read = 0
+            for number, raw in enumerate(iter(lambda: handle.readline(_MAX_LINE + 1), b""), 1):
+                read += len(raw)
+                if len(raw) > _MAX_LINE:
+                    raise UserError(f"{path}:{number}: line longer than {_MAX_LINE} bytes; is it a histogram?")
+                if read > MAX_HISTOGRAM_BYTES:
+                    raise UserError(
+                        f"{path}: larger than {MAX_HISTOGRAM_BYTES >> 20} MiB; aggregate it as TOKENS COUNT"
+                    )
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise UserError(
+                        f"{path}:{number}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); "
+                        "expected TOKENS or TOKENS COUNT"
+                    ) from None
+                _add_line(counts, line, path, number)
     except OSError as exc:
         raise UserError(f"--histogram {path}: cannot read: {exc.strerror or exc}") from None
-    counts: dict[int, float] = {}
-    for number, line in enumerate(lines, 1):
-        text = line.split("#", 1)[0].replace(",", " ").split()
-        if not text:
-            continue
-        try:
-            values = [float(v) for v in text]
-        except ValueError:
-            raise UserError(f"{path}:{number}: expected TOKENS or TOKENS COUNT; got {line.strip()!r}") from None
-        if (
-            len(values) > 2
-            or not all(map(math.isfinite, values))  # int(inf) and int(nan) raise
-            or values[0] != int(values[0])
-            or values[0] < 1
-            or (len(values) == 2 and values[1] < 0)
-        ):
-            raise UserError(
-                f"{path}:{number}: expected a token count >= 1 and an optional count >= 0; got {line.strip()!r}"
-            )
-        counts[int(values[0])] = counts.get(int(values[0]), 0.0) + (values[1] if len(values) == 2 else 1.0)
-    if not counts or sum(counts.values()) <= 0:
+    total = sum(counts.values())
+    if not counts or total <= 0:
         raise UserError(f"{path}: no batch sizes in the histogram")
+    if not math.isfinite(total):
+        raise UserError(f"{path}: the counts sum to {total}; scale them down (they are relative weights)")
     return counts
+
+
+def _add_line(counts: dict[int, float], line: str, path: str, number: int) -> None:
+    text = line.split("#", 1)[0].replace(",", " ").split()
+    if not text:
+        return
+    try:
+        values = [float(v) for v in text]
+    except ValueError:
+        raise UserError(f"{path}:{number}: expected TOKENS or TOKENS COUNT; got {line.strip()!r}") from None
+    if (
+        len(values) > 2
+        or not all(map(math.isfinite, values))  # int(inf) and int(nan) raise
+        or values[0] != int(values[0])
+        or values[0] < 1
+        or (len(values) == 2 and values[1] < 0)
+    ):
+        raise UserError(
+            f"{path}:{number}: expected a token count >= 1 and an optional count >= 0; got {line.strip()!r}"
+        )
+    counts[int(values[0])] = counts.get(int(values[0]), 0.0) + (values[1] if len(values) == 2 else 1.0)

@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
-import numpy as np
-import torch
-
-from graphcap.cli._common import UserError, add_common, build_manager
+from graphcap.cli._common import UserError, add_common
+from graphcap.cli._setup import build_manager
+from graphcap.cli.capture import check_something_captured
 from graphcap.errors import InvariantViolation
-from graphcap.invariants import check_invariants
-from graphcap.testing.workload import Workload, fill_batch
-
-log = logging.getLogger("graphcap")
 
 EPILOG = """examples:
   graphcap verify                                  # embedded default, 8 random sequences
@@ -48,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     manager = build_manager(args)
     report = manager.capture()
     print(f"captured {len(report.captured)} graphs ({len(report.skipped)} skipped) in {report.total_seconds:.2f} s")
+    check_something_captured(report)
     staged = sweep_keys(manager)
     print(f"staging sweep: {staged} (key, real requests) combinations pass the full invariants")
     failures, steps = replay_sequences(manager, args.batches, args.steps, args.seed)
@@ -65,6 +60,11 @@ def run(args: argparse.Namespace) -> int:
 
 def sweep_keys(manager) -> int:
     """Stage every captured key with 0..num_reqs real requests; raise on any violation."""
+    import numpy as np
+
+    from graphcap.invariants import check_invariants
+    from graphcap.testing.workload import fill_batch
+
     config = manager.config
     rng = np.random.default_rng(0)
     count = 0
@@ -82,6 +82,10 @@ def sweep_keys(manager) -> int:
 
 def replay_sequences(manager, num_sequences: int, num_steps: int, seed: int) -> tuple[list[str], int]:
     """Random step sequences through `execute` vs `eager`; returns (failures, steps compared)."""
+    import torch
+
+    from graphcap.testing.workload import Workload
+
     config = manager.config
     tolerance = config.checks.tolerance
     q = config.capture.uniform_query_len

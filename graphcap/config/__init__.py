@@ -6,6 +6,7 @@
 | `_load.py` | `load_config`, `config_from_text`: reading, overrides, unknown keys, `file:line` |
 | `_schema.py` | the validation machinery every section shares (types, ranges, problems) |
 | `_yaml.py` | strict YAML 1.2 reading with a line for every key |
+| `fingerprint.py` | the config's fingerprint (what data-parallel ranks must share), key by key |
 
 Importing this package does not import torch (the CLI's `validate` and `sizes` stay fast).
 """
@@ -14,8 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphcap.config._load import DEFAULT_CONFIG, config_from_text, load_config
+from graphcap.config._load import DEFAULT_CONFIG, MAX_CONFIG_BYTES, config_from_text, load_config
 from graphcap.config.sections import (
+    BACKEND_NAMES,
     BUILTIN_MODELS,
     PAD_SLOT_ID,
     SECTIONS,
@@ -32,8 +34,10 @@ from graphcap.config.sections import (
 from graphcap.errors import ConfigError, ConfigProblem
 
 __all__ = [
+    "BACKEND_NAMES",
     "BUILTIN_MODELS",
     "DEFAULT_CONFIG",
+    "MAX_CONFIG_BYTES",
     "PAD_SLOT_ID",
     "SECTIONS",
     "BatchingConfig",

@@ -8,6 +8,7 @@ all problems into one `ConfigError`, each located at `file:line` (or `override`)
 from __future__ import annotations
 
 import difflib
+import errno
 from collections.abc import Mapping
 from dataclasses import fields
 from importlib import resources
@@ -20,38 +21,74 @@ from graphcap.config.buffers import BufferConfig
 from graphcap.config.sections import SECTIONS, CaptureConfig
 from graphcap.errors import ConfigError, ConfigProblem
 
-__all__ = ["DEFAULT_CONFIG", "config_from_text", "load_config"]
+__all__ = ["DEFAULT_CONFIG", "MAX_CONFIG_BYTES", "config_from_text", "load_config"]
 
 DEFAULT_CONFIG = "default.yaml"
 """The embedded default, shipped inside the package (`graphcap/configs/`)."""
+
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest config read (1 MiB). A config is a few KiB; anything near this is the wrong file
+(a log, a checkpoint, `/dev/zero`), and is refused before any of it is parsed."""
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> CaptureConfig:
     """Load a `CaptureConfig` from YAML; `path=None` is the embedded default.
 
     `overrides` maps dotted keys to values (`{"capture.max_size": 16}`) applied on top of
-    the file and validated the same way. Raises `ConfigError` listing every problem (dotted
-    key, bad value, what is allowed, `file:line`), `FileNotFoundError` for a missing file, or
-    `TypeError` when `overrides` is not a mapping.
+    the file and validated the same way; an override of `model.factory` without one of
+    `model.name` replaces the file's model name (and the other way round). Raises
+    `ConfigError` listing every problem (dotted key, bad value, what is allowed,
+    `file:line`), also for a file that cannot be read (key `<file>`, with the OS reason),
+    is not UTF-8 or is larger than `MAX_CONFIG_BYTES`; `FileNotFoundError` for a missing
+    file; `TypeError` when `overrides` is not a mapping.
     """
     if path is None:
         text = resources.files("graphcap").joinpath("configs", DEFAULT_CONFIG).read_text()
         source = f"<embedded {DEFAULT_CONFIG}>"
     else:
         source = str(path)
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise FileNotFoundError(f"config file not found: {path}") from None
-        except (IsADirectoryError, UnicodeDecodeError) as exc:
-            raise ConfigError([ConfigProblem("<file>", f"cannot read {path}: {exc}")], source) from None
+        text = _read_file(source)
     return config_from_text(text, source, overrides)
+
+
+def _read_file(path: str) -> str:
+    """The text of a config file: at most `MAX_CONFIG_BYTES` are read, whatever the file is."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file not found: {path}") from None
+    except OSError as exc:  # EACCES, EISDIR, ELOOP, ENOTDIR, ENAMETOOLONG, EIO, ...
+        raise _file_error(path, f"cannot read {path}: {_os_reason(exc)}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise _file_error(
+            path,
+            f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB; a config is a few KiB (is it the right file?)",
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        message = f"{path} is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset {exc.start}"
+        raise ConfigError([ConfigProblem("<file>", message, f"{path}:{line}")], path) from None
+
+
+def _os_reason(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0)
+    return f"{exc.strerror or exc} ({name})" if name else str(exc.strerror or exc)
+
+
+def _file_error(path: str, message: str) -> ConfigError:
+    return ConfigError([ConfigProblem("<file>", message)], path)
 
 
 def config_from_text(text: str, source: str = "<string>", overrides: dict[str, Any] | None = None) -> CaptureConfig:
     """`load_config` on YAML text already in memory."""
     if overrides is not None and not isinstance(overrides, Mapping):
         raise TypeError(f"overrides must map dotted keys to values; got {type(overrides).__name__}")
+    if len(text) > MAX_CONFIG_BYTES:
+        message = f"the text has {len(text)} characters, above {MAX_CONFIG_BYTES}; a config is a few KiB"
+        raise ConfigError([ConfigProblem("<file>", message)], source)
     try:
         doc = read_yaml(text, source)
     except YamlSyntaxError as exc:
@@ -140,6 +177,12 @@ def _section_of(key: str) -> str:
 def _apply_overrides(data: dict, overrides: Mapping[str, Any], problems: list[ConfigProblem]):
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
     applied = set()
+    # `--set model.factory=pkg.mod:fn` means "this model": it replaces the file's (or the
+    # default's) model name, which would otherwise clash with it; and the other way round.
+    for given, replaced in (("model.factory", "model.name"), ("model.name", "model.factory")):
+        model = data.get("model")
+        if overrides.get(given) is not None and replaced not in overrides and isinstance(model, dict):
+            model.pop(replaced.partition(".")[2], None)
     for dotted, value in overrides.items():
         parts = str(dotted).split(".")
         if len(parts) == 1 and parts[0] == "device":

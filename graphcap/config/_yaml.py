@@ -21,10 +21,28 @@ import yaml
 __all__ = ["YamlDocument", "YamlSyntaxError", "parse_scalar", "read_yaml"]
 
 
+class _TooManyNodes(yaml.MarkedYAMLError):
+    """Composition stopped at `MAX_NODES`."""
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader with the YAML 1.2 core schema's implicit resolvers."""
+    """SafeLoader with the YAML 1.2 core schema's implicit resolvers and a bound on the nodes.
+
+    The bound applies while composing: a 1 MiB flow list is 500,000 nodes and took PyYAML's
+    pure-Python composer seconds to build before any check could look at it.
+    """
 
     yaml_implicit_resolvers: ClassVar[dict] = {}
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.num_nodes = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self.num_nodes += 1
+        if self.num_nodes > MAX_NODES:
+            raise _TooManyNodes(problem=f"more than {MAX_NODES} values", problem_mark=self.peek_event().start_mark)
+        return super().compose_node(parent, index)
 
 
 _NULL = re.compile(r"^(?:~|null|Null|NULL|)$")
@@ -50,6 +68,11 @@ YAML11_BOOLS = frozenset(
 # Values one document may build. Aliases expand (`b: [*a, *a, ...]` nested a few levels is
 # a "billion laughs" bomb); a config holds a few dozen values, a long size list thousands.
 MAX_VALUES = 1 << 17
+MAX_NODES = 1 << 14
+"""Nodes one document may hold before aliases expand (checked while composing)."""
+MAX_INT_DIGITS = 100
+"""Longest integer literal read. Config integers have at most 20 digits; a longer one is refused as
+"integer too long" before Python's own 4300-digit conversion limit turns it into a traceback."""
 
 
 class YamlSyntaxError(ValueError):
@@ -72,12 +95,20 @@ class YamlDocument:
 
 
 def parse_scalar(text: str) -> Any:
-    """Parse one YAML 1.2 scalar the way a config file would (`--set` values use this)."""
+    """Parse one YAML 1.2 scalar the way a config file would (`--set` values use this).
+
+    A quoted value is a string without its quotes (`"8"` is the string 8, as in a file); a
+    flow list or mapping (`[1, 2]`) is parsed as YAML. Raises `YamlSyntaxError` (where
+    `<value>`) for text YAML refuses and for an integer of more than `MAX_INT_DIGITS` digits.
+    """
     if _NULL.match(text):
         return None
     if _BOOL.match(text):
         return text.lower() == "true"
     if _INT.match(text):
+        digits = len(text.lstrip("+-")) - (2 if text.startswith(("0x", "0o")) else 0)
+        if digits > MAX_INT_DIGITS:
+            raise YamlSyntaxError("<value>", "", f"integer too long ({digits} digits; a config integer has at most 20)")
         if text.startswith(("0x", "0o")):
             return int(text[2:], 16 if text[1] == "x" else 8)
         return int(text, 10)
@@ -88,7 +119,7 @@ def parse_scalar(text: str) -> Any:
         if lowered == ".nan":
             return math.nan
         return float(text)
-    if text.startswith("[") or text.startswith("{"):
+    if text.startswith(("[", "{", '"', "'")):
         return read_yaml(text, source="<value>").data
     return text
 
@@ -97,6 +128,9 @@ def read_yaml(text: str, source: str = "<string>") -> YamlDocument:
     """Parse `text`; raise `YamlSyntaxError` (with `file:line`) on bad YAML or duplicate keys."""
     try:
         node = yaml.compose(text, Loader=_Loader)
+    except _TooManyNodes as exc:
+        message = f"{exc.problem}; a config holds a few dozen (is it the right file?)"
+        raise YamlSyntaxError(f"{source}:{exc.problem_mark.line + 1}", "", message) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{source}:{mark.line + 1}" if mark is not None else source
@@ -158,7 +192,10 @@ def _build(node: yaml.Node, key: str, doc: YamlDocument) -> Any:
         return node.value
     if node.tag.startswith("tag:yaml.org,2002:") and node.tag[18:] in ("null", "bool", "int", "float"):
         # Explicit `!!int 3` resolves here too; a value that does not match its tag is an error.
-        value = parse_scalar(node.value)
+        try:
+            value = parse_scalar(node.value)
+        except YamlSyntaxError as exc:  # an integer too long: located here
+            raise YamlSyntaxError(f"{doc.source}:{line}", key, exc.message) from None
         expected = {"null": type(None), "bool": bool, "int": int, "float": (float, int)}[node.tag[18:]]
         if isinstance(value, expected):
             return float(value) if node.tag.endswith("float") else value

@@ -14,6 +14,7 @@ use for it. Every other section is `<Name>Config`.
 from __future__ import annotations
 
 import re
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -23,6 +24,7 @@ from graphcap.config.buffers import BufferConfig
 from graphcap.sizes import CaptureSizes, default_capture_sizes
 
 __all__ = [
+    "BACKEND_NAMES",
     "BUILTIN_MODELS",
     "PAD_SLOT_ID",
     "BatchingConfig",
@@ -43,6 +45,11 @@ PAD_SLOT_ID = -1
 BUILTIN_MODELS = ("tiny-llama",)
 """Names accepted by `model.name` (built by `graphcap.models.build_model`)."""
 
+BACKEND_NAMES = ("auto", "cuda", "emulated")
+"""Names `graphcap.backends.get_backend` and `graphcap --backend` accept. Defined here, beside the
+device choices, so the command line reads them without importing torch; `graphcap.backends`
+re-exports this tuple."""
+
 DEFAULT_MAX_SIZE = 64
 """`capture.max_size` when neither it nor an explicit `capture.sizes` list is given."""
 
@@ -56,22 +63,22 @@ class ModelConfig(Section):
     """Built-in model (`tiny-llama`); the default when `factory` is not set either."""
     factory: str | None = None
     """`"pkg.module:function"`, called with the `CaptureConfig`; returns the model."""
-    hidden_size: int = spec(256, min=1)
-    """Width of the residual stream."""
-    num_layers: int = spec(2, min=1)
-    """Decoder layers."""
-    num_heads: int = spec(8, min=1)
-    """Query heads; `hidden_size` must divide evenly among them."""
-    num_kv_heads: int = spec(2, min=1)
+    hidden_size: int = spec(256, min=1, max=1 << 16)
+    """Width of the residual stream (at most 65536; the largest published models use 16384-25600)."""
+    num_layers: int = spec(2, min=1, max=1 << 10)
+    """Decoder layers (at most 1024)."""
+    num_heads: int = spec(8, min=1, max=1 << 10)
+    """Query heads; `hidden_size` must divide evenly among them (at most 1024)."""
+    num_kv_heads: int = spec(2, min=1, max=1 << 10)
     """Key/value heads (grouped-query attention); must divide `num_heads`."""
-    intermediate_size: int | None = spec(None, min=1)
-    """SwiGLU width; null means 8/3 of hidden_size rounded up to a multiple of 64."""
-    vocab_size: int = spec(4096, min=1, max=INT32_MAX)
-    """Token ids are valid in `[0, vocab_size)`."""
+    intermediate_size: int | None = spec(None, min=1, max=1 << 20)
+    """SwiGLU width; null means 8/3 of hidden_size rounded up to a multiple of 64 (at most 1048576)."""
+    vocab_size: int = spec(4096, min=1, max=1 << 24)
+    """Token ids are valid in `[0, vocab_size)` (at most 16777216; today's largest are ~256k)."""
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     """Weight and activation dtype."""
-    seed: int = spec(0, min=0)
-    """Seed of the deterministic random weights."""
+    seed: int = spec(0, min=0, max=2**64 - 1)
+    """Seed of the deterministic random weights (torch generators take 0 to 2**64 - 1)."""
     rope_theta: float = spec(10000.0, gt=0)
     """Rotary embedding base."""
     rms_norm_eps: float = spec(1e-5, gt=0)
@@ -142,10 +149,10 @@ class BatchingConfig(Section):
     """Scheduler limits; the persistent buffers are allocated once at these maxima."""
 
     _key: ClassVar[str] = "batching"
-    max_num_seqs: int = spec(32, min=1, max=INT32_MAX)
-    """Most requests in one step."""
-    max_num_tokens: int = spec(256, min=1, max=INT32_MAX)
-    """Most tokens in one step (all requests together)."""
+    max_num_seqs: int = spec(32, min=1, max=1 << 20)
+    """Most requests in one step (at most 1048576; engines run hundreds to a few thousand)."""
+    max_num_tokens: int = spec(256, min=1, max=1 << 24)
+    """Most tokens in one step, all requests together (at most 16777216)."""
 
     def _check(self) -> list[ConfigProblem]:
         if self.max_num_seqs > self.max_num_tokens:
@@ -168,12 +175,12 @@ class KVCacheConfig(Section):
     """
 
     _key: ClassVar[str] = "kv_cache"
-    block_size: int = spec(16, min=1, max=INT32_MAX)
-    """Token slots per block."""
+    block_size: int = spec(16, min=1, max=1 << 16)
+    """Token slots per block (at most 65536)."""
     num_blocks: int = spec(256, min=2, max=INT32_MAX)
     """Blocks in the cache, the null block 0 included."""
-    max_model_len: int = spec(512, min=1, max=INT32_MAX)
-    """Longest sequence (prompt + generated) one request may reach."""
+    max_model_len: int = spec(512, min=1, max=1 << 24)
+    """Longest sequence (prompt + generated) one request may reach (at most 16777216 tokens)."""
 
     def _check(self) -> list[ConfigProblem]:
         out = []
@@ -214,7 +221,8 @@ class CaptureSectionConfig(Section):
 
     _key: ClassVar[str] = "capture"
     mode: Literal["none", "full", "full_decode_only"] = "full"
-    """`none`: always eager; `full`: mixed and uniform-decode keys; `full_decode_only`: uniform only."""
+    """`none`: always eager; `full`: mixed and uniform-decode keys; `full_decode_only`: uniform only.
+    Case-insensitive, so vLLM's spellings (`FULL`, `FULL_DECODE_ONLY`, `NONE`) mean the same."""
     sizes: tuple[int, ...] | Literal["auto"] = "auto"
     """Ascending token counts to capture, or `auto` for `default_capture_sizes(max_size, q)`."""
     max_size: int | None = spec(None, min=1, max=1 << 16)
@@ -231,6 +239,8 @@ class CaptureSectionConfig(Section):
     """A size that fails to capture: `raise` stops; `skip` records it and runs it eagerly."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.mode, str) and self.mode.lower() in _MODES:
+            object.__setattr__(self, "mode", self.mode.lower())
         Section.__post_init__(self)
         if self.max_size is None:
             resolved = DEFAULT_MAX_SIZE if self.sizes == "auto" else max(self.sizes)
@@ -275,6 +285,8 @@ class CaptureSectionConfig(Section):
             ]
         return []
 
+
+_MODES = typing.get_args(typing.get_type_hints(CaptureSectionConfig)["mode"])
 
 CaptureOptions = CaptureSectionConfig
 """Earlier name of `CaptureSectionConfig`, kept so existing imports work."""

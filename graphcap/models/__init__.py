@@ -3,12 +3,21 @@
 A model is anything with `forward(inputs: ForwardInputs) -> logits [T, vocab]`. Built in:
 `tiny-llama` (`TinyLlama`, a Llama-style decoder over a paged KV cache). Your own model
 comes from `model.factory: "pkg.module:function"`, called with the `CaptureConfig`.
+
+Trust: a config that names a factory runs that code, as a Python script would; load configs
+only from people you would take a script from. The factory's module is found on `sys.path`,
+then in the current directory (searched last, so a file there never shadows an installed
+package), the same way for the `graphcap` console script, `python -m graphcap` and a
+library call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable, Mapping
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 
 import torch
@@ -20,7 +29,7 @@ from graphcap.errors import ConfigError, ConfigProblem
 from graphcap.models.llama import TinyLlama
 from graphcap.models.reference import dense_reference
 
-__all__ = ["MODELS", "TinyLlama", "build_model", "dense_reference", "resolve_device"]
+__all__ = ["MODELS", "TinyLlama", "build_model", "dense_reference", "load_factory", "resolve_device"]
 
 MODELS: Mapping[str, Callable[[CaptureConfig, torch.device], nn.Module]] = MappingProxyType({"tiny-llama": TinyLlama})
 """Built-in models: `model.name` -> builder(config, device). Must match `config.BUILTIN_MODELS`."""
@@ -30,8 +39,8 @@ def build_model(config: CaptureConfig, device: torch.device | str | None = None)
     """The model `config.model` names, on `device` (None: `resolve_device(config)`).
 
     A built-in model is built directly on the device with its KV cache sized from
-    `config.kv_cache`. A factory is imported and called as `factory(config)`; when it
-    returns an `nn.Module`, the module is then moved to the device (a no-op if it is
+    `config.kv_cache`. A factory (see `load_factory`) is called as `factory(config)`; when
+    it returns an `nn.Module`, the module is then moved to the device (a no-op if it is
     already there). Raises `ConfigError` (key `model.factory`) when the factory cannot be
     imported, is not callable, or returns something without a callable `forward`.
     Exceptions raised inside the factory itself propagate unchanged.
@@ -43,7 +52,9 @@ def build_model(config: CaptureConfig, device: torch.device | str | None = None)
         if builder is None:
             raise _error("model.name", f"unknown model {config.model.name!r}; built in: {', '.join(MODELS)}")
         return builder(config, device)
-    model = _load_factory(spec)(config)
+    factory = load_factory(spec)
+    with _current_directory_searched_last():  # the factory may import its siblings as it runs
+        model = factory(config)
     if not callable(getattr(model, "forward", None)):
         raise _error(
             "model.factory",
@@ -55,10 +66,18 @@ def build_model(config: CaptureConfig, device: torch.device | str | None = None)
     return model
 
 
-def _load_factory(spec: str) -> Callable[[CaptureConfig], object]:
+def load_factory(spec: str) -> Callable[[CaptureConfig], object]:
+    """The factory function `spec` (`"pkg.module:function"`) names, imported but not called.
+
+    Its module is found on `sys.path`, then in the current directory. The function may carry
+    an `estimate_memory(config)` attribute (see `graphcap.memory`). Raises `ConfigError` (key
+    `model.factory`) when the module cannot be imported or the attribute is missing or not
+    callable.
+    """
     module_name, _, attr = spec.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        with _current_directory_searched_last():
+            module = importlib.import_module(module_name)
     except Exception as exc:  # the module's own import-time error, shown with its type
         raise _error(
             "model.factory",
@@ -77,6 +96,25 @@ def _load_factory(spec: str) -> Callable[[CaptureConfig], object]:
             "model.factory", f"{spec} is {_describe(factory)}, not callable; point it at a function (config) -> model"
         )
     return factory
+
+
+@contextlib.contextmanager
+def _current_directory_searched_last() -> Iterator[None]:
+    """Append the current directory to `sys.path` for the duration (unless it is there already).
+
+    `python -m` puts the current directory first on `sys.path` and a console script does not;
+    `graphcap.__main__` drops it, and this puts it back last for factory modules only.
+    """
+    cwd = os.getcwd()
+    present = any(os.path.abspath(entry or ".") == cwd for entry in sys.path)
+    if not present:
+        sys.path.append(cwd)
+    try:
+        yield
+    finally:
+        if not present:
+            with contextlib.suppress(ValueError):  # the factory removed it itself
+                sys.path.remove(cwd)
 
 
 def _error(key: str, message: str) -> ConfigError:

@@ -3,11 +3,13 @@
 | module | holds |
 |---|---|
 | `workload.py` | `Workload` (a random engine-like step stream), `fill_batch` (a real batch for a key) |
-| `timing.py` | `time_key`: eager vs replay per key through the real step path |
+| `timing.py` | `time_key`: eager vs replay per key through the real step path, median and spread |
 | `faults.py` | `FaultyModel` (fails on demand), snapshots, hostile batches |
 | `fuzz.py` | the batch fuzzer and its independent validity oracle |
 | `stress.py` | the poisoned stress loop (graph == eager on every real row) |
 | `threads.py` | several threads on one manager, and the interleaving detector |
+| `cli_cases.py` | hostile and careless uses of the `graphcap` command, as data (not imported here) |
+| `dp_agreement.py` | data-parallel ranks with different configs (not imported here) |
 
 `TINY` is the small configuration the test suite and `tools/reliability.py` share, and
 `make_config` / `make_manager` build on it. Importing this package imports torch.

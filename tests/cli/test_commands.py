@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -123,28 +125,93 @@ def test_verify_exits_1_and_names_the_key_on_a_replay_mismatch(capsys, monkeypat
     assert "MISMATCH sequence 0, key" in out and "verify: FAILED" in out
 
 
-def test_bench_prints_eager_and_replay_per_key(capsys):
-    code, out, err = run_cli(capsys, "bench", "--config", TINY, "--steps", "2", "--no-progress")
+def test_bench_prints_medians_and_spread_per_key(capsys):
+    code, out, err = run_cli(capsys, "bench", "--config", TINY, "--steps", "3", "--no-progress")
     assert code == 0, err
-    header = out.splitlines()[0].split()
-    assert header == ["key", "tokens", "reqs", "capture", "ms", "memory", "eager", "ms", "replay", "ms", "speedup"]
+    lines = out.splitlines()
+    header = lines[0].split()
+    expected = "key tokens reqs capture ms memory eager ms p10-p90 replay ms p10-p90 speedup"
+    assert header == expected.split()
+    rows = [line.split() for line in lines[1:] if line.startswith(("uniform", "mixed"))]
+    assert len(rows) == 7  # 8 keys; mixed(1, 1) is never dispatched to
+    for row in rows:
+        eager, (p10, p90) = float(row[6]), map(float, row[7].split("-"))
+        assert p10 <= eager <= p90
+        assert row[10].endswith("x") and row[-1] in ("!", row[10])
     assert "not timed (no real batch dispatches to them): mixed(tokens=1, reqs=1)" in out
 
 
-def test_bench_plot_writes_a_png(capsys, tmp_path):
-    pytest.importorskip("matplotlib")
-    png = tmp_path / "bench.png"
-    code, out, err = run_cli(capsys, "bench", "--config", TINY, "--steps", "1", "--plot", str(png))
+def test_bench_flags_noisy_keys(capsys, monkeypatch):
+    from graphcap.testing import timing
+
+    calls = iter(range(10**6))
+
+    class JitteryTimer:  # every third sample 5x slower: an interquartile range far above 10%
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def timeit(self, number):
+            return types.SimpleNamespace(raw_times=[(0.005 if next(calls) % 3 == 0 else 0.001) * number])
+
+    monkeypatch.setattr("torch.utils.benchmark.Timer", JitteryTimer)
+    code, out, err = run_cli(
+        capsys, "bench", "--config", TINY, "--steps", "6", "--set", "capture.sizes=[2]", "--set", "capture.max_size=2"
+    )
     assert code == 0, err
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"plot written to {png}" in out
+    assert any(line.startswith("uniform") and line.endswith(" !") for line in out.splitlines())
+    assert "! noisy (" in out and "interquartile range above 10% of the median" in out
+    assert timing.NOISY_IQR == 0.1
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg"])  # .pdf: graphcap.testing.cli_cases
+def test_bench_plot_is_written_in_the_format_its_suffix_names(capsys, tmp_path, suffix):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "out" / f"bench{suffix}"
+    code, out, err = run_cli(capsys, "bench", "--config", TINY, "--steps", "1", "--plot", str(plot))
+    assert code == 0, err
+    magic = {".png": b"\x89PNG\r\n\x1a\n", ".pdf": b"%PDF", ".svg": b"<?xml"}[suffix]
+    assert plot.read_bytes().startswith(magic)
+    assert f"plot written to {plot}" in out
+    assert sorted(p.name for p in plot.parent.iterdir()) == [plot.name]  # no temporary file left
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("plots", "is a directory; give a file name such as"),
+        ("bench.txt", "unknown image format 'txt'; use one of"),
+        ("bench", "no suffix to name the image format"),
+        ("file.json/bench.png", "cannot be created: .*file.json is not a directory"),
+    ],
+)
+def test_bench_plot_path_is_checked_before_capturing(capsys, tmp_path, target, message):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "file.json").write_text("{}")
+    code, out, err = run_cli(capsys, "bench", "--config", TINY, "--plot", str(tmp_path / target))
+    assert code == 2 and out == ""
+    assert re.search(message, err) and err.count("\n") == 1
+    assert "emulated backend" not in err  # refused before the model was built
 
 
 def test_bench_plot_without_matplotlib_is_a_clear_error(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     code, out, err = run_cli(capsys, "bench", "--config", TINY, "--plot", "x.png")
     assert code == 2
     assert "--plot needs matplotlib: pip install 'graphcap[plot]'" in err
+
+
+def test_bench_report_carries_the_latency_of_each_timed_key(capsys, tmp_path):
+    path = tmp_path / "bench.json"
+    code, out, err = run_cli(capsys, "bench", "--config", TINY, "--steps", "2", "--report", str(path))
+    assert code == 0, err
+    graphs = {(g["key"]["num_tokens"], g["key"]["uniform"]): g for g in json.loads(path.read_text())["graphs"]}
+    assert graphs[(1, False)]["latency"] is None  # never dispatched to: not measured
+    latency = graphs[(8, True)]["latency"]
+    assert set(latency) == {"eager_ms", "replay_ms", "noisy"}
+    assert latency["replay_ms"]["samples"] == 2
+    assert latency["replay_ms"]["p10"] <= latency["replay_ms"]["median"] <= latency["replay_ms"]["p90"]
 
 
 def test_help_of_every_command_has_an_example(capsys):

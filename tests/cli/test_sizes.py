@@ -86,8 +86,11 @@ def test_missing_histogram_file_exits_2(capsys, tmp_path):
     [
         (["--max-size", "64", "--config", "x.yaml"], "give either --max-size or --config/--set, not both"),
         (["--max-size", "64", "--set", "capture.max_size=8"], "give either --max-size or --config/--set, not both"),
-        (["--max-size", "0"], "--max-size/--uniform-query-len: max_size must be an integer >= 1; got 0"),
-        (["--max-size", "62", "--uniform-query-len", "4"], "--max-size/--uniform-query-len: max_size 62 is not a multiple of uniform_query_len 4; use 60 or 64"),
+        (["--max-size", "0"], "--max-size: must be >= 1; got 0"),
+        (["--max-size", "62", "--uniform-query-len", "4"], "--max-size: max_size 62 is not a multiple of uniform_query_len 4; use 60 or 64"),
+        (["--max-size", "100000000"], "--max-size: must be <= 65536; got 100000000"),
+        (["--max-size", "1000000000"], "--max-size: must be <= 65536; got 1000000000"),
+        (["--max-size", "8", "--uniform-query-len", "0"], "--uniform-query-len: must be >= 1; got 0"),
         (["--set", "capture.max_size"], "--set 'capture.max_size': expected KEY=VALUE, e.g. --set capture.max_size=16"),
         (["--config", "/no/such/config.yaml"], "config file not found: /no/such/config.yaml"),
     ],

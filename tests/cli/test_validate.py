@@ -54,7 +54,7 @@ def test_validate_applies_set_overrides_to_every_file(capsys):
     [
         ("capture.max_size", "expected KEY=VALUE"),
         ("=3", "expected KEY=VALUE"),
-        ("capture.sizes=[1, 2", "value is not YAML"),
+        ("capture.sizes=[1, 2", "not valid YAML"),
     ],
 )
 def test_validate_bad_set_is_a_one_line_error_with_exit_2(capsys, value, match):

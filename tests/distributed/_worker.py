@@ -121,7 +121,7 @@ def run_rank(rank: int, world_size: int, directory: str) -> None:
 def _scenarios(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from graphcap import CaptureError, CaptureManager, load_config
+    from graphcap import CaptureError, CaptureManager, ConfigError, load_config
     from graphcap.distributed import DistributedTimeoutError
     from graphcap.models import build_model
 
@@ -191,10 +191,23 @@ def _scenarios(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     except CaptureError as exc:
         result["sticky"] = {"message": str(exc), "num_graphs": len(stopper.graphs)}
 
+    # Different configs: every rank refuses at construction, naming each key that differs.
+    mismatched = load_config(overrides={**CONFIG, "capture.max_size": 8 if rank == 0 else 16})
+    try:
+        CaptureManager(build_model(mismatched), mismatched, group=group, progress=False, dp_timeout=SLOW_S)
+        result["mismatch"] = None
+    except ConfigError as exc:
+        result["mismatch"] = {"keys": [p.key for p in exc.problems], "message": str(exc)}
+    # Keys that are per rank by nature (device, report.path) may differ.
+    own = load_config(overrides={**CONFIG, "report.path": str(out / f"report{rank}.json")})
+    CaptureManager(build_model(own), own, group=group, progress=False, dp_timeout=SLOW_S)
+    result["per_rank_keys_agree"] = True
+
     # The last rank stops stepping: the others get DistributedTimeoutError, not a hang.
     dist.barrier()
-    if rank != world_size - 1:
-        stuck = CaptureManager(build_model(config), config, group=group, progress=False, dp_timeout=TIMEOUT_S)
+    # Every rank builds the manager (construction agrees on the config: a collective) ...
+    stuck = CaptureManager(build_model(config), config, group=group, progress=False, dp_timeout=TIMEOUT_S)
+    if rank != world_size - 1:  # ... and the last one never steps
         start = time.perf_counter()
         try:
             stuck.execute(make_batch((1, 1), seed=rank))

@@ -176,6 +176,19 @@ def test_a_sticky_cuda_error_on_one_rank_stops_the_pass_on_every_rank(world):
             assert f"rank {last} hit a sticky CUDA error" in sticky["message"]
 
 
+def test_ranks_with_different_configs_refuse_at_construction_naming_the_key(world):
+    values = ", ".join(f"rank {rank}: {8 if rank == 0 else 16}" for rank in range(len(world)))
+    for result in world:
+        mismatch = result["mismatch"]
+        assert mismatch is not None, f"rank {result['rank']} accepted a config its peers do not share"
+        assert mismatch["keys"] == ["capture.max_size"]
+        assert (
+            f"capture.max_size: differs across the {len(world)} data-parallel ranks ({values})" in mismatch["message"]
+        )
+        assert "only device and report.path may differ" in mismatch["message"]
+        assert result["per_rank_keys_agree"]
+
+
 def test_a_rank_that_stops_stepping_surfaces_as_a_timeout_naming_the_step(world):
     for result in world[:-1]:
         timeout = result["timeout"]

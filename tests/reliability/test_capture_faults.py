@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from graphcap import CaptureError, GraphKey, StepBatch
+from graphcap import CaptureError, ConfigError, GraphKey, StepBatch
 from graphcap.testing import (
     FAULT_SIZES,
     FAULTS,
@@ -148,20 +148,45 @@ def test_a_failed_pass_releases_the_earlier_graphs_and_steps_run_eagerly(report_
     assert_captures_again(manager, report_path)
 
 
-@pytest.mark.parametrize("exc", [KeyboardInterrupt, OSError], ids=["interrupt", "disk-error"])
-def test_an_interrupted_report_write_keeps_the_old_report_whole(tmp_path, monkeypatch, exc):
+@pytest.mark.parametrize(
+    ("exc", "raised"),
+    [(KeyboardInterrupt(), KeyboardInterrupt), (OSError(28, "No space left on device"), CaptureError)],
+    ids=["interrupt", "disk-error"],
+)
+def test_a_failed_report_write_undoes_the_pass_and_keeps_the_old_report_whole(tmp_path, monkeypatch, exc, raised):
     path = tmp_path / "capture.yaml"
     path.write_text(OLD_REPORT)
-    manager = make_manager(make_config(capture__mode="none", report__path=str(path)))
+    manager = make_manager(make_config(report__path=str(path)))
 
     def fail(fd):
-        raise exc()
+        raise exc
 
     monkeypatch.setattr(os, "fsync", fail)  # the temporary file is written, not yet renamed
-    with pytest.raises(exc):
+    with pytest.raises(raised) as info:
         manager.capture()
+    if raised is CaptureError:
+        assert str(info.value).startswith(f"captured {len(manager.registry.planned)} graphs, but writing the report")
+        assert f"to {path} failed (OSError: [Errno 28] No space left on device)" in str(info.value)
+    assert_nothing_left(manager)  # not half-done: no graph stays registered
     assert_report_untouched(path, OLD_REPORT)
     monkeypatch.undo()
     manager.capture()
-    assert yaml.safe_load(path.read_text())["num_graphs"] == 0
+    assert yaml.safe_load(path.read_text())["num_graphs"] == len(manager.registry.planned)
     assert not leftover_temp_files(path)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda tmp: tmp / "dir.json", "is a directory"),
+        (lambda tmp: tmp / "file.json" / "report.json", r"cannot be created: .*file\.json is not a directory"),
+    ],
+    ids=["directory", "under-a-file"],
+)
+def test_an_unwritable_report_path_is_refused_before_anything_is_captured(tmp_path, make, match):
+    (tmp_path / "file.json").write_text("{}")
+    (tmp_path / "dir.json").mkdir()
+    manager = make_manager(make_config(report__path=str(make(tmp_path))))
+    with pytest.raises(ConfigError, match=rf"report\.path: .*{match}"):
+        manager.capture()
+    assert manager.graphs == {} and manager.backend.graphs == ()

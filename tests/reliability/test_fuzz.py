@@ -243,7 +243,7 @@ def test_valid_configs_capture_and_replay(overrides):
         ("model: " + "[" * 3000 + "]" * 3000, "nested too deeply"),
         ("model: " + "{a: " * 3000 + "1" + "}" * 3000, "nested too deeply"),
         ("x: &a [*a]\n", "alias refers to its own anchor"),
-        ("batching: {max_num_tokens: 100000000000000000000}", r"batching\.max_num_tokens: must be <= 2147483647"),
+        ("batching: {max_num_tokens: 100000000000000000000}", r"batching\.max_num_tokens: must be <= 16777216"),
         ("padding: {seq_len: 4294967296}", r"padding\.seq_len: must be <= 2147483647 \(the int32 range"),
         ("padding: {slot: -4294967296}", r"padding\.slot: must be >= -2147483648"),
         ("kv_cache: {block_size: 65536, num_blocks: 65536}", r"kv_cache\.num_blocks: .* slots exceed the int32 range"),

@@ -17,7 +17,16 @@ def test_quick_campaign_writes_a_complete_table(tmp_path):
         assert line in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| area")]
     areas = {row.split(" | ")[0].strip("| ") for row in rows}
-    assert areas == {"configs", "steps", "faults", "stale data", "threads", "moved inputs", "verification"}
+    assert areas == {
+        "configs",
+        "steps",
+        "faults",
+        "stale data",
+        "threads",
+        "moved inputs",
+        "verification",
+        "command line",
+    }
     for row in rows:
         passed, total = map(int, re.search(r": (\d+)/(\d+)", row).groups())
         assert passed == total > 0, row

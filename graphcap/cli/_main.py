@@ -1,0 +1,122 @@
+"""The parser of every subcommand, and the one place where an error becomes an exit code.
+
+Each subcommand module imports only the standard library and `graphcap.config` at module
+level; torch and the rest load inside its `run`, so building this parser stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import sys
+from typing import Any, TextIO
+
+from graphcap.cli import _common, bench, capture, sizes, validate, verify
+from graphcap.errors import BatchError, CaptureError, ConfigError, InvariantViolation
+
+__all__ = ["COMMANDS", "OutputError", "build_parser", "run_command"]
+
+COMMANDS = (capture, verify, sizes, bench, validate)
+"""The subcommand modules, in the order `--help` lists them."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="graphcap",
+        description="Capture and replay CUDA graphs for LLM inference, with the padded tail proven right.",
+        epilog="Run `graphcap COMMAND --help` for a command's options and an example.",
+    )
+    parser.add_argument("--version", action="version", version=f"graphcap {_common.version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in COMMANDS:
+        module.register(sub)
+    return parser
+
+
+class OutputError(Exception):
+    """stdout could not be written (disk full, closed pipe): the command's result is lost."""
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(f"cannot write the output to stdout: {cause.strerror or cause}")
+        self.errno = cause.errno
+
+
+class _GuardedStream:
+    """`sys.stdout` while a command runs: an `OSError` of a write or flush becomes `OutputError`,
+    so a full disk is told apart from a failure of the command itself."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            raise OutputError(exc) from exc
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            raise OutputError(exc) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+# Exceptions that are the user's input (exit 2) or a failure of the command (exit 1); anything
+# else is a bug in graphcap and keeps its traceback.
+_USER_ERRORS = (_common.UserError, ConfigError)
+_FAILURES = (_common.CommandFailed, CaptureError, InvariantViolation, BatchError)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the parsed subcommand; map its errors to one line on stderr and an exit code."""
+    _common.setup_logging(args)
+    stdout = sys.stdout
+    sys.stdout = guarded = _GuardedStream(stdout)  # type: ignore[assignment]
+    try:
+        code = int(args.run(args) or 0)
+        guarded.flush()  # a full disk shows here, while the error can still be reported
+        return code
+    except _USER_ERRORS as exc:
+        return _report(args, "error", exc, 2)
+    except _FAILURES as exc:
+        return _report(args, "failed", exc, 1)
+    except MemoryError as exc:
+        return _report(args, "failed", f"out of host memory ({type(exc).__name__}: {exc or 'no detail'})", 1)
+    except OutputError as exc:
+        _silence(stdout)
+        if exc.errno == errno.EPIPE:  # the reader went away (`graphcap sizes | head`): not an error
+            return 0
+        return _report(args, "failed", exc, 1)
+    finally:
+        sys.stdout = stdout
+        logging.getLogger("graphcap").setLevel(logging.NOTSET)  # a library user's settings apply again
+        logging.shutdown()
+
+
+def _report(args: argparse.Namespace, word: str, error: BaseException | str, code: int) -> int:
+    from graphcap.cli import interrupted
+
+    if interrupted():  # the error is what Ctrl-C left behind (e.g. an import cut short): say so
+        raise KeyboardInterrupt
+    if args.debug and isinstance(error, BaseException):
+        raise error
+    print(f"graphcap {args.command}: {word}: {error}", file=sys.stderr)
+    return code
+
+
+def _silence(stream: TextIO) -> None:
+    """Point a broken stdout at /dev/null, so the interpreter's last flush at exit stays quiet."""
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError, AttributeError):  # not a real file (a test's capture buffer)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)

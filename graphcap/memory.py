@@ -1,0 +1,267 @@
+"""Memory a capture will take, estimated from the config's shapes before anything is built.
+
+`estimate_memory(config)` adds up the weights, the KV cache, the persistent buffers and the
+graphs (per key: the forward's activations and its static output), so `graphcap capture`
+can refuse a config that cannot fit (host RAM on the CPU, free memory on a GPU) with the
+numbers, instead of being killed by the kernel half-way through building the model.
+
+For the built-in `tiny-llama` the arithmetic below mirrors `TinyLlama` (weights, cache,
+rotary tables) and its forward (every intermediate it allocates at a key of `T` tokens and
+`R` requests). `tests/test_memory.py` compares it with real forwards on the emulated tape,
+so a change to the model that the estimate misses fails there. A factory model supplies
+its own number: give the factory function an attribute `estimate_memory(config) -> int`
+(bytes of everything it allocates, graphs included) or a mapping of named parts to bytes.
+Without one only graphcap's own buffers are known, and the estimate says so.
+
+How graph memory adds up depends on the backend:
+
+- `cuda`: every graph of a backend shares one pool, captured largest first, and a graph's
+  static output is not kept alive after capture (it is valid until any graph of the pool
+  replays), so the pool holds about the largest key's activations and output together.
+- `emulated`: capturing records the whole forward and keeps each intermediate until the tape
+  is compiled, so the transient is every intermediate of the largest key's forward; between
+  replays only the static outputs stay.
+
+This module does not import torch (`graphcap sizes` shows the estimate without it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from graphcap.report import format_bytes
+
+__all__ = ["GraphMemory", "MemoryEstimate", "available_memory", "estimate_memory"]
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_DRAW_ON_DEVICE = 200_000_000  # parameters; as graphcap.models.llama draws its weights
+
+# Config keys that size each part, named when the estimate does not fit.
+KEYS = {
+    "weights": "model.hidden_size, model.num_layers, model.vocab_size, model.dtype",
+    "kv_cache": "kv_cache.num_blocks, kv_cache.block_size, model.num_layers, model.num_kv_heads",
+    "buffers": "batching.max_num_tokens, batching.max_num_seqs, kv_cache.max_model_len",
+    "graphs": "capture.max_size, kv_cache.max_model_len (the reference attention gathers every key)",
+    "model": "the factory's own estimate_memory",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GraphMemory:
+    """One key: `activations` the forward's peak live intermediates (eager, replay), `transient`
+    the bytes capture holds for a moment (emulated: every intermediate), `output` the static
+    output that stays allocated while the graph lives."""
+
+    num_tokens: int
+    num_reqs: int
+    activations: int
+    transient: int
+    output: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    """Bytes by part, and the peak they add up to (`total`).
+
+    `parts` holds the memory that stays: `weights`, `kv_cache` (or a factory model's own
+    parts), `buffers` and `graphs` (what the captured graphs keep); `build_transient` and
+    the largest key's `capture_transient` are held only for a moment, one at a time.
+    """
+
+    backend: str
+    parts: dict[str, int]
+    build_transient: int = 0
+    capture_transient: int = 0
+    graphs: tuple[GraphMemory, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values()) + max(self.build_transient, self.capture_transient)
+
+    def largest_part(self) -> tuple[str, int]:
+        """The part that weighs most at the peak (graphs counted with the capture transient)."""
+        parts = dict(self.parts)
+        if self.capture_transient >= self.build_transient:
+            parts["graphs"] = parts.get("graphs", 0) + self.capture_transient
+        else:
+            parts["weights"] = parts.get("weights", 0) + self.build_transient
+        name = max(parts, key=lambda part: parts[part])
+        return name, parts[name]
+
+    def describe(self) -> str:
+        """One line: the total, then each part (`graphcap sizes` and `capture`'s first log line)."""
+        shown = [f"{name.replace('_', ' ')} {format_bytes(size)}" for name, size in self.parts.items()]
+        if self.capture_transient:
+            shown.append(f"capture transient {format_bytes(self.capture_transient)}")
+        if self.build_transient:
+            shown.append(f"build transient {format_bytes(self.build_transient)}")
+        notes = "".join(f"; {note}" for note in self.notes)
+        return f"memory estimate {format_bytes(self.total)} ({', '.join(shown)}; {self.backend} backend{notes})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "total_bytes": self.total,
+            "parts": dict(self.parts),
+            "build_transient_bytes": self.build_transient,
+            "capture_transient_bytes": self.capture_transient,
+            "backend": self.backend,
+            "notes": list(self.notes),
+        }
+
+
+def estimate_memory(
+    config: Any,
+    *,
+    backend: str = "emulated",
+    model_estimate: Callable[[Any], int | Mapping[str, int]] | None = None,
+) -> MemoryEstimate:
+    """Estimate the memory of capturing `config` with `backend` (`cuda` or `emulated`).
+
+    `model_estimate(config)` stands in for the model's own parts (a factory model's
+    `estimate_memory`); without it a factory model's memory is unknown (noted, counted 0).
+    Bytes are exact for weights, KV cache and buffers, and for activations within the
+    tolerance `tests/test_memory.py` checks; allocator rounding and library workspaces
+    (cuBLAS, a CUDA context) are not included.
+    """
+    from graphcap.dispatch import KeyRegistry
+
+    parts: dict[str, int] = {}
+    notes: list[str] = []
+    build_transient = 0
+    keys = KeyRegistry.from_config(config).planned
+    graphs: tuple[GraphMemory, ...] = ()
+    if config.model.factory is None:
+        weights, build_transient = _weights(config, backend)
+        parts["weights"] = weights
+        parts["kv_cache"] = _kv_cache(config)
+        graphs = tuple(_graph(config, key.num_tokens, key.num_reqs) for key in keys)
+    elif model_estimate is not None:
+        given = model_estimate(config)
+        own = dict(given) if isinstance(given, Mapping) else {"model": given}
+        for name, size in own.items():
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ValueError(f"estimate_memory of {config.model.factory} gave {name}={size!r}; expected bytes >= 0")
+        parts.update(own)
+    else:
+        notes.append(f"model {config.model.factory} not estimated (give the factory an estimate_memory attribute)")
+    parts["buffers"] = _buffers(config, backend)
+    if config.model.factory is None:  # a factory model's graphs are in its own estimate, or unknown
+        parts["graphs"] = _held_by_graphs(graphs, backend)
+    transient = max((g.transient if backend == "emulated" else 0 for g in graphs), default=0)
+    return MemoryEstimate(backend, parts, build_transient, transient, graphs, tuple(notes))
+
+
+def _held_by_graphs(graphs: Iterable[GraphMemory], backend: str) -> int:
+    graphs = list(graphs)
+    if backend == "cuda":  # one shared pool whose outputs later graphs reuse: the largest key's working set
+        return max((g.activations + g.output for g in graphs), default=0)
+    return sum(g.output for g in graphs)
+
+
+def _weights(config: Any, backend: str) -> tuple[int, int]:
+    """(bytes of parameters and rotary tables, transient bytes while drawing them)."""
+    m, kv = config.model, config.kv_cache
+    s = _DTYPE_BYTES[m.dtype]
+    E, D, F, V = m.hidden_size, m.head_dim, m.ffn_size, m.vocab_size
+    per_layer = 2 * E + E * (m.num_heads + 2 * m.num_kv_heads) * D + E * m.num_heads * D + 3 * E * F
+    params = 2 * V * E + m.num_layers * per_layer + E
+    rope = 2 * kv.max_model_len * (D // 2) * s
+    # Each weight is drawn in float32 (randn, then scaled and shifted: two tensors alive), and
+    # the rotary angles are built in float64 (angles, cos, sin).
+    largest = max(V * E, E * (m.num_heads + 2 * m.num_kv_heads) * D, 2 * F * E)
+    transient = max(8 * largest + (s * largest if s != 4 else 0), 3 * kv.max_model_len * (D // 2) * 8)
+    if backend == "cuda" and params > _DRAW_ON_DEVICE:
+        transient = 8 * largest  # drawn on the device: the same two float32 tensors, there
+    return params * s + rope, transient
+
+
+def _kv_cache(config: Any) -> int:
+    m, kv = config.model, config.kv_cache
+    # kv_cache: [num_layers, 2, num_kv_heads, num_blocks + 1 (scratch), block_size, head_dim]
+    return m.num_layers * 2 * m.num_kv_heads * (kv.num_blocks + 1) * kv.block_size * m.head_dim * _DTYPE_BYTES[m.dtype]
+
+
+def _buffers(config: Any, backend: str) -> int:
+    """The packed staging buffer (twice on CUDA: pinned host and device) and its scratch."""
+    T, R = config.batching.max_num_tokens, config.batching.max_num_seqs
+    B = config.kv_cache.max_blocks_per_req
+    packed = sum(-(-n * 4 // 64) * 64 for n in (R + 1, R, T, T, T, R * B))
+    scratch = 4 * T + 8 * T + 4 * (max(T, R) + 1) + 8 * R + 8 * (T + R + 2)  # arrays and row caches
+    return packed * (2 if backend == "cuda" else 1) + scratch
+
+
+def _graph(config: Any, T: int, R: int) -> GraphMemory:
+    """The tiny-llama forward at `T` tokens and `R` requests (see `TinyLlama.forward`)."""
+    m, kv = config.model, config.kv_cache
+    s = _DTYPE_BYTES[m.dtype]
+    H, KV, D, E, F, V = m.num_heads, m.num_kv_heads, m.head_dim, m.hidden_size, m.ffn_size, m.vocab_size
+    B = kv.max_blocks_per_req
+    L = B * kv.block_size
+    cast = s if s != 4 else 0  # a float32 copy that only exists for 16-bit dtypes
+    # _paging: index tensors every layer reads (int64 rows, [T, L] masks), rotary rows, h.
+    paging = 8 * (R + 1) + 12 * (R + 1) + 4 * (R + 1) * B + 4 * T * B + 16 * KV * T * B + 8 * L + 28 * T
+    persistent = paging + T * L + T * D * s + T * E * s
+    norm = 3 * T * E * 4 + T * E * cast + T * E * s  # float32 statistics, then the cast back
+    qkv = T * (H + 2 * KV) * D * s
+    rope = 7 * T * (H + KV) * (D // 2) * s + T * KV * D * s  # halves, products, cat; v's copy
+    gather = 2 * KV * T * L * D * s  # each token's keys and values: [2, KV, T, L, D]
+    scores = H * T * L * (s + 4 + cast) + 2 * T * L  # scores, float32 softmax, cast; the mask
+    attn_out = 2 * T * KV * D * s + 3 * T * H * D * s  # stacked k/v, scaled q, out and its copy
+    mlp = 2 * T * F * s + 2 * T * F * s + 3 * T * E * s  # gate_up, silu and product, projections
+    logits = norm + T * V * s + (T * V * 4 if s != 4 else 0)  # lm head, then its float32 copy
+    attend = gather + scores + attn_out
+    activations = persistent + max(norm + qkv + rope + attend, norm + mlp, logits)
+    every = persistent + m.num_layers * (2 * norm + qkv + rope + attend + mlp) + logits
+    return GraphMemory(T, R, activations, every, T * V * 4)
+
+
+def available_memory(device: Any) -> tuple[int | None, str]:
+    """Bytes the capture may still use on `device` (a `torch.device` or its string), and what they are.
+
+    CUDA: free device memory (`torch.cuda.mem_get_info`). CPU: the host's available memory
+    (`MemAvailable`), lowered to the cgroup's remaining limit in a container. None where
+    neither is known.
+    """
+    text = str(device)
+    if text.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(text))
+        return free, f"free on {text}"
+    available, what = None, ""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    available, what = int(line.split()[1]) * 1024, "host RAM available (MemAvailable)"
+    except OSError:
+        pass
+    if available is None and hasattr(os, "sysconf"):
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            what = "host RAM available"
+        except (ValueError, OSError):
+            pass
+    limit = _cgroup_remaining()
+    if limit is not None and (available is None or limit < available):
+        available, what = limit, "left under this container's memory limit (cgroup)"
+    return available, what
+
+
+def _cgroup_remaining() -> int | None:
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),  # v1
+    ):
+        try:
+            with open(limit_file) as f, open(usage_file) as g:
+                limit, usage = f.read().strip(), g.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and usage.isdigit() and int(limit) < 1 << 60:  # v1 writes ~2**63 for none
+            return max(0, int(limit) - int(usage))
+    return None

@@ -1,0 +1,121 @@
+"""The command's start-up and exit: no torch for `--help`/`--version`/`validate`, Ctrl-C at any
+moment is one line and exit 130, a stdout that cannot be written is one line and exit 1."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+import graphcap.backends
+from graphcap.cli import _main, main
+from graphcap.testing.cli_cases import interrupt_after, interrupted_cleanly
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "capture_configs" / "tiny-cpu-ci.yaml")
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _loaded_after(argv: list[str]) -> list[str]:
+    probe = (
+        "import sys\nfrom graphcap.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'matplotlib') if m in sys.modules), file=sys.stderr)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, env=ENV, timeout=60)
+    return result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["--version"], ["capture", "--help"], ["bench", "--help"], ["validate", TINY]],
+    ids=["help", "version", "capture-help", "bench-help", "validate"],
+)
+def test_help_version_and_validate_never_import_torch(argv):
+    assert _loaded_after(argv) == "[]"
+
+
+def test_version_is_the_installed_metadata_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"graphcap {version('graphcap')}\n"
+
+
+def test_backend_choices_are_the_backends_names():
+    parser = _main.build_parser()
+    capture = parser._subparsers._group_actions[0].choices["capture"]
+    (backend,) = [a for a in capture._actions if "--backend" in a.option_strings]
+    assert tuple(backend.choices) == graphcap.backends.BACKEND_NAMES
+
+
+def test_subcommands_are_listed_in_pipeline_order():
+    assert [m.__name__.rsplit(".", 1)[1] for m in _main.COMMANDS] == ["capture", "verify", "sizes", "bench", "validate"]
+
+
+@pytest.mark.parametrize("delay", [0.1, 0.4, 0.9, 2.0])
+def test_ctrl_c_at_any_moment_is_one_line_and_ends_by_sigint(tmp_path, delay):
+    # verify with many sequences outlasts every delay: start-up, torch import, model, capture.
+    code, err = interrupt_after(delay, tmp_path)
+    assert interrupted_cleanly(code, err), (code, err)  # a shell reports 130
+
+
+def test_main_returns_130_when_interrupted(capsys, monkeypatch):
+    from graphcap.cli import sizes
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sizes, "run", interrupted)
+    assert main(["sizes"]) == 130
+    assert capsys.readouterr().err == "graphcap sizes: interrupted\n"
+
+
+@pytest.mark.parametrize("then", ["fails", "succeeds"])
+def test_an_interrupt_that_library_code_swallows_still_ends_as_interrupted(capsys, monkeypatch, then):
+    # What happened under load: Ctrl-C cut an import short inside torch, the KeyboardInterrupt
+    # was swallowed, and the broken module surfaced later as an AttributeError.
+    from graphcap.cli import sizes
+
+    def swallowing(args):
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        if then == "fails":
+            raise AttributeError("module 'numpy' has no attribute 'matrix'")
+        return 0
+
+    monkeypatch.setattr(sizes, "run", swallowing)
+    assert main(["sizes"]) == 130
+    assert capsys.readouterr().err == "graphcap sizes: interrupted\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_stdout_on_a_full_disk_is_one_line_and_exit_1():
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "graphcap", "sizes"], stdout=full, stderr=subprocess.PIPE, text=True, env=ENV
+        )
+    assert result.returncode == 1
+    assert result.stderr == ("graphcap sizes: failed: cannot write the output to stdout: No space left on device\n")
+
+
+def test_a_reader_that_goes_away_is_not_an_error():
+    # `graphcap sizes | head -1`: the pipe closes early; no BrokenPipeError noise, exit 0.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "graphcap", "sizes", "--max-size", "4096"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+    )
+    process.stdout.readline()
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    process.stderr.close()
+    assert process.wait(timeout=60) == 0
+    assert err == ""

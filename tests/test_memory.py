@@ -1,0 +1,167 @@
+"""The memory estimate against real tensors: exact for weights, cache and buffers, close for graphs.
+
+Activations are compared with the emulated tape's liveness peak (what one replay holds) and
+the capture transient with every intermediate a real forward allocates (what recording holds);
+the whole estimate with the peak resident memory of a real capture in a fresh process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphcap import CaptureManager, load_config
+from graphcap.batch import dummy_batch
+from graphcap.memory import MemoryEstimate, available_memory, estimate_memory
+from graphcap.models import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SHAPES = {
+    "default": {"capture.sizes": [1, 8, 32], "capture.max_size": 32},
+    "bf16": {"capture.sizes": [1, 8, 32], "capture.max_size": 32, "model.dtype": "bfloat16"},
+    "mha, long context": {
+        **{"capture.sizes": [4, 16], "capture.max_size": 16, "model.hidden_size": 128, "model.num_layers": 3},
+        **{"model.num_heads": 4, "model.num_kv_heads": 4, "model.vocab_size": 1000},
+        **{"kv_cache.max_model_len": 1024, "kv_cache.num_blocks": 128, "kv_cache.block_size": 32},
+    },
+    "logits-bound fp16": {
+        **{"capture.sizes": [2, 16, 64], "capture.max_size": 64, "model.hidden_size": 512, "model.num_layers": 1},
+        **{"model.num_heads": 8, "model.num_kv_heads": 1, "model.vocab_size": 32000, "model.dtype": "float16"},
+        **{"kv_cache.max_model_len": 64, "kv_cache.num_blocks": 64},
+    },
+}
+
+
+class _Allocations(TorchDispatchMode):
+    """Every storage a forward's ops create (views of earlier storages are not new memory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors: dict[int, torch.Tensor] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor):
+                self.tensors.setdefault(tensor.untyped_storage().data_ptr(), tensor)
+        return out
+
+
+@pytest.fixture(scope="module", params=list(SHAPES), ids=list(SHAPES))
+def captured(request):
+    config = load_config(overrides={"device": "cpu", **SHAPES[request.param]})
+    model = build_model(config)
+    manager = CaptureManager(model, config, progress=False)
+    manager.capture()
+    return config, model, manager, estimate_memory(config)
+
+
+def test_weights_and_kv_cache_are_exact(captured):
+    config, model, _, estimate = captured
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), model.rope_cos, model.rope_sin])
+    assert estimate.parts["weights"] == weights
+    assert estimate.parts["kv_cache"] == model.kv_cache.numel() * model.kv_cache.element_size()
+
+
+def test_buffers_cover_the_packed_staging_buffer(captured):
+    _, _, manager, estimate = captured
+    assert manager.buffers.nbytes <= estimate.parts["buffers"] <= 4 * manager.buffers.nbytes
+
+
+def test_each_graph_matches_the_tape_and_the_forward_it_records(captured):
+    config, model, manager, estimate = captured
+    by_key = {(g.num_tokens, g.num_reqs): g for g in estimate.graphs}
+    external = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    external |= {t.untyped_storage().data_ptr() for t in manager.buffers.storage().values()}
+    for key, graph in manager.graphs.items():
+        guess = by_key[(key.num_tokens, key.num_reqs)]
+        peak = graph.tape.peak_bytes
+        assert guess.output == graph.memory_bytes - peak  # the static output, exactly
+        assert 1.0 <= guess.activations / peak <= 1.3, (key, guess.activations, peak)
+        inputs = manager.buffers.stage(dummy_batch(key, max_model_len=config.kv_cache.max_model_len), key)
+        with torch.inference_mode(), _Allocations() as mode:
+            model.forward(inputs)
+        every = sum(t.untyped_storage().nbytes() for p, t in mode.tensors.items() if p not in external)
+        assert 0.9 <= guess.transient / every <= 1.1, (key, guess.transient, every)
+
+
+def test_the_emulated_total_holds_outputs_plus_the_largest_transient(captured):
+    _, _, _, estimate = captured
+    assert estimate.parts["graphs"] == sum(g.output for g in estimate.graphs)
+    assert estimate.capture_transient == max(g.transient for g in estimate.graphs)
+    assert estimate.total == sum(estimate.parts.values()) + max(estimate.build_transient, estimate.capture_transient)
+
+
+def test_the_cuda_pool_holds_the_largest_working_set_since_outputs_are_not_kept_alive():
+    config = load_config(overrides={"device": "cpu", **SHAPES["default"]})
+    estimate = estimate_memory(config, backend="cuda")
+    assert estimate.parts["graphs"] == max(g.activations + g.output for g in estimate.graphs)
+    assert estimate.capture_transient == 0  # the caching allocator frees into the pool while capturing
+    assert estimate.parts["buffers"] > estimate_memory(config).parts["buffers"]  # pinned host + device copy
+
+
+def test_the_estimate_covers_the_peak_resident_memory_of_a_real_capture(tmp_path):
+    # A fresh process: capture a ~240 MiB config and compare its peak RSS growth with the estimate.
+    overrides = {"device": "cpu", "model.hidden_size": 512, "model.dtype": "bfloat16", "kv_cache.num_blocks": 4096}
+    overrides |= {"kv_cache.max_model_len": 2048, "capture.max_size": 64}
+    probe = f"""
+import json, torch
+from graphcap import CaptureManager, load_config
+from graphcap.models import build_model
+def status(field):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(field))
+config = load_config(overrides={overrides!r})
+warm = load_config(overrides={{**{overrides!r}, "kv_cache.num_blocks": 129, "capture.max_size": 1}})
+CaptureManager(build_model(warm), warm, progress=False).capture()  # one-time costs of the first capture
+del warm
+base = status("VmRSS:")
+CaptureManager(build_model(config), config, progress=False).capture()
+print(json.dumps(status("VmHWM:") - base))
+"""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc/self/status")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    peak = json.loads(result.stdout)
+    total = estimate_memory(load_config(overrides=overrides)).total
+    assert 0.6 <= peak / total <= 1.2, f"peak RSS growth {peak / 2**20:.0f} MiB, estimate {total / 2**20:.0f} MiB"
+
+
+def test_a_factory_supplies_its_own_estimate_or_is_named_as_unknown():
+    config = load_config(overrides={"model.factory": "pkg.mod:make"})
+    unknown = estimate_memory(config)
+    assert set(unknown.parts) == {"buffers"} and "pkg.mod:make not estimated" in unknown.describe()
+    given = estimate_memory(config, model_estimate=lambda c: {"weights": 7 << 30, "kv_cache": 1 << 30})
+    assert given.parts["weights"] == 7 << 30 and given.total == (8 << 30) + given.parts["buffers"]
+    assert estimate_memory(config, model_estimate=lambda c: 5 << 20).parts["model"] == 5 << 20
+    with pytest.raises(ValueError, match=r"estimate_memory of pkg\.mod:make gave weights=-1; expected bytes >= 0"):
+        estimate_memory(config, model_estimate=lambda c: {"weights": -1})
+
+
+def test_largest_part_counts_the_transient_with_what_it_belongs_to():
+    estimate = MemoryEstimate("emulated", {"weights": 10, "kv_cache": 30, "graphs": 5}, build_transient=4)
+    assert estimate.largest_part() == ("kv_cache", 30)
+    assert MemoryEstimate("emulated", {"weights": 10, "graphs": 5}, capture_transient=40).largest_part() == (
+        "graphs",
+        45,
+    )
+    assert MemoryEstimate("emulated", {"weights": 10, "graphs": 5}, build_transient=40).largest_part() == (
+        "weights",
+        50,
+    )
+
+
+def test_available_memory_on_this_host_is_known():
+    available, what = available_memory("cpu")
+    if not Path("/proc/meminfo").exists() and not hasattr(os, "sysconf"):
+        pytest.skip("no way to ask this OS")
+    assert available is not None and available > 0 and what

@@ -1,0 +1,24 @@
+"""`tools/bench_memory.py --quick` and `tools/bench_startup.py --quick` run and print their tables (no timing asserts)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.tools import run_tool
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_bench_memory_quick_prints_estimate_and_peak():
+    done = run_tool("bench_memory.py", "--quick", timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    header, row = done.stdout.splitlines()[:2]
+    assert header.split()[:4] == ["config", "estimate", "peak", "RSS"]
+    assert row.startswith("default (fp32, 2 layers, sizes to 64)")
+
+
+def test_bench_startup_quick_times_every_command():
+    done = run_tool("bench_startup.py", "--quick", timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert [line.split()[0] for line in done.stdout.splitlines()[1:]] == ["--help", "--version", "validate", "sizes"]
