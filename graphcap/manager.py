@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -77,9 +77,18 @@ class CaptureManager:
         progress: bool | None = None,
         dp_timeout: float = 300.0,
         buffers: Iterable[BufferSpec] = (),
+        capture_context: Callable[[], AbstractContextManager] | None = None,
     ) -> None:
         if not callable(getattr(model, "forward", None)):
             raise TypeError(f"model must have a callable forward(inputs); got {type(model).__name__}")
+        if capture_context is not None and not callable(capture_context):
+            raise TypeError(
+                "capture_context must be a callable returning a context manager (e.g. a "
+                f"@contextlib.contextmanager function); got {type(capture_context).__name__}"
+            )
+        self._capture_context = capture_context or nullcontext
+        """Entered around every capture pass (e.g. an engine's `graph_capture()` that sets up
+        custom all-reduce buffers for tensor parallelism, as vLLM's does)."""
         self.model = model
         self.config = config
         self.device = resolve_device(config)
@@ -169,7 +178,7 @@ class CaptureManager:
             records: list[GraphRecord] = []
             start = time.perf_counter()
             try:
-                with _gc_frozen(), logging_redirect_tqdm(), self.buffers.table_set_aside():
+                with self._capture_context(), _gc_frozen(), logging_redirect_tqdm(), self.buffers.table_set_aside():
                     self.backend.empty_cache()  # once per pass (S4); the graphs then share the pool
                     memory_before = self.backend.memory_in_use()
                     bar = tqdm(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import numpy as np
@@ -274,3 +275,53 @@ def test_prepare_learns_whether_it_stages_a_capture():
     seen.clear()
     manager.execute(StepBatch([1], [3], [5], [[1]]))
     assert seen == [(4, False)]
+
+
+# -- capture_context -------------------------------------------------------------------------
+
+
+def test_capture_context_wraps_the_whole_pass_once():
+    events = []
+
+    @contextlib.contextmanager
+    def graph_capture():
+        events.append("enter")
+        try:
+            yield
+        finally:
+            events.append("exit")
+
+    config = load_config(overrides={**SMALL, "capture.sizes": [2, 4], "capture.max_size": None})
+    model = build_model(config)
+    forward = model.forward
+    model.forward = lambda inputs: events.append("forward") or forward(inputs)
+    manager = CaptureManager(model, config, progress=False, capture_context=graph_capture)
+    manager.capture()
+    assert events[0] == "enter" and events[-1] == "exit" and events.count("enter") == 1
+    assert "forward" in events[1:-1]  # every warmup, capture and verification ran inside it
+    events.clear()
+    manager.execute(StepBatch([1], [3], [5], [[1]]))
+    assert events == ["forward"] or events == []  # replays and steps run outside it
+
+
+def test_capture_context_exits_when_the_pass_fails_and_a_non_callable_is_refused():
+    events = []
+
+    @contextlib.contextmanager
+    def graph_capture():
+        events.append("enter")
+        try:
+            yield
+        except RuntimeError as exc:
+            events.append(f"exit after {exc}")
+            raise
+
+    config = load_config(overrides={**SMALL, "capture.sizes": [2], "capture.max_size": None})
+    model = build_model(config)
+    model.forward = lambda inputs: (_ for _ in ()).throw(RuntimeError("broken forward"))
+    manager = CaptureManager(model, config, progress=False, capture_context=graph_capture)
+    with pytest.raises(CaptureError, match="broken forward"):
+        manager.capture()
+    assert events[0] == "enter" and events[1].startswith("exit after capturing")  # it saw the failure
+    with pytest.raises(TypeError, match="capture_context must be a callable returning a context manager"):
+        CaptureManager(model, config, progress=False, capture_context=object())

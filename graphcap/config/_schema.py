@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import typing
+from collections.abc import Mapping
 from dataclasses import field, fields
 from typing import Any, ClassVar, Literal
 
@@ -123,7 +124,7 @@ def _describe(options: tuple) -> str:
             words.append("true or false")
         else:
             words.append(
-                {int: "an integer", float: "a number", str: "a string"}.get(
+                {int: "an integer", float: "a number", str: "a string", Mapping: "a mapping"}.get(
                     option, getattr(option, "__name__", str(option))
                 )
             )

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import re
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
 from graphcap.config._schema import INT32_MAX, INT32_MIN, ConfigProblem, Section, problem, spec
@@ -87,11 +89,15 @@ class ModelConfig(Section):
     """Reference model only: `vectorized` paged attention (graph-safe), or `per_request`, a Python
     loop over requests with `.item()` lengths marked `graphcap.eager_op` (graph-unsafe; the
     vectorized path stands in for it inside full graphs): a model for the piecewise modes."""
+    options: Mapping = field(default_factory=dict)
+    """A factory model's own settings, passed through to it untouched (`config.model.options`):
+    any mapping with string keys. graphcap reads none of it."""
 
     def __post_init__(self) -> None:
         Section.__post_init__(self)
         if self.name is None and self.factory is None:
             object.__setattr__(self, "name", BUILTIN_MODELS[0])
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))  # read-only, like the rest
 
     def _check(self) -> list[ConfigProblem]:
         out = []
@@ -112,6 +118,11 @@ class ModelConfig(Section):
             )
         if self.factory is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.factory):
             out.append(problem("factory", f'must look like "pkg.module:function"; got {self.factory!r}'))
+        bad_keys = [k for k in self.options if not isinstance(k, str)]
+        if bad_keys:
+            out.append(problem("options", f"keys must be strings; got {bad_keys[0]!r}"))
+        if self.factory is not None:
+            return out  # the shape rules below are the built-in model's; a factory model has its own
         if self.hidden_size % self.num_heads:
             out.append(
                 problem("num_heads", f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
@@ -554,4 +565,6 @@ def _section_dict(section: Section) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
+    if isinstance(value, tuple):
+        return list(value)
+    return dict(value) if isinstance(value, MappingProxyType) else value

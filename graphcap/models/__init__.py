@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -39,10 +40,12 @@ def build_model(config: CaptureConfig, device: torch.device | str | None = None)
     """The model `config.model` names, on `device` (None: `resolve_device(config)`).
 
     A built-in model is built directly on the device with its KV cache sized from
-    `config.kv_cache`. A factory (see `load_factory`) is called as `factory(config)`; when
-    it returns an `nn.Module`, the module is then moved to the device (a no-op if it is
-    already there). Raises `ConfigError` (key `model.factory`) when the factory cannot be
-    imported, is not callable, or returns something without a callable `forward`.
+    `config.kv_cache`. A factory (see `load_factory`) is called as `factory(config)`, or as
+    `factory(config, device=device)` when it takes a `device` parameter (so it can build its
+    weights there); its own settings are in `config.model.options`. When it returns an
+    `nn.Module`, the module is then moved to the device (a no-op if it is already there).
+    Raises `ConfigError` (key `model.factory`) when the factory cannot be imported, is not
+    callable, or returns something without a callable `forward`.
     Exceptions raised inside the factory itself propagate unchanged.
     """
     device = resolve_device(config) if device is None else torch.device(device)
@@ -53,8 +56,9 @@ def build_model(config: CaptureConfig, device: torch.device | str | None = None)
             raise _error("model.name", f"unknown model {config.model.name!r}; built in: {', '.join(MODELS)}")
         return builder(config, device)
     factory = load_factory(spec)
+    kwargs = {"device": device} if _takes_device(factory) else {}
     with _current_directory_searched_last():  # the factory may import its siblings as it runs
-        model = factory(config)
+        model = factory(config, **kwargs)
     if not callable(getattr(model, "forward", None)):
         raise _error(
             "model.factory",
@@ -64,6 +68,14 @@ def build_model(config: CaptureConfig, device: torch.device | str | None = None)
     if isinstance(model, nn.Module):
         model = model.to(device)
     return model
+
+
+def _takes_device(factory: Callable) -> bool:
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: call it with the config alone
+        return False
+    return any(p.name == "device" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def load_factory(spec: str) -> Callable[[CaptureConfig], object]:

@@ -34,3 +34,22 @@ class _NoForward:
 
 def make_no_forward(config) -> object:
     return _NoForward()
+
+
+class Configured(nn.Module):
+    """A factory model that reads its own settings from `model.options` and builds on `device`."""
+
+    def __init__(self, config, device) -> None:
+        super().__init__()
+        options = config.model.options
+        self.scale = float(options["scale"])
+        self.built_on = torch.device(device)
+        table = torch.randn(config.model.vocab_size, options["width"], generator=torch.Generator().manual_seed(0))
+        self.table = nn.Parameter(table.to(device), requires_grad=False)
+
+    def forward(self, inputs) -> torch.Tensor:
+        return self.table.index_select(0, inputs.input_ids) * self.scale
+
+
+def make_configured(config, *, device) -> Configured:
+    return Configured(config, device)

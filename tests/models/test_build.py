@@ -89,3 +89,35 @@ def test_factory_that_is_not_callable_is_refused():
 def test_factory_returning_no_callable_forward_is_refused(name):
     with pytest.raises(ConfigError, match=rf"model.factory: .*:{name} returned .*no callable forward\(inputs\)"):
         build_model(_factory_config(f"{FIXTURE}:{name}"))
+
+
+def test_factory_gets_its_options_untouched_and_the_resolved_device():
+    config = _config(
+        **{
+            "model.name": None,
+            "model.factory": f"{FIXTURE}:make_configured",
+            "model.options": {"scale": 0.5, "width": 12, "nested": {"any": ["yaml", 1]}},
+        }
+    )
+    model = build_model(config)
+    assert isinstance(model, factory_fixture.Configured)
+    assert model.scale == 0.5 and model.table.shape[1] == 12 and model.built_on == torch.device("cpu")
+    assert config.model.options["nested"] == {"any": ["yaml", 1]}
+
+
+def test_a_factory_model_is_not_held_to_the_builtin_models_shape_rules():
+    # 100 wide with 3 heads is no Llama the reference model could build; a factory's model may be anything.
+    config = _config(**{"model.name": None, "model.factory": f"{FIXTURE}:make_bigram", "model.hidden_size": 100,
+                        "model.num_heads": 3})  # fmt: skip
+    assert build_model(config).table.shape[0] == config.model.vocab_size
+    with pytest.raises(ConfigError, match=r"model\.num_heads: hidden_size 100 is not divisible by num_heads 3"):
+        _config(**{"model.hidden_size": 100, "model.num_heads": 3})  # the built-in model: still checked
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [([1, 2], r"model\.options: expected a mapping"), ({1: 2}, r"model\.options: keys must be strings")],
+)
+def test_model_options_must_be_a_mapping_with_string_keys(options, match):
+    with pytest.raises(ConfigError, match=match):
+        _config(**{"model.options": options})
