@@ -32,14 +32,27 @@ class GraphKey(NamedTuple):
     Fields: `num_tokens` - padded token count T (a captured size); `num_reqs` - padded
     request count R (rows of `query_start_loc[:R+1]`, `seq_lens`, `block_table`);
     `uniform` - every real request has exactly `T / R` tokens (a decode or spec-decode step),
-    which attention backends may exploit.
+    which attention backends may exploit; `piecewise` - a piecewise graph (modes `piecewise`,
+    `full_and_piecewise`), keyed by token count alone: its registry key has `num_reqs` 0, and
+    a step stages it with its own request count (request dims are not padded).
     """
 
     num_tokens: int
     num_reqs: int
     uniform: bool
+    piecewise: bool = False
+
+    def shape(self, max_num_seqs: int) -> GraphKey:
+        """The padded shape a batch that fills this key has: the key itself, or for a piecewise
+        key its tokens over up to `max_num_seqs` requests (what its dummy and probe batches use)."""
+        if not self.piecewise:
+            return self
+        return GraphKey(self.num_tokens, min(self.num_tokens, max_num_seqs), False)
 
     def __str__(self) -> str:
+        if self.piecewise:
+            reqs = f", reqs={self.num_reqs}" if self.num_reqs else ""
+            return f"piecewise(tokens={self.num_tokens}{reqs})"
         kind = "uniform" if self.uniform else "mixed"
         return f"{kind}(tokens={self.num_tokens}, reqs={self.num_reqs})"
 

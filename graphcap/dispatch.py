@@ -66,8 +66,11 @@ class KeyRegistry:
     max_model_len)` row count, `min(size, max_num_seqs)` and, for large sizes, a few with
     fewer request rows; a mixed step replays the one with the fewest rows that hold it.
     Uniform keys: `num_reqs = size / q` at every size `sizes.uniform_sizes` gives (modes
-    `full` and `full_decode_only`): sizes of whole requests within `max_num_seqs`, plus
-    `max_num_seqs * q` itself. Mode `none` plans nothing. Does not stage or run anything.
+    `full`, `full_decode_only` and `full_and_piecewise`): sizes of whole requests within
+    `max_num_seqs`, plus `max_num_seqs * q` itself. Piecewise keys (modes `piecewise` and
+    `full_and_piecewise`): one per size, keyed by token count alone (`num_reqs` 0); every step
+    up to the largest size that has no uniform key replays one. Mode `none` plans nothing.
+    Does not stage or run anything.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class KeyRegistry:
         # size's keys by ascending request rows).
         self._uniform: list[GraphKey | None] = [None] * (sizes.max_size + 1)
         self._mixed: list[tuple[GraphKey, ...]] = [()] * (sizes.max_size + 1)
+        self._piecewise: list[GraphKey | None] = [None] * (sizes.max_size + 1)
         if mode != "none":
             uniform = [GraphKey(size, size // q, True) for size in uniform_sizes(sizes, q, max_num_seqs)]
             mixed = (
@@ -98,7 +102,13 @@ class KeyRegistry:
                 if mode == "full"
                 else []
             )
-            planned = uniform + mixed
+            if mode == "piecewise":
+                uniform = []
+            pieces = [GraphKey(size, 0, False, True) for size in sizes] if "piecewise" in mode else []
+            planned = uniform + mixed + pieces
+            if pieces:
+                by_size_pieces = {key.num_tokens: key for key in pieces}
+                self._piecewise = [by_size_pieces[sizes.pad(n)] for n in range(sizes.max_size + 1)]
             # Each token count maps to the smallest key that holds it. A uniform key is used
             # only where it pads no further than the schedule does (its size <= pad(n)).
             fill = iter(uniform)
@@ -114,7 +124,7 @@ class KeyRegistry:
                     by_size[key.num_tokens] = (*by_size.get(key.num_tokens, ()), key)
                 self._mixed = [by_size[sizes.pad(n)] for n in range(sizes.max_size + 1)]
         self.planned: tuple[GraphKey, ...] = tuple(
-            sorted(planned, key=lambda k: (k.num_tokens, not k.uniform, -k.num_reqs))
+            sorted(planned, key=lambda k: (k.num_tokens, not k.uniform, k.piecewise, -k.num_reqs))
         )
         self.captured: set[GraphKey] = set()
         self.skipped: dict[GraphKey, str] = {}
@@ -131,7 +141,7 @@ class KeyRegistry:
 
     def capture_order(self) -> list[GraphKey]:
         """Largest first (smaller graphs then reuse the pool); uniform before mixed; more rows first."""
-        return sorted(self.planned, key=lambda k: (-k.num_tokens, not k.uniform, -k.num_reqs))
+        return sorted(self.planned, key=lambda k: (-k.num_tokens, not k.uniform, k.piecewise, -k.num_reqs))
 
     def mark_captured(self, key: GraphKey) -> None:
         self._check_planned(key)
@@ -166,6 +176,9 @@ class KeyRegistry:
             fallback = key
         else:
             fallback = None
+        piece = self._piecewise[num_tokens]
+        if piece is not None:  # piecewise keys hold any request count the buffers hold
+            return (piece, "") if piece in self.captured else (None, self._state(piece))
         keys = self._mixed[num_tokens]
         if not keys:  # full_decode_only plans no mixed keys
             return None, "decode_only" if fallback is None else self._state(fallback)
@@ -182,6 +195,12 @@ class KeyRegistry:
     def key_for(self, batch: StepBatch) -> tuple[GraphKey | None, str]:
         """`dispatch` for a `StepBatch` (its counts and whether it is uniform)."""
         return self.dispatch(batch.num_tokens, batch.num_reqs, batch.is_uniform(self.uniform_query_len))
+
+    @staticmethod
+    def staging_key(key: GraphKey, num_reqs: int) -> GraphKey:
+        """The key a step stages with: `key` itself, or for a piecewise key its tokens with the
+        step's own request count (piecewise graphs read no request rows, so none are padded)."""
+        return GraphKey(key.num_tokens, num_reqs, False, True) if key.piecewise else key
 
     @staticmethod
     def eager_key(num_tokens: int, num_reqs: int) -> GraphKey:
@@ -214,6 +233,15 @@ class StepStats:
     """Real tokens of replayed steps."""
     padded_tokens: int = 0
     """Tokens the replayed graphs computed (real + padding)."""
+    eager_op_calls: int = 0
+    """`eager_op` calls run between the pieces of piecewise replays."""
+    eager_op_copies: int = 0
+    """Of those, calls whose result was copied into its static tensor (ops without `out=`)."""
+
+    @property
+    def piecewise_replays(self) -> int:
+        """Replays of piecewise keys (`graph_hits` holds them by key, with the full graphs')."""
+        return sum(n for key, n in self.graph_hits.items() if key.piecewise)
 
     @property
     def padded_token_waste(self) -> float:
@@ -225,5 +253,8 @@ class StepStats:
             "graph_hits": {str(k): v for k, v in sorted(self.graph_hits.items())},
             "eager": dict(self.eager),
             "steps": sum(self.graph_hits.values()) + sum(self.eager.values()),
+            "piecewise_replays": self.piecewise_replays,
             "padded_token_waste": self.padded_token_waste,
+            "eager_op_calls": self.eager_op_calls,
+            "eager_op_copies": self.eager_op_copies,
         }

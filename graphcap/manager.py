@@ -25,8 +25,8 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from graphcap.backends import CapturedGraph, GraphBackend, get_backend, is_sticky_cuda_error, resolve_device
-from graphcap.backends.base import flatten_output
-from graphcap.batch import GraphKey, StepBatch, dummy_batch, probe_batch
+from graphcap.backends.pieces import forbidden_reads
+from graphcap.batch import GraphKey, StepBatch, dummy_batch
 from graphcap.block_table import BlockTable
 from graphcap.buffers import ForwardInputs, PersistentBuffers
 from graphcap.config import CaptureConfig
@@ -39,6 +39,7 @@ from graphcap.inputs import BufferSpec
 from graphcap.invariants import check_invariants
 from graphcap.piecewise import running
 from graphcap.report import CaptureReport, GraphRecord, check_report_path, format_bytes
+from graphcap.verification import real_rows, verify_probe, verify_replay
 
 __all__ = ["CaptureManager"]
 
@@ -233,19 +234,31 @@ class CaptureManager:
         graph = None
         failure: BaseException | None = None
         try:
-            batch = dummy_batch(key, max_model_len=self.config.kv_cache.max_model_len)
-            inputs = self._stage(batch, key, capturing=True, dummy=True)
+            batch = dummy_batch(self._shape_of(key), max_model_len=self.config.kv_cache.max_model_len)
+            inputs = self._stage(batch, self.registry.staging_key(key, batch.num_reqs), capturing=True, dummy=True)
             forward = self._forward
+            # A full graph holds the whole forward (eager ops run their capturable stand-ins);
+            # a piecewise key's reference is the plain eager forward.
+            phase = "eager" if key.piecewise else "full"
 
-            def run() -> torch.Tensor:
-                with running(inputs, "full"):
+            def run() -> Any:
+                with running(inputs, phase):
                     return forward(inputs)
 
             t0 = time.perf_counter()
-            self.backend.warmup(run, self.config.capture.num_warmups)
+            warmup = self._piecewise_warmup(inputs) if key.piecewise else run
+            self.backend.warmup(warmup, self.config.capture.num_warmups)
             self.backend.synchronize()  # time the warmups' GPU work, not their launches
             eager_seconds += time.perf_counter() - t0
-            graph = self.backend.capture(run, self._static_inputs(inputs), name=str(key))
+            if key.piecewise:
+
+                def run_pieces(session: Any) -> Any:
+                    with running(inputs, "piecewise", session):
+                        return forward(inputs)
+
+                graph = self.backend.capture_pieces(run_pieces, self._static_inputs(inputs), name=str(key))
+            else:
+                graph = self.backend.capture(run, self._static_inputs(inputs), name=str(key))
             verified = False
             if self.config.checks.verify_replay:
                 eager_seconds += self._verify(graph, run, inputs)
@@ -285,63 +298,33 @@ class CaptureManager:
         self.graphs[key] = graph
         self.registry.mark_captured(key)
         return GraphRecord(
-            key, "captured", time.perf_counter() - start, graph.memory_bytes, verified, "", eager_seconds
-        )
-
-    def _verify(self, graph: CapturedGraph, run: Callable[[], torch.Tensor], inputs: ForwardInputs) -> float:
-        """Replay the capture's own dummy inputs once and compare with an eager run of them."""
-        replayed = _cloned(_real_rows(graph.replay(), inputs.num_tokens, inputs.key.num_tokens))
-        self.backend.synchronize()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            expected = _real_rows(run(), inputs.num_tokens, inputs.key.num_tokens)
-        self.backend.synchronize()  # time the GPU work, not the launches
-        seconds = time.perf_counter() - t0
-        try:
-            torch.testing.assert_close(replayed, expected, **self.config.checks.tolerance)
-        except AssertionError as exc:
-            first = str(exc).strip().splitlines()
-            raise CaptureError(
-                f"replay differs from eager on the same inputs ({'; '.join(first[:3])}); the forward "
-                "depends on something the graph froze (a Python value, a host tensor, randomness)"
-            ) from None
-        return seconds
-
-    def _verify_probe(self, graph: CapturedGraph, key: GraphKey) -> float:
-        """Replay a second, partly filled batch (other ids, lengths, blocks) and compare its real
-        rows with an eager run of it: padded rows run, and a value frozen at capture shows."""
-        kv = self.config.kv_cache
-        batch = probe_batch(
             key,
-            max_model_len=kv.max_model_len,
-            block_size=kv.block_size,
-            num_blocks=kv.num_blocks,
-            vocab_size=self.config.model.vocab_size,
+            "captured",
+            time.perf_counter() - start,
+            graph.memory_bytes,
+            verified,
+            "",
+            eager_seconds,
+            pieces=getattr(graph, "num_pieces", 1),
+            eager_ops=len(getattr(graph, "calls", ())),
         )
-        self._stage(batch, key, capturing=True, dummy=True)
-        replayed = _cloned(_real_rows(graph.replay(), batch.num_tokens, key.num_tokens))
-        self.backend.synchronize()
-        t0 = time.perf_counter()
-        eager_key = self.registry.eager_key(batch.num_tokens, batch.num_reqs)
-        eager_inputs = self._stage(batch, eager_key, capturing=True, dummy=True, replay=False)
-        with torch.inference_mode(), running(eager_inputs, "full"):  # the graph's own code path
-            expected = _real_rows(self._forward(eager_inputs), batch.num_tokens, batch.num_tokens)
-        self.backend.synchronize()
-        seconds = time.perf_counter() - t0
-        try:
-            torch.testing.assert_close(replayed, expected, **self.config.checks.tolerance)
-        except AssertionError as exc:
-            first = str(exc).strip().splitlines()
-            raise CaptureError(
-                f"replay differs from eager on a partly filled batch ({batch.num_tokens} of {key.num_tokens} "
-                f"tokens, {batch.num_reqs} of {key.num_reqs} requests, other token ids, lengths and blocks: "
-                f"{'; '.join(first[:3])}). The graph froze a host value at capture (a Python number read "
-                "from inputs.host or inputs.num_tokens / num_reqs, a value prepare() computed, an .item()), "
-                "or padded rows leak into real ones. Read per-step values only as tensors of ForwardInputs "
-                "(or of your own BufferSpec buffers that prepare() fills), give padded tokens a sink, and "
-                "never slice by a Python count"
-            ) from None
-        return seconds
+
+    _verify = verify_replay
+    _verify_probe = verify_probe
+
+    def _shape_of(self, key: GraphKey) -> GraphKey:
+        return key.shape(self.config.batching.max_num_seqs)
+
+    def _piecewise_warmup(self, inputs: ForwardInputs) -> Callable[[], Any]:
+        """The warmup of a piecewise key: eager ops run outside the checks (their bodies never run
+        in a graph), and the code between them may not read request metadata (`forbidden_reads`)."""
+        forward = self._forward
+
+        def run() -> Any:
+            with running(inputs, "piecewise_warmup"), forbidden_reads(inputs):
+                return forward(inputs)
+
+        return run
 
     def _check_warmups(self) -> None:
         """R4: a backend that needs plain warmups before capture (cuda) refuses `num_warmups: 0`."""
@@ -399,16 +382,20 @@ class CaptureManager:
                     self.stats.eager[reason] += 1
                 return output
             self.last_key = key
-            self._stage(batch, key)
+            inputs = self._stage(batch, self.registry.staging_key(key, batch.num_reqs))
             graph = self.graphs[key]
             self._guard.check(sweep=self._level != "off")
-            output = graph.replay()
+            with running(inputs):  # eager ops between pieces read the step through current_inputs()
+                output = graph.replay()
             if self._counting:
                 stats = self.stats
                 stats.graph_hits[key] += 1
                 stats.real_tokens += batch.num_tokens
                 stats.padded_tokens += key.num_tokens
-            return _real_rows(output, batch.num_tokens, key.num_tokens)
+                if key.piecewise:
+                    stats.eager_op_calls += len(graph.calls)
+                    stats.eager_op_copies += graph.copies_per_replay
+            return real_rows(output, batch.num_tokens, key.num_tokens)
 
     def eager(self, batch: StepBatch) -> Any:
         """The reference: the model on the same staging path, unpadded, with no graph."""
@@ -422,7 +409,7 @@ class CaptureManager:
         inputs = self._stage(batch, key, replay=False)
         with torch.inference_mode(), running(inputs):
             output = self._forward(inputs)
-        return _real_rows(output, batch.num_tokens, batch.num_tokens, what="model.forward (eager) of")
+        return real_rows(output, batch.num_tokens, batch.num_tokens, what="model.forward (eager) of")
 
     def _stage(
         self, batch: StepBatch, key: GraphKey, *, capturing: bool = False, dummy: bool = False, replay: bool = True
@@ -538,21 +525,6 @@ def _gc_frozen() -> Iterator[None]:
         if was_enabled:
             gc.enable()
         gc.collect()
-
-
-def _real_rows(output: Any, num_tokens: int, padded: int, what: str = "the forward of") -> Any:
-    """`output` (a tensor, or a tuple, list or dict of them) with token-row tensors cut to the real rows.
-
-    A tensor whose leading dim is the padded token count is cut to `[:num_tokens]`; any other
-    tensor (a per-request or pooled result) is returned whole.
-    """
-    leaves, rebuild = flatten_output(output, "this step", what)
-    return rebuild([t[:num_tokens] if t.dim() and t.shape[0] == padded else t for t in leaves])
-
-
-def _cloned(output: Any) -> Any:
-    leaves, rebuild = flatten_output(output, "this step", "the forward of")
-    return rebuild([t.clone() for t in leaves])
 
 
 def _buffer_specs(config: CaptureConfig, buffers: Iterable[BufferSpec]) -> tuple[BufferSpec, ...]:

@@ -138,7 +138,10 @@ def estimate_memory(
         weights, build_transient = _weights(config, backend)
         parts["weights"] = weights
         parts["kv_cache"] = _kv_cache(config)
-        graphs = tuple(_graph(config, key.num_tokens, key.num_reqs) for key in keys)
+        rows = config.batching.max_num_seqs
+        graphs = tuple(_graph(config, key.num_tokens, key.num_reqs or min(key.num_tokens, rows)) for key in keys)
+        if any(key.piecewise for key in keys):
+            notes.append("piecewise keys counted as full graphs of their size (an upper bound)")
     elif model_estimate is not None:
         given = model_estimate(config)
         own = dict(given) if isinstance(given, Mapping) else {"model": given}

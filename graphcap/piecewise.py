@@ -14,8 +14,9 @@ The contract of an `eager_op` function:
   captured arguments: it reads the step being run through `current_inputs()` (the
   `ForwardInputs` of the current step), which works the same in eager runs, capture and replay.
 - The result is one tensor whose shape depends only on its tensor arguments. It lands in a
-  static tensor: a function with an `out=` parameter writes into it in place; otherwise the
-  result is copied into it (one copy per call, counted in `CaptureManager.stats`).
+  static tensor: a function with an `out=None` parameter writes into it in place on replay
+  (and returns it, or None); otherwise the result is copied into it (one copy per call,
+  counted in `CaptureManager.stats`). The capture calls it without `out` to learn the shape.
 - Inside the function anything goes, capture-unsafe ops included: it never runs in a graph,
   except that a *full* graph (mode `full`, or the uniform keys of `full_and_piecewise`)
   captures the whole forward. For those, pass `capturable=`: a graph-safe implementation with
@@ -38,9 +39,10 @@ from graphcap.errors import CaptureError
 
 __all__ = ["current_inputs", "eager_op"]
 
-Phase = Literal["eager", "full", "piecewise"]
-"""What the running forward feeds: an eager run, a full graph (capture or warmup of it), or a
-piecewise capture (the session then cuts the forward at each eager op)."""
+Phase = Literal["eager", "full", "piecewise", "piecewise_warmup"]
+"""What the running forward feeds: an eager run, a full graph (capture or warmup of it), a
+piecewise capture (the session then cuts the forward at each eager op), or a warmup of a
+piecewise key (eager ops run outside the unsafe-op checker: their bodies never run in a graph)."""
 
 _INPUTS: ContextVar[Any] = ContextVar("graphcap_current_inputs", default=None)
 _PHASE: ContextVar[tuple[Phase, Any]] = ContextVar("graphcap_phase", default=("eager", None))
@@ -84,8 +86,14 @@ class EagerOp:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.capturable = capturable
-        self.takes_out = "out" in inspect.signature(fn).parameters
+        out = inspect.signature(fn).parameters.get("out")
+        self.takes_out = out is not None
         """Whether `fn(..., out=tensor)` writes its result in place (no copy on replay)."""
+        if out is not None and out.default is not None:
+            raise TypeError(
+                f"eager_op {getattr(fn, '__qualname__', fn)}: its out parameter must default to None (the "
+                "capture calls it without out= to learn the result's shape; replays then pass the static result)"
+            )
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         # Decorating a method: bind like a function would, keeping the EagerOp behaviour.
@@ -97,6 +105,11 @@ class EagerOp:
             return session.cut(self, args, kwargs)
         if phase == "full" and self.capturable is not None:
             return self.capturable(*args, **kwargs)
+        if phase == "piecewise_warmup":
+            from graphcap.backends.preflight import outside_checks
+
+            with outside_checks():
+                return self.fn(*args, **kwargs)
         return self.fn(*args, **kwargs)
 
     def __repr__(self) -> str:

@@ -66,10 +66,20 @@ class GraphRecord:
     latency: dict[str, Any] | None = None
     """Step latency where it was measured (`graphcap bench`): milliseconds per step of `eager` and
     `replay` (each `median`, `p10`, `p90`, `iqr`, `samples`) and `noisy`; None when not measured."""
+    pieces: int = 0
+    """Graphs one replay of this key launches: 1 for a full graph, the piece count of a piecewise
+    key; 0 when skipped."""
+    eager_ops: int = 0
+    """`eager_op` calls a replay runs between the pieces (0 for a full graph)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out["key"] = {"num_tokens": self.key.num_tokens, "num_reqs": self.key.num_reqs, "uniform": self.key.uniform}
+        out["key"] = {
+            "num_tokens": self.key.num_tokens,
+            "num_reqs": self.key.num_reqs,
+            "uniform": self.key.uniform,
+            "piecewise": self.key.piecewise,
+        }
         return out
 
 
@@ -152,13 +162,16 @@ class CaptureReport:
 
     def table(self) -> str:
         """A fixed-width table, one row per key, largest first (the capture order)."""
-        rows = [f"{'key':<8} {'tokens':>6} {'reqs':>5} {'capture ms':>10} {'memory':>10} {'verified':>8}  note"]
+        rows = [f"{'key':<9} {'tokens':>6} {'reqs':>5} {'capture ms':>10} {'memory':>10} {'verified':>8}  note"]
         for r in self.records:
-            kind = "uniform" if r.key.uniform else "mixed"
+            kind = "piecewise" if r.key.piecewise else "uniform" if r.key.uniform else "mixed"
+            reqs = "any" if r.key.piecewise else r.key.num_reqs
             verified = "yes" if r.verified else ("-" if r.status == "captured" else "no")
             note = f"skipped: {r.reason}" if r.status == "skipped" else ""
+            if r.key.piecewise and r.status == "captured":
+                note = f"{r.pieces} pieces around {r.eager_ops} eager ops"
             rows.append(
-                f"{kind:<8} {r.key.num_tokens:>6} {r.key.num_reqs:>5} {r.capture_seconds * 1e3:>10.1f} "
+                f"{kind:<9} {r.key.num_tokens:>6} {reqs:>5} {r.capture_seconds * 1e3:>10.1f} "
                 f"{format_bytes(r.memory_bytes):>10} {verified:>8}  {note}".rstrip()
             )
         return "\n".join(rows)

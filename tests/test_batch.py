@@ -179,8 +179,11 @@ def test_step_batch_accepts_exactly_the_valid_steps(query_lens, context):
 
 def test_graph_key_is_immutable_hashable_and_readable():
     key = GraphKey(64, 32, False)
-    assert key == GraphKey(num_tokens=64, num_reqs=32, uniform=False) and hash(key) == hash((64, 32, False))
+    assert key == GraphKey(num_tokens=64, num_reqs=32, uniform=False) and hash(key) == hash((64, 32, False, False))
     assert str(key) == "mixed(tokens=64, reqs=32)" and str(GraphKey(8, 8, True)) == "uniform(tokens=8, reqs=8)"
+    assert str(GraphKey(8, 0, False, True)) == "piecewise(tokens=8)"
+    assert str(GraphKey(8, 3, False, True)) == "piecewise(tokens=8, reqs=3)"  # as a step stages it
+    assert GraphKey(8, 0, False, True).shape(4) == GraphKey(8, 4, False) and key.shape(4) is key
     with pytest.raises(AttributeError):
         key.num_tokens = 8
 

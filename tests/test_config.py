@@ -150,7 +150,7 @@ BAD_FILES = [
     ("bad_max_model_len_above_kv_cache.yaml", "kv_cache.max_model_len", 4, r"512 tokens do not fit the KV cache.*num_blocks to 33"),
     ("bad_num_heads_not_dividing_hidden_size.yaml", "model.num_heads", 3, r"hidden_size 256 is not divisible by num_heads 6"),
     ("bad_num_kv_heads_not_dividing_num_heads.yaml", "model.num_kv_heads", 3, r"num_heads 8 is not divisible by num_kv_heads 3"),
-    ("bad_mode_literal.yaml", "capture.mode", 2, r"expected none \| full \| full_decode_only; got 'partial'"),
+    ("bad_mode_literal.yaml", "capture.mode", 2, r"expected none \| full \| full_decode_only \| piecewise \| full_and_piecewise; got 'partial'"),
     ("bad_device.yaml", "device", 1, r"must be auto, cpu, cuda or cuda:N; got 'gpu'"),
     ("bad_atol_without_rtol.yaml", "checks.atol", 2, r"give checks\.atol and checks\.rtol together or neither"),
     ("bad_max_size_not_multiple_of_query_len.yaml", "capture.max_size", 2, r"30 is not a multiple of uniform_query_len 4; use 28 or 32"),

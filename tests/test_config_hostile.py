@@ -179,8 +179,10 @@ def test_vllm_mode_spellings_are_accepted_case_insensitively(given, mode):
 
 
 def test_unknown_mode_lists_graphcaps_modes_with_the_value_as_written():
-    with pytest.raises(ConfigError, match=r"capture\.mode: expected none \| full \| full_decode_only; got 'PIECEWISE'"):
-        load_config(overrides={"capture.mode": "PIECEWISE"})
+    modes = r"none \| full \| full_decode_only \| piecewise \| full_and_piecewise"
+    with pytest.raises(ConfigError, match=rf"capture\.mode: expected {modes}; got 'CASCADE'"):
+        load_config(overrides={"capture.mode": "CASCADE"})
+    assert load_config(overrides={"capture.mode": "PIECEWISE"}).capture.mode == "piecewise"
 
 
 # -- overrides of the model ------------------------------------------------------------------

@@ -6,6 +6,8 @@ import re
 from dataclasses import fields
 from pathlib import Path
 
+import torch
+
 from graphcap.backends import UNSAFE_OPS
 from graphcap.config import CaptureConfig
 
@@ -27,11 +29,22 @@ def test_quick_start_has_exactly_two_commands_and_ci_runs_the_second():
 
 
 def test_library_example_runs():
-    example, _ = _blocks("python")
+    example = _blocks("python")[0]
     namespace: dict = {}
     exec(compile(example, "README.md", "exec"), namespace)
     assert namespace["logits"].shape[0] == 3
     assert namespace["manager"].dispatch(namespace["batch"]).num_tokens == 4
+
+
+def test_piecewise_example_runs_and_replays_pieces():
+    example = next(block for block in _blocks("python") if "eager_op" in block)
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    manager, batch = namespace["manager"], namespace["batch"]
+    assert manager.stats.piecewise_replays == 1 and manager.stats.eager_op_calls == 1
+    replayed = namespace["logits"].clone()
+    assert replayed.shape == (4, 128)
+    torch.testing.assert_close(replayed, manager.eager(batch))
 
 
 def test_every_config_key_is_documented():
@@ -56,6 +69,6 @@ def test_every_unsafe_op_family_is_documented():
 
 
 def test_capture_safe_example_names_the_host_copy_and_its_line(capsys):
-    _, example = _blocks("python")
+    example = next(block for block in _blocks("python") if "check_capture_safe" in block)
     exec(compile(example, "README.md", "exec"), {})
     assert capsys.readouterr().out == "Tensor.cpu at README.md:8\n"

@@ -1,5 +1,5 @@
 """gpu_check cases that capture and step: the CUDA tests, the tiny config, pipelined real batches,
-the cross-graph output probe, the data-parallel agreement (S1) and the 8B-shaped model. Each case
+the cross-graph output probe, piecewise capture, the data-parallel agreement (S1) and the 8B-shaped model. Each case
 is `(device, quick) -> dict` with `ok` (as predicted), `observed` (one line) and its numbers."""
 
 from __future__ import annotations
@@ -146,6 +146,49 @@ def clobber(device: str, quick: bool) -> dict:
     return {"ok": other_manager_intact, "observed": observed, "same_pool_intact": same_pool_intact}
 
 
+def piecewise(device: str, quick: bool) -> dict:
+    """full_and_piecewise with the per-request attention (`.item()` lengths, never graph-safe):
+    capture, then a chunked-prefill + decode stream compared with eager step by step, and the
+    replay time of pieces, full graphs and eager at each size."""
+    from graphcap.testing import Workload
+
+    config = tiny_config(device, quick, **{"capture.mode": "full_and_piecewise", "model.attention": "per_request"})
+    manager = _manager(config)
+    pieces = {str(k): manager.graphs[k].num_pieces for k in manager.graphs if k.piecewise}
+    workload = Workload(config, seed=0, chunk=7)
+    rng = np.random.default_rng(0)
+    largest = manager.registry.sizes.max_size
+    mismatches, worst, below_max_eager, steps = 0, 0.0, 0, 0
+    for _ in range(40 if quick else 200):
+        while len(workload.running) < 6:
+            workload.add_random(48)
+        batch = workload.next_batch(max_tokens=int(rng.integers(1, largest + 2)))
+        replayed = manager.execute(batch).clone()
+        below_max_eager += batch.num_tokens <= largest and manager.last_key not in manager.graphs
+        expected = manager.eager(batch)
+        worst = max(worst, float((replayed - expected).abs().max()))
+        try:
+            torch.testing.assert_close(replayed, expected, **config.checks.tolerance)
+        except AssertionError:
+            mismatches += 1
+        workload.advance(expected)
+        steps += 1
+    timings = {}
+    for key in sorted(manager.graphs, key=lambda k: (k.num_tokens, k.piecewise)):
+        timing = time_key(manager, key, steps=2 if quick else 20, warmup=1 if quick else 3)
+        if timing is not None:
+            timings[str(key)] = {"eager_ms": timing.eager_ms, "replay_ms": timing.replay_ms}
+    stats = manager.stats
+    observed = (
+        f"{len(manager.graphs)} of {len(manager.registry.planned)} keys captured and verified ({pieces}); "
+        f"{steps} steps: {stats.piecewise_replays} piecewise replays, "
+        f"{sum(stats.graph_hits.values()) - stats.piecewise_replays} full, {sum(stats.eager.values())} eager "
+        f"({below_max_eager} at or below the max size); {mismatches} differ from eager (max |diff| {worst:.2e})"
+    )
+    ok = len(manager.graphs) == len(manager.registry.planned) and mismatches == 0 and below_max_eager == 0
+    return {"ok": ok, "observed": observed, "pieces": pieces, "timings": timings, "stats": stats.as_dict()}
+
+
 def llama8b(device: str, quick: bool) -> dict:
     free = torch.cuda.mem_get_info(device)[0]
     if quick or free < LLAMA_8B_MIN_FREE:
@@ -269,6 +312,7 @@ CASES = {
     "tiny": tiny,
     "pipelined": pipelined,
     "clobber": clobber,
+    "piecewise": piecewise,
     "agreement": agreement,
     "llama8b": llama8b,
 }

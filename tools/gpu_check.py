@@ -1,9 +1,10 @@
-"""One GPU run that settles the CUDA backend: phases P0-P10, each printing its prediction next to what it saw.
+"""One GPU run that settles the CUDA backend: phases P0-P11, each printing its prediction next to what it saw.
 
 The plan of docs/gpu (and of the CUDA backend review, section 3): the CUDA tests, pipelined
 real batches compared with eager, the cross-graph output probe, the failure paths (C1, C2,
 R1, a real OOM), the preflight table on real CUDA, torch.compile, the data-parallel agreement
-on one NCCL rank, and the 8B-shaped capture with memory and replay-vs-eager timing.
+on one NCCL rank, the 8B-shaped capture with memory and replay-vs-eager timing, and piecewise
+capture (one CUDAGraph per piece, eager attention between them).
 
 - A global deadline (default 450 s, ~7.5 min): a phase that no longer fits is skipped.
 - The JSON (`--out`) is rewritten after every phase, so a run cut short keeps what it saw.
@@ -44,7 +45,7 @@ class Phase:
     """Seconds the phase may take (all its cases); its cases share it."""
     prediction: str
     cases: tuple[str, ...]
-    """Case functions (in _gpu_steps / _gpu_probes), each run alone; () for P0 and P10."""
+    """Case functions (in _gpu_steps / _gpu_probes), each run alone; () for P0 and P11."""
     needs_cuda: bool = False
 
 
@@ -119,7 +120,15 @@ PHASES = (
         ("llama8b",),
         True,
     ),
-    Phase("P10", "verdict", 5, "-", ()),
+    Phase(
+        "P10",
+        "piecewise capture around eager per-request attention",
+        60,
+        "every key captured and verified (pieces on one pool, .item() attention between them); every step "
+        "up to the max replays a graph and equals eager",
+        ("piecewise",),
+    ),
+    Phase("P11", "verdict", 5, "-", ()),
 )
 
 
@@ -142,13 +151,13 @@ def main() -> int:
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "device": device, "quick": args.quick, "phases": {}}
     only = set(args.only.split(",")) if args.only else None
     for phase in PHASES:
-        if only is not None and phase.name not in only and phase.name not in ("P0", "P10"):
+        if only is not None and phase.name not in only and phase.name not in ("P0", "P11"):
             continue
         started = time.monotonic()
         if phase.name == "P0":
             record = {"status": "ok", "observed": "", **_environment(device, torch)}
             record["observed"] = ", ".join(f"{k} {v}" for k, v in record.items() if k not in ("status", "observed"))
-        elif phase.name == "P10":
+        elif phase.name == "P11":
             record = _verdict(results["phases"])
         elif phase.needs_cuda and not on_cuda:
             record = {"status": "skipped", "observed": "skipped: no CUDA"}
@@ -161,7 +170,7 @@ def main() -> int:
         _print(phase, record)
         results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         _write(out, results)
-    ok = results["phases"]["P10"]["status"] == "ok"
+    ok = results["phases"]["P11"]["status"] == "ok"
     print(f"\nresults written to {out}\ngpu_check: {'ok' if ok else 'FAILED'}")
     return 0 if ok else 1
 
@@ -172,7 +181,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--out", default="gpu_check.json", help="JSON results, rewritten after every phase")
     parser.add_argument("--deadline", type=float, default=450.0, help="seconds for the whole run (default 450)")
     parser.add_argument("--quick", action="store_true", help="small schedules and few steps (a smoke run)")
-    parser.add_argument("--only", help="comma-separated phases to run (P0 and P10 always run), e.g. P3,P4")
+    parser.add_argument("--only", help="comma-separated phases to run (P0 and P11 always run), e.g. P3,P4")
     parser.add_argument("--isolate", choices=("auto", "always", "never"), default="auto", help="a subprocess per case")
     parser.add_argument("--list", action="store_true", help="print the phases and their predictions, run nothing")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, write its JSON

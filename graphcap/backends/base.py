@@ -139,6 +139,49 @@ class GraphBackend:
         self._graphs.append(graph)
         return graph
 
+    def capture_pieces(
+        self,
+        fn: Callable[[Any], Any],
+        static_inputs: Mapping[str, torch.Tensor],
+        *,
+        name: str,
+    ) -> CapturedGraph:
+        """Capture `fn(session)` as pieces cut at every `eager_op` call (see `graphcap.backends.pieces`).
+
+        `fn` runs the forward with `session` as the current piecewise session
+        (`graphcap.piecewise.running(inputs, "piecewise", session)`). Same contract as
+        `capture`: nothing stays registered or allocated on failure, later captures go to a
+        fresh pool.
+        """
+        _check_callable(fn)
+        input_ptrs = record_input_ptrs(static_inputs)
+        self._check_not_capturing("capture_pieces()")
+        self._is_capturing = True
+        session = self._piece_session(name)
+        try:
+            with torch.inference_mode():
+                session.begin_piece()
+                output = fn(session)
+                graph = session.finish(output, input_ptrs)
+        except BaseException:
+            session.abort()
+            self.pool.rotate()
+            raise
+        finally:
+            self._is_capturing = False
+        try:
+            graph.check_addresses(static_inputs)
+        except StaticInputMovedError:
+            graph.release()
+            raise
+        if graph.uncompiled:
+            warnings.warn(uncompiled_warning(self.name, name, graph.uncompiled), UserWarning, stacklevel=2)
+        self._graphs.append(graph)
+        return graph
+
+    def _piece_session(self, name: str) -> Any:
+        raise NotImplementedError(f"the {self.name} backend cannot capture piecewise graphs")
+
     def reset(self) -> None:
         """Release every graph this backend captured; later captures go to a fresh pool."""
         self._check_not_capturing("reset()")

@@ -31,7 +31,8 @@ import torch
 from graphcap.backends.base import Forward, GraphBackend, flatten_output
 from graphcap.backends.compiled import eager_only
 from graphcap.backends.graph import CapturedGraph
-from graphcap.backends.pool import GraphPool, unowned_alias
+from graphcap.backends.pieces import CUDAPieceSession
+from graphcap.backends.pool import GraphPool, discard_capture, unowned_alias
 from graphcap.errors import CaptureError
 
 __all__ = ["CUDACapturedGraph", "CUDAGraphBackend"]
@@ -134,7 +135,7 @@ class CUDAGraphBackend(GraphBackend):
             leaves, rebuild = flatten_output(output, name)
             self.synchronize()
         except BaseException as error:
-            _discard(graph, self.device, handle)
+            discard_capture(graph, self.device, handle)
             if any(text in str(error) for text in _INVALIDATED):
                 raise CaptureError(
                     f"CUDA invalidated the capture of {name}: the forward called something a CUDA graph cannot "
@@ -169,13 +170,17 @@ class CUDAGraphBackend(GraphBackend):
                 output = fn()
             except BaseException:
                 # Ending a capture that fn broke may raise a second, less telling error
-                # (capture invalidated); the user needs fn's. _discard cleans up after both.
+                # (capture invalidated); the user needs fn's. discard_capture cleans up after both.
                 with contextlib.suppress(Exception):
                     graph.capture_end()
                 raise
             graph.capture_end()
         caller.wait_stream(stream)
         return output
+
+    def _piece_session(self, name: str) -> CUDAPieceSession:
+        self.synchronize()  # staged uploads and warmups are done; nothing else runs during capture
+        return CUDAPieceSession(self, name)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -189,33 +194,3 @@ class CUDAGraphBackend(GraphBackend):
 
     def free_memory(self) -> int | None:
         return torch.cuda.mem_get_info(self.device)[0]
-
-
-def _discard(graph: torch.cuda.CUDAGraph, device: torch.device, handle: Any) -> None:
-    """Drop a failed capture so nothing of it stays registered or recording (C2).
-
-    `capture_end` throws at `cudaStreamEndCapture` for a capture CUDA invalidated, before
-    it stops the allocator recording to the pool, and `reset()` releases the pool only
-    after a completed capture: end the recording and release the pool's use here. The
-    release happens only when ending succeeded (so this capture's use was still counted):
-    a wrong release could free the memory of graphs still alive in the pool.
-    """
-    try:
-        graph.pool()  # raises unless capture_end completed
-        ended = True
-    except Exception:
-        ended = False
-    with contextlib.suppress(Exception):
-        graph.reset()
-    if not ended:
-        try:
-            torch._C._cuda_endAllocateToPool(device.index, handle)
-        except Exception:
-            pass  # never began recording, or capture_end ended it before failing
-        else:
-            with contextlib.suppress(Exception):
-                torch._C._cuda_releasePool(device.index, handle)
-    with contextlib.suppress(Exception):  # raises again for a sticky error: the manager reports it
-        torch.cuda.synchronize(device)
-    with contextlib.suppress(Exception):
-        torch.cuda.empty_cache()  # what the failed capture held (an OOM's retry needs it)

@@ -36,6 +36,7 @@ import torch
 from graphcap.backends.base import Forward, GraphBackend, flatten_output
 from graphcap.backends.compiled import eager_only
 from graphcap.backends.graph import CapturedGraph
+from graphcap.backends.pieces import EmulatedPieceSession
 from graphcap.backends.pool import invalidate
 from graphcap.backends.preflight import unsafe_op_checker
 from graphcap.backends.tape import Tape, TapeRecorder, compile_tape
@@ -108,3 +109,6 @@ class EmulatedBackend(GraphBackend):
 
     def memory_in_use(self) -> int:
         return sum(graph.memory_bytes for graph in self.graphs)
+
+    def _piece_session(self, name: str) -> EmulatedPieceSession:
+        return EmulatedPieceSession(self, name)

@@ -17,6 +17,7 @@ run on one stream.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -27,7 +28,7 @@ import torch
 if TYPE_CHECKING:
     from graphcap.backends.graph import CapturedGraph
 
-__all__ = ["GraphPool", "invalidate", "unowned_alias"]
+__all__ = ["GraphPool", "discard_capture", "invalidate", "unowned_alias"]
 
 
 class GraphPool:
@@ -102,3 +103,33 @@ def unowned_alias(tensor: torch.Tensor) -> torch.Tensor:
         alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
         alias.set_(unowned, tensor.storage_offset(), tensor.size(), tensor.stride())
     return alias
+
+
+def discard_capture(graph: torch.cuda.CUDAGraph, device: torch.device, handle: Any) -> None:
+    """Drop a failed capture so nothing of it stays registered or recording (C2).
+
+    `capture_end` throws at `cudaStreamEndCapture` for a capture CUDA invalidated, before
+    it stops the allocator recording to the pool, and `reset()` releases the pool only
+    after a completed capture: end the recording and release the pool's use here. The
+    release happens only when ending succeeded (so this capture's use was still counted):
+    a wrong release could free the memory of graphs still alive in the pool.
+    """
+    try:
+        graph.pool()  # raises unless capture_end completed
+        ended = True
+    except Exception:
+        ended = False
+    with contextlib.suppress(Exception):
+        graph.reset()
+    if not ended:
+        try:
+            torch._C._cuda_endAllocateToPool(device.index, handle)
+        except Exception:
+            pass  # never began recording, or capture_end ended it before failing
+        else:
+            with contextlib.suppress(Exception):
+                torch._C._cuda_releasePool(device.index, handle)
+    with contextlib.suppress(Exception):  # raises again for a sticky error: the manager reports it
+        torch.cuda.synchronize(device)
+    with contextlib.suppress(Exception):
+        torch.cuda.empty_cache()  # what the failed capture held (an OOM's retry needs it)

@@ -34,7 +34,15 @@ from graphcap.backends.compiled import eager_only
 from graphcap.backends.unsafe import SYNC_FUNCTIONS, UNSAFE_OPS, UnsafeOp
 from graphcap.errors import CaptureUnsafeError
 
-__all__ = ["UnsafeOpMode", "check_capture_safe", "check_op", "preflight", "sync_debug_errors", "unsafe_op_checker"]
+__all__ = [
+    "UnsafeOpMode",
+    "check_capture_safe",
+    "check_op",
+    "outside_checks",
+    "preflight",
+    "sync_debug_errors",
+    "unsafe_op_checker",
+]
 
 _SYNC_DEBUG_TEXT = "called a synchronizing CUDA operation"
 _SYNC_REASON = (
@@ -290,3 +298,26 @@ def check_capture_safe(fn: Callable[[], Any], device: torch.device | str) -> Any
     on_gpu = device.type == "cuda" and torch.cuda.is_available()
     with torch.inference_mode(), preflight(device, sync_debug=on_gpu):
         return fn()
+
+
+@contextlib.contextmanager
+def outside_checks() -> Iterator[None]:
+    """Run the enclosed code with every Python mode popped and this thread's sync guard off.
+
+    What an `eager_op`'s body runs under while its forward is checked or recorded: the body is
+    allowed what a graph cannot hold (it runs eagerly between graph pieces). The modes are
+    pushed back, in order, on every exit path.
+    """
+    local = _sync_guard._local
+    depth = getattr(local, "depth", 0)
+    local.depth = 0
+    functions = []
+    while torch._C._len_torch_function_stack() > 0:
+        functions.append(torch._C._pop_torch_function_stack())
+    try:
+        with torch.utils._python_dispatch._disable_current_modes():
+            yield
+    finally:
+        for mode in reversed(functions):
+            torch._C._push_on_torch_function_stack(mode)
+        local.depth = depth

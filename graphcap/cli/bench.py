@@ -28,7 +28,10 @@ then the model eagerly or the graph replay) on a batch that fills it, eager and 
 interleaved, timed with torch.utils.benchmark.Timer. The table gives the median and the
 10th-90th percentile range; '!' marks a noisy key (interquartile range above 10% of the
 median): rerun it on a quiet machine or with more --steps before trusting its speedup.
-The plot's format follows the suffix of --plot (png, pdf, svg, ...).
+In the modes piecewise and full_and_piecewise each piecewise key gets its own row (kind
+piecewise, timed on a mixed batch of its size): at one size it compares eager, piecewise and,
+where the mode captures one, full graphs. The plot's format follows the suffix of --plot
+(png, pdf, svg, ...).
 """
 
 
@@ -52,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from graphcap.report import format_bytes
     from graphcap.testing.timing import time_key
+    from graphcap.testing.workload import fill_batch
 
     if args.steps < 1:
         raise UserError(f"--steps must be >= 1; got {args.steps}")
@@ -66,14 +70,15 @@ def run(args: argparse.Namespace) -> int:
     timings = [t for t in timed.values() if t is not None]
     by_key = {r.key: r for r in report.records}
     print(
-        f"{'key':<8} {'tokens':>6} {'reqs':>5} {'capture ms':>10} {'memory':>10} "
+        f"{'key':<9} {'tokens':>6} {'reqs':>5} {'capture ms':>10} {'memory':>10} "
         f"{'eager ms':>9} {'p10-p90':>15} {'replay ms':>9} {'p10-p90':>15} {'speedup':>7}"
     )
     for t in timings:
         r = by_key[t.key]
-        kind = "uniform" if t.key.uniform else "mixed"
+        kind = _kind(t.key)
+        reqs = fill_batch(t.key, config).num_reqs if t.key.piecewise else t.key.num_reqs
         print(
-            f"{kind:<8} {t.key.num_tokens:>6} {t.key.num_reqs:>5} {r.capture_seconds * 1e3:>10.1f} "
+            f"{kind:<9} {t.key.num_tokens:>6} {reqs:>5} {r.capture_seconds * 1e3:>10.1f} "
             f"{format_bytes(r.memory_bytes):>10} {t.eager.median:>9.3f} {_range(t.eager):>15} "
             f"{t.replay.median:>9.3f} {_range(t.replay):>15} {t.speedup:>6.2f}x{' !' if t.noisy else ''}".rstrip()
         )
@@ -97,6 +102,10 @@ def run(args: argparse.Namespace) -> int:
     if report_path:
         write_report(report, report_path)
     return 0
+
+
+def _kind(key) -> str:
+    return "piecewise" if key.piecewise else "uniform" if key.uniform else "mixed"
 
 
 def _range(spread) -> str:
@@ -146,8 +155,12 @@ def plot_capture(report, timings, image_format: str = "png") -> bytes:
     fig = Figure(figsize=(15, 4.2))
     axes = fig.subplots(1, 3)
     by_key = {t.key: t for t in timings}
-    for uniform, marker, label in ((True, "o", "uniform decode"), (False, "s", "mixed")):
-        rows = sorted((r for r in report.captured if r.key.uniform == uniform), key=lambda r: r.key.num_tokens)
+    for kind, marker, label in (
+        ("uniform", "o", "uniform decode"),
+        ("mixed", "s", "mixed"),
+        ("piecewise", "^", "piecewise"),
+    ):
+        rows = sorted((r for r in report.captured if _kind(r.key) == kind), key=lambda r: r.key.num_tokens)
         if not rows:
             continue
         tokens = [r.key.num_tokens for r in rows]

@@ -64,9 +64,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"  {'>' + str(sizes.max_size):>13}  {'eager':>7}")
     if registry is not None:
         uniform = [k for k in registry.planned if k.uniform]
-        mixed = [k for k in registry.planned if not k.uniform]
+        mixed = [k for k in registry.planned if not k.uniform and not k.piecewise]
+        pieces = [k for k in registry.planned if k.piecewise]
+        counts = f"{len(uniform)} uniform, {len(mixed)} mixed" + (f", {len(pieces)} piecewise" if pieces else "")
         print()
-        print(f"  graph keys: {len(registry.planned)} ({len(uniform)} uniform, {len(mixed)} mixed)")
+        print(f"  graph keys: {len(registry.planned)} ({counts})")
+        if pieces:
+            print(f"    piecewise (tokens, any request count): {' '.join(str(k.num_tokens) for k in pieces)}")
         if uniform:
             print(f"    uniform (tokens/reqs): {' '.join(f'{k.num_tokens}/{k.num_reqs}' for k in uniform)}")
         if mixed:

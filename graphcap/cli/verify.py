@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def sweep_keys(manager) -> int:
-    """Stage every captured key with 0..num_reqs real requests; raise on any violation."""
+    """Stage every captured key with 0..R real requests (R: its request rows, or for a piecewise
+    key `min(tokens, max_num_seqs)`); raise on any violation."""
     import numpy as np
 
     from graphcap.invariants import check_invariants
@@ -69,10 +70,11 @@ def sweep_keys(manager) -> int:
     rng = np.random.default_rng(0)
     count = 0
     for key in sorted(manager.graphs):
-        for num_reqs in range(key.num_reqs + 1):
+        for num_reqs in range(key.shape(config.batching.max_num_seqs).num_reqs + 1):
             batch = fill_batch(key, config, rng, num_reqs)
+            staging = manager.registry.staging_key(key, num_reqs)  # a piecewise key: the real requests
             try:
-                check_invariants(manager.buffers.stage(batch, key), "full")
+                check_invariants(manager.buffers.stage(batch, staging), "full")
             except InvariantViolation as exc:
                 why = f"{exc.why} (while staging {batch})"
                 raise InvariantViolation(exc.field, exc.index, exc.expected, exc.actual, why, key) from None

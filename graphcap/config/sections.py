@@ -231,9 +231,12 @@ class CaptureSectionConfig(Section):
     """The `capture:` section: which graphs to capture and how."""
 
     _key: ClassVar[str] = "capture"
-    mode: Literal["none", "full", "full_decode_only"] = "full"
-    """`none`: always eager; `full`: mixed and uniform-decode keys; `full_decode_only`: uniform only.
-    Case-insensitive, so vLLM's spellings (`FULL`, `FULL_DECODE_ONLY`, `NONE`) mean the same."""
+    mode: Literal["none", "full", "full_decode_only", "piecewise", "full_and_piecewise"] = "full"
+    """`none`: always eager; `full`: mixed and uniform-decode keys; `full_decode_only`: uniform only;
+    `piecewise`: every step replays graph pieces around the model's `eager_op`s (attention);
+    `full_and_piecewise`: uniform decode steps replay full graphs, every other step pieces.
+    Case-insensitive, so vLLM's spellings (`FULL`, `FULL_DECODE_ONLY`, `NONE`, `PIECEWISE`,
+    `FULL_AND_PIECEWISE`) mean the same."""
     sizes: tuple[int, ...] | Literal["auto"] = "auto"
     """Ascending token counts to capture, or `auto` for `default_capture_sizes(max_size, q)`."""
     max_size: int | None = spec(None, min=1, max=1 << 16)
@@ -510,8 +513,8 @@ class CaptureConfig(Section):
             return out
         q = cap.uniform_query_len
         reach = bat.max_num_seqs * kv.max_model_len
-        if cap.mode == "full" and sizes.max_size > reach:
-            # The mixed key of that size could not even be filled by its dummy batch.
+        if cap.mode in ("full", "piecewise", "full_and_piecewise") and sizes.max_size > reach:
+            # The mixed (or piecewise) key of that size could not even be filled by its dummy batch.
             out.append(
                 problem(
                     "capture.max_size" if cap.sizes == "auto" else "capture.sizes",

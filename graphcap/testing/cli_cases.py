@@ -392,6 +392,6 @@ CLI_CASES: tuple[CliCase, ...] = (
     # -- packaging and names
     CliCase("packaging", "factory override replaces the default name", ("sizes", "--set", f"model.factory={_FACTORY}:raising_factory"), 0, r"^$"),
     CliCase("packaging", "vLLM mode FULL_DECODE_ONLY", ("validate", "{tiny}", "--set", "capture.mode=FULL_DECODE_ONLY"), 0, r"^$"),
-    CliCase("packaging", "unknown mode lists graphcap's", ("validate", "{tiny}", "--set", "capture.mode=PIECEWISE"), 2, "", check=_out_has("expected none | full | full_decode_only; got 'PIECEWISE'")),
+    CliCase("packaging", "unknown mode lists graphcap's", ("validate", "{tiny}", "--set", "capture.mode=CASCADE"), 2, "", check=_out_has("expected none | full | full_decode_only | piecewise | full_and_piecewise; got 'CASCADE'")),
 )  # fmt: skip
 """Every case, in the order of docs/RELIABILITY.md."""

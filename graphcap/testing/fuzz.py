@@ -314,5 +314,6 @@ def assert_config_works(config: CaptureConfig) -> None:
         return  # valid, but too big to allocate in a unit test
     buffers = PersistentBuffers.from_config(config)
     for key in registry.capture_order():
-        inputs = buffers.stage(dummy_batch(key, max_model_len=kv.max_model_len), key)
+        batch = dummy_batch(key.shape(config.batching.max_num_seqs), max_model_len=kv.max_model_len)
+        inputs = buffers.stage(batch, registry.staging_key(key, batch.num_reqs))
         check_invariants(inputs, "full", dummy=True)

@@ -30,6 +30,7 @@ def fill_batch(
     """
     rng = np.random.default_rng(rng) if isinstance(rng, int) else rng
     kv = config.kv_cache
+    key = key.shape(config.batching.max_num_seqs)  # a piecewise key: its tokens over real requests
     if num_reqs is None:
         q = dummy_batch(key, max_model_len=kv.max_model_len).query_lens.astype(np.int64)
     elif num_reqs == 0:

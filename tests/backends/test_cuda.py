@@ -261,3 +261,30 @@ def test_input_liveness_catches_a_freed_closure_tensor():
     with pytest.raises(RuntimeError, match="dead tensor"):
         graph.replay()
     backend.reset()
+
+
+def test_piecewise_capture_replays_pieces_on_one_pool_with_eager_attention_between():
+    """full_and_piecewise on the GPU: one CUDAGraph per piece, `.item()` attention between them."""
+    from graphcap.testing import Workload, make_config, make_manager
+
+    config = make_config(
+        {"device": "cuda", "model.attention": "per_request", "model.num_layers": 2},
+        capture__mode="full_and_piecewise",
+    )
+    manager = make_manager(config)
+    report = manager.capture()
+    assert all(r.status == "captured" and r.verified for r in report.records)
+    pieces = [manager.graphs[k] for k in manager.graphs if k.piecewise]
+    assert pieces and all(g.num_pieces == 3 and g.graph_pool is manager.backend.pool for g in pieces)
+    workload = Workload(config, seed=3, chunk=5)
+    for _ in range(6):
+        workload.add_random(24)
+    for _ in range(30):
+        batch = workload.next_batch()
+        if batch.num_reqs == 0:
+            break
+        replayed = manager.execute(batch).clone()
+        expected = manager.eager(batch)
+        torch.testing.assert_close(replayed, expected, **config.checks.tolerance)
+        workload.advance(expected)
+    assert manager.stats.piecewise_replays > 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphcap.backends.cuda import _discard
+from graphcap.backends.pool import discard_capture
 
 DEVICE, HANDLE = torch.device("cuda", 3), (0, 7)
 
@@ -48,13 +48,13 @@ def calls(monkeypatch) -> _Calls:
 
 def test_an_invalidated_capture_stops_recording_to_the_pool_and_releases_its_use(calls):
     # capture_end threw at cudaStreamEndCapture, before it ended the allocator's recording.
-    _discard(_Graph(calls, ended=False), DEVICE, HANDLE)
+    discard_capture(_Graph(calls, ended=False), DEVICE, HANDLE)
     assert calls == ["reset", ("end", 3, HANDLE), ("release", 3, HANDLE), "synchronize", "empty_cache"]
 
 
 def test_a_completed_capture_is_left_to_reset(calls):
     # The forward raised, capture_end completed: reset() releases the pool, nothing else may.
-    _discard(_Graph(calls, ended=True), DEVICE, HANDLE)
+    discard_capture(_Graph(calls, ended=True), DEVICE, HANDLE)
     assert calls == ["reset", "synchronize", "empty_cache"]
 
 
@@ -62,5 +62,5 @@ def test_a_pool_that_was_not_recording_is_never_released(calls):
     # capture_begin failed early, or capture_end failed after ending the recording: releasing
     # here could drop the pool's count to zero under graphs still alive in it.
     calls.recording = False
-    _discard(_Graph(calls, ended=False), DEVICE, HANDLE)
+    discard_capture(_Graph(calls, ended=False), DEVICE, HANDLE)
     assert calls == ["reset", ("end", 3, HANDLE), "synchronize", "empty_cache"]

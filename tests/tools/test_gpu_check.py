@@ -8,7 +8,7 @@ import sys
 
 from tests.tools import TOOLS, run_tool
 
-PHASES = [f"P{i}" for i in range(11)]
+PHASES = [f"P{i}" for i in range(12)]
 
 
 def test_gpu_check_quick_on_cpu_runs_every_phase_it_can_and_passes(tmp_path):
@@ -23,7 +23,7 @@ def test_gpu_check_quick_on_cpu_runs_every_phase_it_can_and_passes(tmp_path):
     for name, phase in phases.items():
         assert f"{name:<4} {phase['title']}  [{phase['status']}," in result.stdout
         assert phase["status"] in ("ok", "skipped"), (name, phase)
-    assert result.stdout.count("     predicted: ") == 9 and result.stdout.count("     saw:       ") == 11
+    assert result.stdout.count("     predicted: ") == 10 and result.stdout.count("     saw:       ") == 12
     cases = {name: case for phase in phases.values() for name, case in phase.get("cases", {}).items()}
     assert cases["pipelined"]["mismatches"] == 0
     assert cases["clobber"]["same_pool_intact"] is False  # the emulated pool invalidates a kept view
@@ -62,13 +62,13 @@ def test_cases_run_in_subprocesses_and_the_deadline_skips_what_no_longer_fits(tm
     result = run_tool("gpu_check.py", *args, OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stdout + result.stderr
     phases = json.loads(out.read_text())["phases"]
-    assert list(phases) == ["P0", "P4", "P7", "P10"]
+    assert list(phases) == ["P0", "P4", "P7", "P11"]
     assert phases["P4"]["cases"]["clobber"]["ok"] and phases["P7"]["cases"]["compiled"]["ok"]
 
     result = run_tool("gpu_check.py", "--device", "cpu", "--out", str(out), "--only", "P2", "--deadline", "5")
     phases = json.loads(out.read_text())["phases"]
     assert phases["P2"]["observed"].startswith("skipped:") and "left of the deadline" in phases["P2"]["observed"]
-    assert phases["P10"]["status"] == "ok"
+    assert phases["P11"]["status"] == "ok"
 
 
 def test_a_case_past_its_timeout_is_reported_not_waited_for(monkeypatch):
