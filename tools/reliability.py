@@ -651,22 +651,38 @@ def fault_rows(scale: Scale, workdir: Path) -> list[Row]:
 
 def stress_rows(scale: Scale) -> list[Row]:
     rows = []
-    for name, overrides, q in (("decode (q=1)", {}, 1), ("speculative decode (q=4)", SPEC, 4)):
+    piecewise = {"capture.mode": "full_and_piecewise", "model.attention": "per_request", "model.num_layers": 2}
+    cases = (
+        ("decode (q=1)", {}, 1),
+        ("speculative decode (q=4)", SPEC, 4),
+        ("full_and_piecewise, per-request .item() attention", piecewise, 1),
+    )
+    for name, overrides, q in cases:
         manager = make_manager(make_config({"checks.poison_padding": True, **overrides}))
         manager.capture()
         tally = Tally()
-        done = dict.fromkeys(("steps", "rows", "uniform", "mixed", "eager"), 0)
+        done = dict.fromkeys(("steps", "rows", "uniform", "mixed", "eager", "piecewise"), 0)
         for seed in range(scale.stress_seeds):
             manager.model.reset_kv_cache()
             with tally.trial(f"{name} seed {seed}"):
                 result = stress(manager, scale.stress_steps, seed, spec_len=q)
                 for field, value in zip(
-                    done, (result.steps, result.real_rows, result.uniform_steps, result.mixed_steps, result.eager_steps)
+                    done,
+                    (
+                        result.steps,
+                        result.real_rows,
+                        result.uniform_steps,
+                        result.mixed_steps,
+                        result.eager_steps,
+                        result.piecewise_steps,
+                    ),
                 ):
                     done[field] += value
         total = scale.stress_seeds * scale.stress_steps
         detail = (
-            f"{done['uniform']} uniform and {done['mixed']} mixed replays, {done['eager']} eager; "
+            f"{done['uniform']} uniform and {done['mixed']} mixed replays"
+            + (f" ({done['piecewise']} piecewise)" if done["piecewise"] else "")
+            + f", {done['eager']} eager; "
             f"{done['rows']} real rows"
         )
         what = f"poisoned random streams, {name}: {scale.stress_seeds} streams x {scale.stress_steps} steps"

@@ -20,6 +20,8 @@ class StressResult:
     eager_steps: int = 0
     uniform_steps: int = 0
     mixed_steps: int = 0
+    piecewise_steps: int = 0
+    """Of the mixed steps, those that replayed piecewise graphs."""
     real_rows: int = 0
 
 
@@ -60,4 +62,5 @@ def stress(manager: CaptureManager, num_steps: int, seed: int, *, spec_len: int 
             result.graph_steps += 1
             result.uniform_steps += key.uniform
             result.mixed_steps += not key.uniform
+            result.piecewise_steps += key.piecewise
     return result
