@@ -220,3 +220,14 @@ def test_help_of_every_command_has_an_example(capsys):
             main([command, "--help"])
         assert info.value.code == 0
         assert "example" in capsys.readouterr().out
+
+
+def test_bench_compares_eager_piecewise_and_full_per_size(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "bench.png"
+    flags = ("--set", "capture.mode=full_and_piecewise", "--set", "model.attention=per_request")
+    code, out, err = run_cli(capsys, "bench", "--config", TINY, *flags, "--steps", "1", "--plot", str(plot))
+    assert code == 0, err
+    rows = {(line.split()[0], int(line.split()[1])) for line in out.splitlines() if line.startswith(("uniform", "pie"))}
+    assert {("uniform", 8), ("piecewise", 8), ("uniform", 2), ("piecewise", 2)} <= rows
+    assert plot.read_bytes().startswith(b"\x89PNG")

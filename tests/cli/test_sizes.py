@@ -120,3 +120,12 @@ def test_sizes_lists_the_request_rows_of_each_mixed_size(capsys):
     lines = out.splitlines()
     assert "    mixed   (tokens/reqs): 8/8 256/64,256 2304/64,256,1024" in lines
     assert any(line.startswith("    a mixed step pads its requests to the fewest rows") for line in lines)
+
+
+def test_sizes_lists_piecewise_keys(capsys):
+    code, out, _ = run(capsys, "--set", "capture.mode=full_and_piecewise", "--set", "capture.max_size=8")
+    assert code == 0
+    lines = out.splitlines()
+    assert "  graph keys: 8 (4 uniform, 0 mixed, 4 piecewise)" in lines
+    assert "    piecewise (tokens, any request count): 1 2 4 8" in lines
+    assert "piecewise keys counted as full graphs of their size (an upper bound)" in out
