@@ -37,6 +37,13 @@ def build_manager(args: argparse.Namespace, config: CaptureConfig | None = None)
     device = resolve_device(config)  # ConfigError (exit 2) for a GPU that is not there
     backend = _backend_name(args.backend, device)
     factory = None
+    piecewise = config.capture.mode in ("piecewise", "full_and_piecewise")
+    if config.model.factory is None and piecewise and config.model.attention != "per_request":
+        raise UserError(
+            f"capture.mode {config.capture.mode} cuts the forward at its eager_op calls, and the built-in model "
+            f"with model.attention {config.model.attention} has none (its attention reads request metadata, "
+            "which graph pieces cannot hold): set model.attention=per_request, or capture.mode=full"
+        )
     if config.model.factory is not None:
         from graphcap.models import load_factory
 

@@ -231,3 +231,10 @@ def test_bench_compares_eager_piecewise_and_full_per_size(capsys, tmp_path):
     rows = {(line.split()[0], int(line.split()[1])) for line in out.splitlines() if line.startswith(("uniform", "pie"))}
     assert {("uniform", 8), ("piecewise", 8), ("uniform", 2), ("piecewise", 2)} <= rows
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_piecewise_mode_without_eager_ops_in_the_built_in_model_is_refused_before_building(capsys):
+    code, out, err = run_cli(capsys, "capture", "--config", TINY, "--set", "capture.mode=PIECEWISE")
+    assert code == 2 and "Traceback" not in err
+    assert "capture.mode piecewise cuts the forward at its eager_op calls" in err
+    assert "set model.attention=per_request, or capture.mode=full" in err

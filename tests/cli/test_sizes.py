@@ -123,7 +123,8 @@ def test_sizes_lists_the_request_rows_of_each_mixed_size(capsys):
 
 
 def test_sizes_lists_piecewise_keys(capsys):
-    code, out, _ = run(capsys, "--set", "capture.mode=full_and_piecewise", "--set", "capture.max_size=8")
+    flags = ("--set", "capture.mode=full_and_piecewise", "--set", "model.attention=per_request")
+    code, out, _ = run(capsys, *flags, "--set", "capture.max_size=8")
     assert code == 0
     lines = out.splitlines()
     assert "  graph keys: 8 (4 uniform, 0 mixed, 4 piecewise)" in lines
