@@ -133,10 +133,7 @@ class Staging(Plans, PaddedRows):
             p.qsl[...] = p.qsl_content
             self._qsl_written = p
         if p.upload is not None:
-            if self._upload_now:
-                self._upload(p.upload)
-            else:
-                self._pending_upload = p.upload
+            self._upload_or_defer(p.upload)
         return p.inputs
 
     # -- any step ----------------------------------------------------------------------------
@@ -209,8 +206,5 @@ class Staging(Plans, PaddedRows):
         for spec in self.extras:
             stage_extra(self.host[spec.name], spec, batch.extras.get(spec.name), T, R, n, r)
         if p.upload is not None:
-            if self._upload_now:
-                self._upload(p.upload)
-            else:
-                self._pending_upload = p.upload
+            self._upload_or_defer(p.upload)
         return p.inputs

@@ -250,6 +250,13 @@ class PersistentBuffers(Staging):
         if rows is not None:
             self._upload(rows)
 
+    def _upload_or_defer(self, rows: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Upload now, or keep `rows` for `upload()` when the stage asked for `upload=False`."""
+        if self._upload_now:
+            self._upload(rows)
+        else:
+            self._pending_upload = rows
+
     def _upload(self, rows: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Copy `rows` = (device prefix, pinned host prefix) asynchronously (`_upload_rows(end)` makes them)."""
         # One copy covers every staged row of the key: the block table is last in the layout.

@@ -35,23 +35,16 @@ def verify_replay(
 
     Returns the seconds the eager run took (capture time that is not graph work).
     """
-    with running(inputs):  # eager ops between pieces read the step through current_inputs()
-        replayed = cloned(real_rows(graph.replay(), inputs.num_tokens, inputs.key.num_tokens))
-    manager.backend.synchronize()
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        expected = real_rows(run(), inputs.num_tokens, inputs.key.num_tokens)
-    manager.backend.synchronize()  # time the GPU work, not the launches
-    seconds = time.perf_counter() - t0
-    try:
-        torch.testing.assert_close(replayed, expected, **manager.config.checks.tolerance)
-    except AssertionError as exc:
-        first = str(exc).strip().splitlines()
-        raise CaptureError(
-            f"replay differs from eager on the same inputs ({'; '.join(first[:3])}); the forward "
+    return _compare(
+        manager,
+        graph,
+        inputs,
+        lambda: real_rows(run(), inputs.num_tokens, inputs.key.num_tokens),
+        lambda diff: (
+            f"replay differs from eager on the same inputs ({diff}); the forward "
             "depends on something the graph froze (a Python value, a host tensor, randomness)"
-        ) from None
-    return seconds
+        ),
+    )
 
 
 def verify_probe(manager: CaptureManager, graph: CapturedGraph, key: GraphKey) -> float:
@@ -67,30 +60,52 @@ def verify_probe(manager: CaptureManager, graph: CapturedGraph, key: GraphKey) -
         vocab_size=manager.config.model.vocab_size,
     )
     inputs = manager._stage(batch, manager.registry.staging_key(key, batch.num_reqs), capturing=True, dummy=True)
-    with running(inputs):
-        replayed = cloned(real_rows(graph.replay(), batch.num_tokens, key.num_tokens))
-    manager.backend.synchronize()
-    t0 = time.perf_counter()
-    eager_key = manager.registry.eager_key(batch.num_tokens, batch.num_reqs)
-    eager_inputs = manager._stage(batch, eager_key, capturing=True, dummy=True, replay=False)
-    # The graph's own code path: a full graph ran the eager ops' capturable stand-ins.
-    with torch.inference_mode(), running(eager_inputs, "eager" if key.piecewise else "full"):
-        expected = real_rows(manager._forward(eager_inputs), batch.num_tokens, batch.num_tokens)
-    manager.backend.synchronize()
-    seconds = time.perf_counter() - t0
-    try:
-        torch.testing.assert_close(replayed, expected, **manager.config.checks.tolerance)
-    except AssertionError as exc:
-        first = str(exc).strip().splitlines()
-        raise CaptureError(
+
+    def eager() -> Any:
+        eager_key = manager.registry.eager_key(batch.num_tokens, batch.num_reqs)
+        eager_inputs = manager._stage(batch, eager_key, capturing=True, dummy=True, replay=False)
+        # The graph's own code path: a full graph ran the eager ops' capturable stand-ins.
+        with running(eager_inputs, "eager" if key.piecewise else "full"):
+            return real_rows(manager._forward(eager_inputs), batch.num_tokens, batch.num_tokens)
+
+    return _compare(
+        manager,
+        graph,
+        inputs,
+        eager,
+        lambda diff: (
             f"replay differs from eager on a partly filled batch ({batch.num_tokens} of {key.num_tokens} "
             f"tokens, {batch.num_reqs} of {shape.num_reqs} requests, other token ids, lengths and blocks: "
-            f"{'; '.join(first[:3])}). The graph froze a host value at capture (a Python number read "
+            f"{diff}). The graph froze a host value at capture (a Python number read "
             "from inputs.host or inputs.num_tokens / num_reqs, a value prepare() computed, an .item()), "
             "or padded rows leak into real ones. Read per-step values only as tensors of ForwardInputs "
             "(or of your own BufferSpec buffers that prepare() fills), give padded tokens a sink, and "
             "never slice by a Python count"
-        ) from None
+        ),
+    )
+
+
+def _compare(
+    manager: CaptureManager,
+    graph: CapturedGraph,
+    inputs: ForwardInputs,
+    eager: Callable[[], Any],
+    message: Callable[[str], str],
+) -> float:
+    """Replay `graph` on the staged `inputs`, then time `eager()` (the expected real rows) and
+    compare; `CaptureError(message(first lines of the difference))` when they differ."""
+    with running(inputs):  # eager ops between pieces read the step through current_inputs()
+        replayed = cloned(real_rows(graph.replay(), inputs.num_tokens, inputs.key.num_tokens))
+    manager.backend.synchronize()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        expected = eager()
+    manager.backend.synchronize()  # time the GPU work, not the launches
+    seconds = time.perf_counter() - t0
+    try:
+        torch.testing.assert_close(replayed, expected, **manager.config.checks.tolerance)
+    except AssertionError as exc:
+        raise CaptureError(message("; ".join(str(exc).strip().splitlines()[:3]))) from None
     return seconds
 
 

@@ -29,6 +29,24 @@ PIECEWISE = {"model.attention": "per_request", "model.num_layers": 2}
 MODES = ("piecewise", "full_and_piecewise")
 
 
+class Forward(torch.nn.Module):
+    """The reference model of `config` (`inner`) under a test's own `forward(inner, inputs)`."""
+
+    def __init__(self, config, forward) -> None:
+        super().__init__()
+        self.inner, self.fn = build_model(config), forward
+
+    def forward(self, inputs):
+        return self.fn(self.inner, inputs)
+
+
+def with_model(config, model):
+    """A manager of `config` that captures `model` instead of the reference model."""
+    manager = make_manager(config)
+    manager.model, manager._forward = model, model.forward
+    return manager
+
+
 @pytest.fixture(scope="module", params=MODES)
 def captured(request):
     config = make_config(PIECEWISE, capture__mode=request.param)
@@ -162,8 +180,7 @@ def _pool_out(h, out=None):
 def test_a_replay_runs_pieces_and_ops_without_the_python_forward(use_out, copies):
     config = make_config(capture__mode="piecewise")
     model = Pooled(config, use_out=use_out)
-    manager = make_manager(config)
-    manager.model, manager._forward = model, model.forward
+    manager = with_model(config, model)
     report = manager.capture()
     assert all(r.pieces == 2 and r.eager_ops == 1 for r in report.records)
     calls = model.forward_calls
@@ -192,20 +209,12 @@ def test_an_eager_op_is_a_plain_call_outside_steps_and_current_inputs_needs_a_st
 
 def test_a_graph_unsafe_op_outside_eager_op_is_named_at_capture():
     config = make_config(PIECEWISE, capture__mode="piecewise")
-    inner = build_model(config)
 
-    class HostReadOutside(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = inner
+    def host_read_outside(inner, inputs):
+        scale = inputs.input_ids.float().mean().item()  # outside any eager_op
+        return inner(inputs) * scale
 
-        def forward(self, inputs):
-            scale = inputs.input_ids.float().mean().item()  # outside any eager_op
-            return self.inner(inputs) * scale
-
-    manager = make_manager(config)
-    manager.model = HostReadOutside()
-    manager._forward = manager.model.forward
+    manager = with_model(config, Forward(config, host_read_outside))
     with pytest.raises(CaptureUnsafeError, match=r"item.*test_piecewise\.py:\d+"):
         manager.capture()
     assert manager.graphs == {}
@@ -213,20 +222,12 @@ def test_a_graph_unsafe_op_outside_eager_op_is_named_at_capture():
 
 def test_request_metadata_read_between_the_ops_is_refused_at_capture():
     config = make_config(PIECEWISE, capture__mode="piecewise")
-    inner = build_model(config)
 
-    class ReadsSeqLens(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = inner
+    def reads_seq_lens(inner, inputs):
+        longest = inputs.seq_lens.amax()  # request-shaped: [R] changes from step to step
+        return inner(inputs) + longest.float() * 0
 
-        def forward(self, inputs):
-            longest = inputs.seq_lens.amax()  # request-shaped: [R] changes from step to step
-            return self.inner(inputs) + longest.float() * 0
-
-    manager = make_manager(config)
-    manager.model = ReadsSeqLens()
-    manager._forward = manager.model.forward
+    manager = with_model(config, Forward(config, reads_seq_lens))
     with pytest.raises(CaptureError, match=r"reads inputs\.seq_lens .*test_piecewise\.py:\d+ outside any eager_op"):
         manager.capture()
 
@@ -234,14 +235,7 @@ def test_request_metadata_read_between_the_ops_is_refused_at_capture():
 def test_request_metadata_passed_to_an_eager_op_is_refused():
     config = make_config(capture__mode="piecewise")
     op = eager_op(lambda h, seq_lens: h * seq_lens.float().mean())
-
-    class PassesMetadata(torch.nn.Module):
-        def forward(self, inputs):
-            return op(inputs.input_ids.float(), inputs.seq_lens)
-
-    manager = make_manager(config)
-    manager.model = PassesMetadata()
-    manager._forward = manager.model.forward
+    manager = with_model(config, Forward(config, lambda inner, inputs: op(inputs.input_ids.float(), inputs.seq_lens)))
     with pytest.raises(CaptureError, match=r"is passed inputs\.seq_lens.*current_inputs\(\)"):
         manager.capture()
 
@@ -249,14 +243,9 @@ def test_request_metadata_passed_to_an_eager_op_is_refused():
 def test_an_op_whose_result_shape_follows_the_metadata_is_refused_at_verification():
     config = make_config(capture__mode="piecewise")
     op = eager_op(lambda h: h[: current_inputs().num_tokens].clone())  # shape = the real token count
-
-    class RealRowsOnly(torch.nn.Module):
-        def forward(self, inputs):
-            return op(inputs.input_ids.float()).sum(0, keepdim=True)
-
-    manager = make_manager(config)
-    manager.model = RealRowsOnly()
-    manager._forward = manager.model.forward
+    manager = with_model(
+        config, Forward(config, lambda inner, inputs: op(inputs.input_ids.float()).sum(0, keepdim=True))
+    )
     with pytest.raises(CaptureError, match=r"returned \(\d+,\) torch.float32 where capture saw \(8,\)"):
         manager.capture()
 
@@ -264,8 +253,7 @@ def test_an_op_whose_result_shape_follows_the_metadata_is_refused_at_verificatio
 def test_the_founding_bug_written_by_prepare_is_caught_before_the_first_piece():
     config = make_config(PIECEWISE, capture__mode="piecewise")
     model = build_model(config)
-    manager = make_manager(config)
-    manager.model, manager._forward = model, model.forward
+    manager = with_model(config, model)
     manager.capture()
 
     def buggy_prepare(inputs, capturing):
@@ -300,13 +288,6 @@ def test_an_out_parameter_must_default_to_none_and_be_written():
         eager_op(lambda h, out: h)
     config = make_config(capture__mode="piecewise")
     op = eager_op(lambda h, out=None: h * 2)  # ignores out: the next piece would read stale values
-
-    class IgnoresOut(torch.nn.Module):
-        def forward(self, inputs):
-            return op(inputs.input_ids.float() + 1) + 1
-
-    manager = make_manager(config)
-    manager.model = IgnoresOut()
-    manager._forward = manager.model.forward
+    manager = with_model(config, Forward(config, lambda inner, inputs: op(inputs.input_ids.float() + 1) + 1))
     with pytest.raises(CaptureError, match=r"was given out= and returned another tensor"):
         manager.capture()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -117,27 +117,9 @@ class GraphBackend:
         """
         _check_callable(fn)
         input_ptrs = record_input_ptrs(static_inputs)
-        self._check_not_capturing("capture()")
-        self._is_capturing = True
-        try:
-            with torch.inference_mode():
-                graph = self._capture(fn, name=name, input_ptrs=input_ptrs)
-        except BaseException:
-            self.pool.rotate()  # a failed capture may leave the pool pinned or recording (C1, C2)
-            raise
-        finally:
-            self._is_capturing = False
-        try:
-            # fn may have resized or `set_()` a buffer while it ran; the graph would then
-            # hold an address the caller no longer uses.
-            graph.check_addresses(static_inputs)
-        except StaticInputMovedError:
-            graph.release()
-            raise
-        if graph.uncompiled:
-            warnings.warn(uncompiled_warning(self.name, name, graph.uncompiled), UserWarning, stacklevel=2)
-        self._graphs.append(graph)
-        return graph
+        with self._capturing("capture()"):
+            graph = self._capture(fn, name=name, input_ptrs=input_ptrs)
+        return self._register(graph, static_inputs, name)
 
     def capture_pieces(
         self,
@@ -155,27 +137,41 @@ class GraphBackend:
         """
         _check_callable(fn)
         input_ptrs = record_input_ptrs(static_inputs)
-        self._check_not_capturing("capture_pieces()")
+        with self._capturing("capture_pieces()"):
+            session = self._piece_session(name)
+            try:
+                session.begin_piece()
+                graph = session.finish(fn(session), input_ptrs)
+            except BaseException:
+                session.abort()
+                raise
+        return self._register(graph, static_inputs, name)
+
+    @contextlib.contextmanager
+    def _capturing(self, what: str) -> Iterator[None]:
+        """One capture at a time, under inference mode; a failure rotates the pool (C1, C2)."""
+        self._check_not_capturing(what)
         self._is_capturing = True
-        session = self._piece_session(name)
         try:
             with torch.inference_mode():
-                session.begin_piece()
-                output = fn(session)
-                graph = session.finish(output, input_ptrs)
+                yield
         except BaseException:
-            session.abort()
-            self.pool.rotate()
+            self.pool.rotate()  # a failed capture may leave the pool pinned or recording
             raise
         finally:
             self._is_capturing = False
+
+    def _register(self, graph: CapturedGraph, static_inputs: Mapping[str, torch.Tensor], name: str) -> CapturedGraph:
+        """Check the inputs' addresses again, warn about uncompiled code, keep the graph."""
         try:
+            # fn may have resized or `set_()` a buffer while it ran; the graph would then
+            # hold an address the caller no longer uses.
             graph.check_addresses(static_inputs)
         except StaticInputMovedError:
             graph.release()
             raise
         if graph.uncompiled:
-            warnings.warn(uncompiled_warning(self.name, name, graph.uncompiled), UserWarning, stacklevel=2)
+            warnings.warn(uncompiled_warning(self.name, name, graph.uncompiled), UserWarning, stacklevel=3)
         self._graphs.append(graph)
         return graph
 
