@@ -80,6 +80,19 @@ class Case:
     block_table: np.ndarray
 
 
+def _decode_cases(config, registry, rng, blocks, reqs_list) -> list[Case]:
+    """One decode step per request count, each request on its own row of `blocks`."""
+    kv, width, vocab = config.kv_cache, config.kv_cache.max_blocks_per_req, config.model.vocab_size
+    cases = []
+    for num_reqs in reqs_list:
+        q = np.ones(num_reqs, dtype=np.int32)
+        s = rng.integers(1, kv.max_model_len + 1, num_reqs).astype(np.int32)
+        ids = rng.integers(0, vocab, num_reqs).astype(np.int32)
+        table = blocks[: num_reqs * width].reshape(num_reqs, width)
+        cases.append(Case(f"decode {num_reqs} reqs", _key_for(registry, q, s), q, s, ids, table))
+    return cases
+
+
 def make_cases(config: CaptureConfig, registry: KeyRegistry, seed: int = 0) -> list[Case]:
     rng = np.random.default_rng(seed)
     kv = config.kv_cache
@@ -87,20 +100,7 @@ def make_cases(config: CaptureConfig, registry: KeyRegistry, seed: int = 0) -> l
     vocab = config.model.vocab_size
     # Every request owns distinct blocks (block 0 is the null block).
     blocks = rng.permutation(np.arange(1, kv.num_blocks, dtype=np.int32))
-    cases = []
-    for num_reqs in DECODE_REQS:
-        q = np.ones(num_reqs, dtype=np.int32)
-        s = rng.integers(1, kv.max_model_len + 1, num_reqs).astype(np.int32)
-        cases.append(
-            Case(
-                f"decode {num_reqs} reqs",
-                _key_for(registry, q, s),
-                q,
-                s,
-                rng.integers(0, vocab, num_reqs).astype(np.int32),
-                blocks[: num_reqs * width].reshape(num_reqs, width),
-            )
-        )
+    cases = _decode_cases(config, registry, rng, blocks, DECODE_REQS)
     num_reqs, num_tokens = PREFILL
     q = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int32)
     # Chunked prefill: each chunk follows some context already in the cache.
@@ -128,20 +128,7 @@ def make_compare_cases(config: CaptureConfig, registry: KeyRegistry, seed: int =
     width = kv.max_blocks_per_req
     vocab = config.model.vocab_size
     blocks = rng.permutation(np.arange(1, kv.num_blocks, dtype=np.int32))
-    cases = []
-    for num_reqs in COMPARE_DECODE_REQS:
-        q = np.ones(num_reqs, dtype=np.int32)
-        s = rng.integers(1, kv.max_model_len + 1, num_reqs).astype(np.int32)
-        cases.append(
-            Case(
-                f"decode {num_reqs} reqs",
-                _key_for(registry, q, s),
-                q,
-                s,
-                rng.integers(0, vocab, num_reqs).astype(np.int32),
-                blocks[: num_reqs * width].reshape(num_reqs, width),
-            )
-        )
+    cases = _decode_cases(config, registry, rng, blocks, COMPARE_DECODE_REQS)
     prefills, chunk, decodes = COMPARE_MIXED
     num_reqs = prefills + decodes
     # Decodes first, as engines that split decodes from prefills order the batch.
