@@ -291,3 +291,10 @@ def test_an_out_parameter_must_default_to_none_and_be_written():
     manager = with_model(config, Forward(config, lambda inner, inputs: op(inputs.input_ids.float() + 1) + 1))
     with pytest.raises(CaptureError, match=r"was given out= and returned another tensor"):
         manager.capture()
+
+
+def test_eager_op_refuses_what_is_not_a_function():
+    with pytest.raises(TypeError, match=r"eager_op decorates a function; got int"):
+        eager_op(3)
+    with pytest.raises(TypeError, match=r"eager_op\(capturable=\.\.\.\) must be a function; got str"):
+        eager_op(capturable="paged")(lambda h: h)
