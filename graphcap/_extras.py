@@ -13,7 +13,7 @@ import numpy as np
 from graphcap.errors import BatchError
 from graphcap.inputs import BufferSpec
 
-__all__ = ["check_extras", "check_extras_fit", "full_shape", "pad_extra", "rows", "stage_extra"]
+__all__ = ["check_extras", "check_extras_fit", "full_shape", "pad_extra", "rows", "sampled", "stage_extra"]
 
 
 def check_extras(extras: tuple[BufferSpec, ...]) -> None:
@@ -46,6 +46,30 @@ def check_extras_fit(
                 f"row_dim {spec.row_dim})"
             )
         _check_extra_values(spec, value)
+
+
+def sampled(extras: tuple[BufferSpec, ...], rng: np.random.Generator, num_tokens: int, num_reqs: int) -> dict:
+    """Real rows of every buffer with a `sample` for a batch graphcap makes (capture, verification)."""
+    out = {}
+    for spec in extras:
+        if spec.sample is None:
+            continue
+        real = {"tokens": num_tokens, "reqs": num_reqs, "none": 0}[spec.rows]
+        expected = real_shape(spec, None if spec.rows == "none" else real)
+        try:
+            value = np.asarray(spec.sample(rng, real))
+        except Exception as exc:
+            raise ValueError(
+                f"BufferSpec {spec.name!r}: sample(rng, {real}) raised {type(exc).__name__}: {exc}; it must return "
+                f"the real rows of a batch graphcap makes, shape {expected}"
+            ) from exc
+        if value.shape != expected:
+            raise ValueError(
+                f"BufferSpec {spec.name!r}: sample(rng, {real}) returned shape {value.shape}; expected {expected} "
+                f"(one row per real {'token' if spec.rows == 'tokens' else 'request'} of the batch)"
+            )
+        out[spec.name] = value
+    return out
 
 
 def stage_extra(host: np.ndarray, spec: BufferSpec, value: np.ndarray | None, T: int, R: int, n: int, r: int) -> None:

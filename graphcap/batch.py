@@ -9,7 +9,7 @@ into the pass that stages the values.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -20,7 +20,7 @@ from graphcap._refusals import check_block_ids, check_seq_lens, check_token_ids
 from graphcap.block_table import BlockTable
 from graphcap.errors import BatchError
 
-__all__ = ["GraphKey", "StepBatch", "distinct_blocks", "dummy_batch", "probe_batch"]
+__all__ = ["GraphKey", "Probe", "StepBatch", "distinct_blocks", "dummy_batch", "probe_batch"]
 
 _NO_EXTRAS: Mapping[str, np.ndarray] = MappingProxyType({})
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
@@ -198,17 +198,38 @@ def dummy_batch(key: GraphKey, *, max_model_len: int | None = None) -> StepBatch
     return StepBatch(q, q.copy())
 
 
+class Probe(NamedTuple):
+    """A verification batch and whether its real tokens may write the KV cache."""
+
+    batch: StepBatch
+    writes_kv: bool
+    """True: every real token writes its own slot, in a block the engine named scratch; False: the
+    block table reads live blocks, and staging gives every real token the pad slot (no KV write)."""
+
+
 def probe_batch(
-    key: GraphKey, *, max_model_len: int, block_size: int, num_blocks: int, vocab_size: int, seed: int = 0
-) -> StepBatch:
+    key: GraphKey,
+    *,
+    max_model_len: int,
+    block_size: int,
+    num_blocks: int,
+    vocab_size: int,
+    seed: int = 0,
+    scratch_blocks: Sequence[int] = (),
+) -> Probe:
     """A second verification batch for `key`: partly filled, unlike the dummy batch in every value.
 
     Fewer real requests than `R` (and fewer tokens than `T`, for mixed keys) wherever the key
     allows, so padded rows exist; random token ids, context lengths and block tables. A graph
     that froze a host value at capture (a Python count, a value read from the host metadata)
     or lets padded rows leak into real ones gives different real rows than an eager run of
-    this batch. Every request gets its own blocks (from 1 up: never the null block), so no two
-    tokens write one KV slot; the batch writes the KV cache of those blocks.
+    this batch.
+
+    The probe never writes a KV block that may hold a live request's keys: its context reads
+    random blocks (from 1 up, never the null block), and the blocks its tokens are computed in
+    come from `scratch_blocks` (blocks the engine says are free) when there are enough of them,
+    one slot per token (`writes_kv`). Otherwise those tokens must write nothing: the caller
+    stages them with the pad slot (`writes_kv` False).
     """
     rng = np.random.default_rng([seed, key.num_tokens, key.num_reqs, int(key.uniform)])
     T, R = key.num_tokens, key.num_reqs
@@ -230,8 +251,17 @@ def probe_batch(
     if (-(-(context + q) // block_size)).sum() > num_blocks - 1:  # too few blocks for random context
         context[:] = 0
     blocks = distinct_blocks(q + context, block_size, num_blocks, rng)
+    # The columns each request's computed tokens fall in: [first, last) per request.
+    first, last = context // block_size, -(-(context + q) // block_size)
+    scratch = np.unique(np.asarray(scratch_blocks, dtype=np.int64))
+    writes = bool(scratch.size) and int((last - first).sum()) <= scratch.size
+    if writes:
+        taken = iter(rng.permutation(scratch).tolist())
+        for i in range(len(q)):
+            for j in range(int(first[i]), int(last[i])):
+                blocks[i, j] = next(taken)
     ids = rng.integers(0, vocab_size, int(q.sum()))
-    return StepBatch(q, q + context, ids, blocks)
+    return Probe(StepBatch(q, q + context, ids, blocks), writes)
 
 
 def distinct_blocks(seq_lens: np.ndarray, block_size: int, num_blocks: int, rng: np.random.Generator) -> np.ndarray:

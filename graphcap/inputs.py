@@ -75,6 +75,12 @@ class BufferSpec:
     `shape=(3,), row_dim=1`). `pad` fills padded rows (and the whole tensor of a `none`
     buffer a step does not give). `check(host_view, num_real_rows)` runs at the configured
     invariant level (`basic` and `full`) on the staged host rows and raises to refuse them.
+    `sample(rng, num_real_rows)`: the real rows of the batches graphcap makes for capture and
+    verification (a numpy `Generator`; `num_real_rows` is 0 for a `none` buffer, which returns
+    the whole tensor), so verification runs the buffer with real values, not only its pad.
+    Without it those batches hold the pad in every row. Values that index engine state (a
+    second KV group's slots, a state row) must name rows the engine lets graphcap write: the
+    capture pass writes what the model writes for them.
     """
 
     name: str
@@ -84,11 +90,14 @@ class BufferSpec:
     pad: int | float | bool = 0
     row_dim: int = 0
     check: Callable[[np.ndarray, int], Any] | None = field(default=None, compare=False)
+    sample: Callable[[np.random.Generator, int], Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         problems = buffer_problems(self.name, self.rows, self.shape, self.dtype, self.pad, self.row_dim)
         if self.check is not None and not callable(self.check):
             problems.append(("check", f"must be callable(host_view, num_real_rows); got {type(self.check).__name__}"))
+        if self.sample is not None and not callable(self.sample):
+            problems.append(("sample", f"must be callable(rng, num_real_rows); got {type(self.sample).__name__}"))
         if problems:
             detail = "; ".join(f"{key}: {message}" for key, message in problems)
             raise ValueError(f"BufferSpec {self.name!r}: {detail}")

@@ -38,7 +38,11 @@ _less, _subtract = np.less, np.subtract
 
 
 def check_invariants(
-    inputs: ForwardInputs, level: Literal["off", "basic", "full"] = "basic", *, dummy: bool = False
+    inputs: ForwardInputs,
+    level: Literal["off", "basic", "full"] = "basic",
+    *,
+    dummy: bool = False,
+    kv_writes: bool = True,
 ) -> None:
     """Raise `InvariantViolation` for the first broken rule in `inputs` (see the module table).
 
@@ -46,7 +50,9 @@ def check_invariants(
     graph still runs. `dummy`: the batch is one graphcap made for capture or verification
     (or a step given without a block table), whose requests share the null block by design;
     the `full` rules on KV writes that only real steps must keep (no null block, no slot
-    written twice) are skipped for it. Normally `CaptureManager` calls this on every step.
+    written twice) are skipped for it. `kv_writes=False`: a verification batch whose real tokens
+    must write nothing (every slot the pad slot; `full` checks that instead of their blocks).
+    Normally `CaptureManager` calls this on every step.
     """
     if level == "off":
         return
@@ -57,8 +63,9 @@ def check_invariants(
             _check_basic(inputs)  # finds and names the first broken rule
         if level == "full":
             lens = _lengths(inputs.host.query_start_loc)
-            _check_full(inputs, lens)
-            _check_kv_writes(inputs, lens, dummy)
+            _check_full(inputs, lens, kv_writes)
+            if kv_writes:
+                _check_kv_writes(inputs, lens, dummy)
         if inputs.limits.extras:
             _check_extras(inputs, level)
     except InvariantViolation:
@@ -253,13 +260,18 @@ def _check_basic(inputs: ForwardInputs) -> None:
         )
 
 
-def _check_full(inputs: ForwardInputs, lens: np.ndarray) -> None:
+def _check_full(inputs: ForwardInputs, lens: np.ndarray, kv_writes: bool = True) -> None:
     host, key, lim = inputs.host, inputs.key, inputs.limits
     pad = lim.pad
     n, r = inputs.num_tokens, inputs.num_reqs
     slots = host.slot_mapping[:n]
     num_slots = lim.num_slots
-    if n and (slots.min() < 0 or (num_slots is not None and slots.max() >= num_slots)):
+    if not kv_writes:
+        bad = np.flatnonzero(slots != pad.slot)
+        if bad.size:
+            t = int(bad[0])
+            _fail("slot_mapping", t, pad.slot, int(slots[t]), "a verification batch writes no live KV slot", key)
+    elif n and (slots.min() < 0 or (num_slots is not None and slots.max() >= num_slots)):
         t = int(np.argmax((slots < 0) | (slots >= (num_slots or np.iinfo(np.int32).max))))
         _fail("slot_mapping", t, f"in [0, {num_slots})", int(slots[t]), "a real token writes a real KV-cache slot", key)
     starts = host.query_start_loc[:r]

@@ -20,10 +20,12 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from graphcap._extras import sampled
 from graphcap.backends import CapturedGraph, GraphBackend, get_backend, is_sticky_cuda_error, resolve_device
 from graphcap.backends.pieces import forbidden_reads
 from graphcap.batch import GraphKey, StepBatch, dummy_batch
@@ -116,6 +118,7 @@ class CaptureManager:
         self._counting = True
         self._in_step: str | None = None
         self._guard = StaticGuard()
+        self._scratch_blocks: tuple[int, ...] = ()  # KV blocks the current capture pass may write
         self.last_key: GraphKey | None = None
         """The key the last `execute`/`eager` step ran with (a captured key, or the unpadded
         eager key); read it instead of dispatching the same batch twice."""
@@ -152,8 +155,17 @@ class CaptureManager:
 
     # -- capture -------------------------------------------------------------------------
 
-    def capture(self) -> CaptureReport:
+    def capture(self, *, scratch_blocks: Iterable[int] = ()) -> CaptureReport:
         """Capture every planned key (largest first) and return the report.
+
+        What the pass writes: the persistent buffers (graphcap's own staging), the null block 0
+        of the KV cache (dummy batches keep their keys and values there), whatever the model
+        writes for padded tokens (the pad slot: for the built-in model its own scratch block),
+        and the blocks of `scratch_blocks`. Nothing else the engine owns: a re-capture while
+        requests are in flight leaves their KV blocks bit-identical. `scratch_blocks` are block
+        ids the engine is not using (from its free list): the verification batch then writes its
+        keys and values there, one slot per token; without enough of them it reads live blocks
+        and writes no KV slot.
 
         Replaces graphs from an earlier pass. `capture.on_error: raise`: the first failure
         releases every graph of this pass and raises `CaptureError` naming the key and a
@@ -171,8 +183,10 @@ class CaptureManager:
         report_path = self.config.report.path
         if report_path:
             check_report_path(report_path)
+        scratch = self._check_scratch(scratch_blocks)
         with self._lock, self._step("capture"):
             self._check_warmups()
+            self._scratch_blocks = scratch
             self._release_all()
             self._guard.arm(self._guard.collect(self.model, self.buffers.storage()), self.model)
             order = self.registry.capture_order()
@@ -234,7 +248,7 @@ class CaptureManager:
         graph = None
         failure: BaseException | None = None
         try:
-            batch = dummy_batch(self._shape_of(key), max_model_len=self.config.kv_cache.max_model_len)
+            batch = self._sampled(dummy_batch(self._shape_of(key), max_model_len=self.config.kv_cache.max_model_len), 0)
             inputs = self._stage(batch, self.registry.staging_key(key, batch.num_reqs), capturing=True, dummy=True)
             forward = self._forward
             # A full graph holds the whole forward (eager ops run their capturable stand-ins);
@@ -315,6 +329,15 @@ class CaptureManager:
     def _shape_of(self, key: GraphKey) -> GraphKey:
         return key.shape(self.config.batching.max_num_seqs)
 
+    def _sampled(self, batch: StepBatch, seed: int) -> StepBatch:
+        """`batch` with real rows for every engine buffer that has a `sample` (capture and verification)."""
+        specs = self.buffers.extras
+        if not any(spec.sample is not None for spec in specs):
+            return batch
+        rng = np.random.default_rng([seed, batch.num_tokens, batch.num_reqs])
+        extras = sampled(specs, rng, batch.num_tokens, batch.num_reqs)
+        return StepBatch(batch.query_lens, batch.seq_lens, batch.input_ids, batch.block_table, extras=extras)
+
     def _piecewise_warmup(self, inputs: ForwardInputs) -> Callable[[], Any]:
         """The warmup of a piecewise key: eager ops run outside the checks (their bodies never run
         in a graph), and the code between them may not read request metadata (`forbidden_reads`)."""
@@ -325,6 +348,20 @@ class CaptureManager:
                 return forward(inputs)
 
         return run
+
+    def _check_scratch(self, blocks: Iterable[int]) -> tuple[int, ...]:
+        if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Iterable):
+            raise TypeError(f"scratch_blocks must be a list of block ids; got {type(blocks).__name__}")
+        out = []
+        num_blocks = self.config.kv_cache.num_blocks
+        for block in blocks:
+            if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or not 1 <= block < num_blocks:
+                raise ValueError(
+                    f"scratch_blocks holds {block!r}; scratch blocks are ids of free KV-cache blocks in "
+                    f"[1, {num_blocks}) (kv_cache.num_blocks; block 0 is the null block, written anyway)"
+                )
+            out.append(int(block))
+        return tuple(out)
 
     def _check_warmups(self) -> None:
         """R4: a backend that needs plain warmups before capture (cuda) refuses `num_warmups: 0`."""
@@ -416,21 +453,31 @@ class CaptureManager:
         return real_rows(output, batch.num_tokens, batch.num_tokens, what="model.forward (eager) of")
 
     def _stage(
-        self, batch: StepBatch, key: GraphKey, *, capturing: bool = False, dummy: bool = False, replay: bool = True
+        self,
+        batch: StepBatch,
+        key: GraphKey,
+        *,
+        capturing: bool = False,
+        dummy: bool = False,
+        replay: bool = True,
+        kv_writes: bool = True,
     ) -> ForwardInputs:
         """The one staging path of capture, replay and eager: stage, let the model plan, prove, upload.
 
         The invariants run after `prepare`, on the host rows the upload then copies, so nothing
         `prepare` writes reaches a graph unchecked. `dummy`: a batch graphcap made (its requests
         share the null block by design). `replay`: the staging feeds a graph (capture, replay),
-        not an eager run.
+        not an eager run. `kv_writes=False`: a verification batch that reads live blocks; its real
+        tokens get the pad slot, so the forward writes no KV slot an engine's request may own.
         """
         inputs = self.buffers.stage(batch, key, upload=False)
+        if not kv_writes:
+            inputs.host.slot_mapping[: inputs.num_tokens] = self.buffers.limits.pad.slot
         if self._prepare_replay:
             self._prepare(inputs, capturing=capturing, replay=replay)
         elif self._prepare is not None:
             self._prepare(inputs, capturing=capturing)
-        check_invariants(inputs, self._level, dummy=dummy or batch.block_table is None)
+        check_invariants(inputs, self._level, dummy=dummy or batch.block_table is None, kv_writes=kv_writes)
         self.buffers.upload()  # the rows just staged and checked
         return inputs
 

@@ -52,18 +52,21 @@ def verify_probe(manager: CaptureManager, graph: CapturedGraph, key: GraphKey) -
     rows with an eager run of it: padded rows run, and a value frozen at capture shows."""
     kv = manager.config.kv_cache
     shape = manager._shape_of(key)
-    batch = probe_batch(
+    batch, writes = probe_batch(
         shape,
         max_model_len=kv.max_model_len,
         block_size=kv.block_size,
         num_blocks=kv.num_blocks,
         vocab_size=manager.config.model.vocab_size,
+        scratch_blocks=manager._scratch_blocks,
     )
-    inputs = manager._stage(batch, manager.registry.staging_key(key, batch.num_reqs), capturing=True, dummy=True)
+    batch = manager._sampled(batch, 1)
+    staging_key = manager.registry.staging_key(key, batch.num_reqs)
+    inputs = manager._stage(batch, staging_key, capturing=True, dummy=True, kv_writes=writes)
 
     def eager() -> Any:
         eager_key = manager.registry.eager_key(batch.num_tokens, batch.num_reqs)
-        eager_inputs = manager._stage(batch, eager_key, capturing=True, dummy=True, replay=False)
+        eager_inputs = manager._stage(batch, eager_key, capturing=True, dummy=True, replay=False, kv_writes=writes)
         # The graph's own code path: a full graph ran the eager ops' capturable stand-ins.
         with running(eager_inputs, "eager" if key.piecewise else "full"):
             return real_rows(manager._forward(eager_inputs), batch.num_tokens, batch.num_tokens)

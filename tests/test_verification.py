@@ -59,7 +59,14 @@ def test_the_dummy_batch_alone_would_have_passed():
     manager.model, manager._forward = model, model.forward
     manager._verify_probe = lambda graph, key: 0.0  # the verification before this issue
     manager.capture()  # passes: the damage shows only on a real, partly filled step
-    batch = probe_batch(GraphKey(4, 4, False), max_model_len=32, block_size=4, num_blocks=72, vocab_size=128)
+    batch, _ = probe_batch(
+        GraphKey(4, 4, False),
+        max_model_len=32,
+        block_size=4,
+        num_blocks=72,
+        vocab_size=128,
+        scratch_blocks=range(1, 72),
+    )
     with pytest.raises(AssertionError):
         torch.testing.assert_close(manager.execute(batch).clone(), manager.eager(batch))
 
@@ -105,13 +112,15 @@ def test_probe_batch_is_partly_filled_and_fits_its_key(T, R, uniform, seed):
         T = T - T % R or R
     key = GraphKey(T, R, uniform)
     limits = Limits.of(make_config())
-    batch = probe_batch(
+    scratch = list(range(limits.num_blocks // 2, limits.num_blocks))
+    batch, writes = probe_batch(
         key,
         max_model_len=limits.max_model_len,
         block_size=limits.block_size,
         num_blocks=limits.num_blocks,
         vocab_size=limits.vocab_size,
         seed=seed,
+        scratch_blocks=scratch,
     )
     assert batch.num_tokens <= T and batch.num_reqs <= R
     if R > 1:
@@ -121,12 +130,16 @@ def test_probe_batch_is_partly_filled_and_fits_its_key(T, R, uniform, seed):
     if uniform:
         assert batch.is_uniform(T // R)
     assert batch.max_seq_len <= limits.max_model_len
-    # Every request its own blocks (never the null block): no two tokens write one slot.
     starts = batch.seq_lens - batch.query_lens
-    slots = [
-        int(batch.block_table[i, p // limits.block_size]) * limits.block_size + p % limits.block_size
-        for i in range(batch.num_reqs)
-        for p in range(int(starts[i]), int(batch.seq_lens[i]))
-    ]
-    assert len(set(slots)) == len(slots) and min(slots) >= limits.block_size
+    # Every request reads its own blocks, never the null block; with enough scratch blocks every
+    # computed token writes its own slot, and only in a scratch block.
+    bs = limits.block_size
+    for i in range(batch.num_reqs):
+        assert np.all(batch.block_table[i, : -(-int(batch.seq_lens[i]) // bs)] >= 1)
+    tokens = [(i, p) for i in range(batch.num_reqs) for p in range(int(starts[i]), int(batch.seq_lens[i]))]
+    written = [int(batch.block_table[i, p // bs]) for i, p in tokens]
+    slots = [block * bs + p % bs for block, (_, p) in zip(written, tokens)]
+    assert writes == (sum(-(-int(s) // bs) - int(c) // bs for s, c in zip(batch.seq_lens, starts)) <= len(scratch))
+    if writes:
+        assert len(set(slots)) == len(slots) and set(written) <= set(scratch)
     assert np.all(batch.input_ids < limits.vocab_size)

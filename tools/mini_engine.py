@@ -12,13 +12,19 @@ eagerly (`manager.eager`), and a dense reference that recomputes each request fr
 with no KV cache, no paging and no padding. Logits are compared with `torch.testing`, and the
 sampled token streams must be identical.
 
+A re-capture while requests are in flight (`--recapture-at STEP`, as after a weight swap)
+hands graphcap the free blocks as scratch and must leave every live request's KV blocks as
+they were: the run then prints the same token-stream digest as a run without it.
+
     python tools/mini_engine.py --steps 300 --seed 0
     python tools/mini_engine.py --steps 40 --seed 1 --quiet   # the CI run
+    python tools/mini_engine.py --steps 60 --seed 1 --recapture-at 20 --recapture-at 41
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -46,8 +52,10 @@ CONFIG = {
 }
 NUM_ADAPTERS = 3
 BUFFERS = [
-    BufferSpec("adapter", "tokens", pad=-1),  # a LoRA-style adapter per token; -1: none
-    BufferSpec("temperature", "reqs", dtype="float32", pad=1.0),
+    # A LoRA-style adapter per token (-1: none) and a temperature per request. Capture's own
+    # batches sample real values for both, so verification runs the adapted path too.
+    BufferSpec("adapter", "tokens", pad=-1, sample=lambda rng, rows: rng.integers(-1, NUM_ADAPTERS, rows)),
+    BufferSpec("temperature", "reqs", dtype="float32", pad=1.0, sample=lambda rng, rows: rng.uniform(0.5, 1.5, rows)),
 ]
 
 
@@ -247,9 +255,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300, help="engine steps (default 300)")
     parser.add_argument("--seed", type=int, default=0, help="seed of arrivals, prompts and lengths (default 0)")
     parser.add_argument("--quiet", action="store_true", help="the summary only")
+    parser.add_argument(
+        "--recapture-at",
+        type=int,
+        action="append",
+        default=[],
+        metavar="STEP",
+        help="capture again before this step, requests in flight (repeatable)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1; got {args.steps}")
+    for step in args.recapture_at:
+        if not 0 <= step < args.steps:
+            parser.error(f"--recapture-at must be a step in [0, {args.steps}); got {step}")
     torch.set_num_threads(1)
     config = load_config(overrides=CONFIG)
     model = AdaptedLlama(config)
@@ -259,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"captured {len(report.captured)} graphs in {report.total_seconds:.2f} s", file=sys.stderr)
     engine = MiniEngine(manager, model, args.seed)
     for index in range(args.steps):
+        if index in args.recapture_at:
+            live = sum(len(r.blocks) for r in engine.running)
+            manager.capture(scratch_blocks=list(engine.pool.free))  # only free blocks may be written
+            if not args.quiet:
+                print(f"step {index}: captured again with {live} live blocks in flight", file=sys.stderr)
         engine.step(index)
     stats = manager.stats.as_dict()
     replayed = sum(stats["graph_hits"].values())
@@ -270,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  steps replayed: {replayed}; eager: {sum(eager.values())} ({dict(eager) or 'none'})")
     print(f"  padded-token waste of replayed steps: {stats['padded_token_waste']:.1%}")
     print("  every step: graph == eager == dense logits, identical token streams")
+    digest = hashlib.sha256(repr(sorted(engine.streams.items())).encode()).hexdigest()[:16]
+    recaptures = f" ({len(args.recapture_at)} re-captures)" if args.recapture_at else ""
+    print(f"  token streams digest: {digest}{recaptures}")
     return 0
 
 

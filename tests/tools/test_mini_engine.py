@@ -28,6 +28,17 @@ def test_a_short_run_agrees_every_step_and_prints_its_summary():
     assert re.search(r"padded-token waste of replayed steps: \d+\.\d%", out)
 
 
+def test_a_recapture_with_requests_in_flight_leaves_the_token_streams_unchanged():
+    """Two re-captures mid-run, live blocks in flight: every step still agrees and the streams are identical."""
+    digests = []
+    for extra in ((), ("--recapture-at", "15", "--recapture-at", "31")):
+        result = run_tool("mini_engine.py", "--steps", "45", "--seed", "1", "--quiet", *extra, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        digests.append(re.search(r"token streams digest: (\w+)", result.stdout).group(1))
+    assert "(2 re-captures)" in result.stdout
+    assert digests[0] == digests[1]
+
+
 def test_an_engine_that_hands_out_the_null_block_is_stopped_before_the_model_runs(monkeypatch):
     """The engine's side of the contract: block 0 is graphcap's. A pool that hands it out is caught."""
     monkeypatch.setattr(mini_engine.BlockPool, "__init__", lambda self, n: setattr(self, "free", deque(range(n))))
@@ -38,3 +49,8 @@ def test_an_engine_that_hands_out_the_null_block_is_stopped_before_the_model_run
 def test_steps_must_be_positive():
     result = run_tool("mini_engine.py", "--steps", "0")
     assert result.returncode == 2 and "--steps must be >= 1; got 0" in result.stderr
+
+
+def test_recapture_at_must_be_a_step_of_the_run():
+    result = run_tool("mini_engine.py", "--steps", "10", "--recapture-at", "10")
+    assert result.returncode == 2 and "--recapture-at must be a step in [0, 10); got 10" in result.stderr

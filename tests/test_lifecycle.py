@@ -1,0 +1,169 @@
+"""Capture in a living engine: a capture pass writes nothing the engine owns but the null block.
+
+An engine re-captures while requests are in flight (after a weight swap, on wake). Every KV
+block a live request owns must then be bit-identical to before the pass: the verification
+batch reads live blocks and writes only blocks the engine names as scratch (or nothing).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from graphcap import BufferSpec, CaptureError, CaptureManager, StepBatch
+from graphcap.models import build_model
+from graphcap.testing import make_config, make_manager
+
+MODES = {
+    "full": {},
+    "piecewise": {"capture.mode": "piecewise", "model.attention": "per_request"},
+    "full_and_piecewise": {"capture.mode": "full_and_piecewise", "model.attention": "per_request"},
+}
+
+
+def _changed_blocks(before: torch.Tensor, after: torch.Tensor) -> set[int]:
+    """Block ids (dim 3 of the built-in cache [L, 2, KV, NB + 1, bs, D]) whose bytes differ."""
+    differs = (before != after).any(dim=5).any(dim=4).any(dim=2).any(dim=1).any(dim=0)
+    return set(torch.nonzero(differs).flatten().tolist())
+
+
+def _live_cache(manager: CaptureManager) -> torch.Tensor:
+    """Fill the built-in model's KV cache with values no capture writes, as live requests would."""
+    cache = manager.model.kv_cache
+    generator = torch.Generator().manual_seed(7)
+    cache.copy_(torch.randn(cache.shape, generator=generator))
+    return cache.clone()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("first", [True, False], ids=["first_capture", "recapture"])
+def test_capture_leaves_every_kv_block_but_the_null_and_scratch_blocks_bit_identical(mode, first):
+    config = make_config(MODES[mode])
+    manager = make_manager(config)
+    if not first:
+        manager.capture()
+    before = _live_cache(manager)
+    report = manager.capture()
+    assert report.records and all(r.verified for r in report.records)
+    # Block 0 is the null block (dummy batches); block num_blocks the model's pad-slot scratch.
+    assert _changed_blocks(before, manager.model.kv_cache) <= {0, config.kv_cache.num_blocks}
+
+
+def test_scratch_blocks_are_the_only_other_blocks_a_capture_writes():
+    config = make_config()
+    manager = make_manager(config)
+    scratch = list(range(40, 72))
+    before = _live_cache(manager)
+    manager.capture(scratch_blocks=scratch)
+    changed = _changed_blocks(before, manager.model.kv_cache)
+    assert changed - {0, config.kv_cache.num_blocks} <= set(scratch)
+    assert changed & set(scratch), "with scratch blocks the verification batch writes its keys there"
+
+
+@pytest.mark.parametrize("scratch", [(), tuple(range(1, 72))], ids=["reads_only", "writes_scratch"])
+def test_the_probe_still_catches_a_host_value_frozen_into_the_graph(scratch):
+    config = make_config(capture__sizes=[4])
+    inner = build_model(config)
+
+    class FrozenCount(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, inputs):
+            return self.inner(inputs) * inputs.num_tokens  # a Python count: frozen at capture
+
+    manager = CaptureManager(FrozenCount(), config, progress=False)
+    with pytest.raises(CaptureError, match=r"partly filled batch .* froze a host value"):
+        manager.capture(scratch_blocks=scratch)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "error", "match"),
+    [
+        ([0], ValueError, r"scratch_blocks holds 0; .* \[1, 72\)"),
+        ([72], ValueError, r"scratch_blocks holds 72"),
+        ([3, -1], ValueError, r"scratch_blocks holds -1"),
+        ([1.5], ValueError, r"scratch_blocks holds 1.5"),
+        (5, TypeError, "scratch_blocks must be a list of block ids; got int"),
+        ("12", TypeError, "got str"),
+    ],
+)
+def test_bad_scratch_blocks_are_refused_before_anything_is_captured(blocks, error, match):
+    manager = make_manager(make_config())
+    with pytest.raises(error, match=match):
+        manager.capture(scratch_blocks=blocks)
+    assert not manager.graphs
+
+
+class StateModel(torch.nn.Module):
+    """An engine model with per-request state in its own tensor (as Mamba layers keep theirs).
+
+    `state_slot` (an engine buffer, pad 0) names each request's row of `state`; row 0 is the
+    engine's null row, which padded requests share. Each step writes the request's row from its
+    length, then every token reads its request's row.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.inner = build_model(config)
+        self.register_buffer("state", torch.zeros(24, config.model.vocab_size))
+        self.register_buffer("weight", torch.linspace(-1, 1, config.model.vocab_size))
+
+    def forward(self, inputs):
+        logits = self.inner(inputs)  # [T, V]
+        qsl, T, R = inputs.query_start_loc, logits.shape[0], inputs.seq_lens.shape[0]
+        req = torch.repeat_interleave(torch.arange(R + 1), torch.cat((qsl.diff(), T - qsl[R:])), output_size=T)
+        slots = inputs.extras["state_slot"].long()  # [R]
+        self.state.index_copy_(0, slots, inputs.seq_lens.float()[:, None] * self.weight)  # padded rows: 0
+        rows = torch.cat((slots, slots.new_zeros(1))).index_select(0, req)  # [T]
+        return logits + self.state.index_select(0, rows)
+
+
+def test_an_engines_own_state_rows_are_untouched_by_a_recapture():
+    config = make_config(capture__sizes=[4, 8])
+    model = StateModel(config)
+    # The engine hands graphcap rows 16-23 of its state for the capture's own batches.
+    spec = BufferSpec("state_slot", "reqs", pad=0, sample=lambda rng, rows: rng.permutation(np.arange(16, 24))[:rows])
+    manager = CaptureManager(model, config, buffers=[spec], progress=False)
+    manager.capture()
+    manager.execute(StepBatch([1, 1], [3, 5], extras={"state_slot": [4, 9]}))  # live rows 4 and 9
+    model.state[1:].add_(torch.rand(model.state[1:].shape))
+    before = model.state.clone()
+    manager.capture()
+    assert torch.equal(model.state[1:16], before[1:16])  # only the null row 0 and rows 16-23 may change
+
+
+def test_a_sample_of_the_wrong_shape_is_named():
+    config = make_config(capture__sizes=[4])
+    spec = BufferSpec("state_slot", "reqs", pad=0, sample=lambda rng, rows: np.arange(2))
+    manager = CaptureManager(StateModel(config), config, buffers=[spec], progress=False)
+    with pytest.raises(
+        CaptureError, match=r"BufferSpec 'state_slot': sample\(rng, 4\) returned shape \(2,\); expected \(4,\)"
+    ):
+        manager.capture()
+
+
+def test_recapture_mid_serving_gives_the_same_logits_as_no_recapture():
+    """Requests in flight on the persistent block table; one manager re-captures between steps."""
+    config = make_config()
+    outputs = []
+    for recapture in (False, True):
+        manager = make_manager(config)
+        manager.capture()
+        table = manager.block_table
+        rng = np.random.default_rng(3)
+        seq = np.array([5, 9, 2], dtype=np.int32)
+        for i, blocks in enumerate(([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12])):
+            table.set_row(i, blocks)
+        ids = rng.integers(0, 128, 16).astype(np.int32)
+        logits = [manager.execute(StepBatch(seq.tolist(), seq.tolist(), ids, table)).clone()]
+        for step in range(6):
+            if recapture and step == 2:
+                manager.capture()
+            seq = seq + 1
+            step_ids = rng.integers(0, 128, 3).astype(np.int32)
+            logits.append(manager.execute(StepBatch(np.ones(3, np.int32), seq, step_ids, table)).clone())
+        outputs.append(torch.cat(logits))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
