@@ -21,10 +21,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name loads on first use
-    from graphcap.batch import GraphKey, StepBatch, dummy_batch
+    from graphcap.batch import StepBatch, dummy_batch
     from graphcap.block_table import BlockTable
-    from graphcap.buffers import PAD_SLOT_ID, ForwardInputs, PadRules, PersistentBuffers
-    from graphcap.config import CaptureConfig, load_config
+    from graphcap.config import PAD_SLOT_ID, CaptureConfig, PadRules, load_config
     from graphcap.errors import (
         BatchError,
         CaptureError,
@@ -33,24 +32,23 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
         InvariantViolation,
         StaticInputMovedError,
     )
-    from graphcap.inputs import BufferSpec
+    from graphcap.inputs import BufferSpec, ForwardInputs
     from graphcap.invariants import check_invariants
+    from graphcap.keys import GraphKey
     from graphcap.manager import CaptureManager
     from graphcap.piecewise import current_inputs, eager_op
     from graphcap.report import CaptureReport
     from graphcap.sizes import CaptureSizes, default_capture_sizes
+    from graphcap.staging import PersistentBuffers
 
 _EXPORTS = {
-    "GraphKey": "graphcap.batch",
     "StepBatch": "graphcap.batch",
     "dummy_batch": "graphcap.batch",
     "BlockTable": "graphcap.block_table",
-    "PAD_SLOT_ID": "graphcap.buffers",
-    "ForwardInputs": "graphcap.buffers",
-    "PadRules": "graphcap.buffers",
-    "PersistentBuffers": "graphcap.buffers",
-    "CaptureConfig": "graphcap.config",
-    "load_config": "graphcap.config",
+    "PAD_SLOT_ID": "graphcap.config.sections",
+    "CaptureConfig": "graphcap.config.root",
+    "PadRules": "graphcap.config.sections",
+    "load_config": "graphcap.config._load",
     "BatchError": "graphcap.errors",
     "CaptureError": "graphcap.errors",
     "CaptureUnsafeError": "graphcap.errors",
@@ -58,18 +56,20 @@ _EXPORTS = {
     "InvariantViolation": "graphcap.errors",
     "StaticInputMovedError": "graphcap.errors",
     "BufferSpec": "graphcap.inputs",
+    "ForwardInputs": "graphcap.inputs",
     "check_invariants": "graphcap.invariants",
+    "GraphKey": "graphcap.keys",
     "CaptureManager": "graphcap.manager",
     "current_inputs": "graphcap.piecewise",
     "eager_op": "graphcap.piecewise",
     "CaptureReport": "graphcap.report",
     "CaptureSizes": "graphcap.sizes",
     "default_capture_sizes": "graphcap.sizes",
+    "PersistentBuffers": "graphcap.staging.buffers",
 }
-"""Public name -> the module that defines it."""
+"""Public name -> the module that defines it: the list `__all__` and the imports above must match."""
 
-__all__ = [
-    "PAD_SLOT_ID",
+__all__ = [  # the same names as _EXPORTS (tests/test_packaging.py holds them equal)
     "BatchError",
     "BlockTable",
     "BufferSpec",
@@ -83,6 +83,7 @@ __all__ = [
     "ForwardInputs",
     "GraphKey",
     "InvariantViolation",
+    "PAD_SLOT_ID",
     "PadRules",
     "PersistentBuffers",
     "StaticInputMovedError",

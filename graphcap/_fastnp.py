@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["INT32_MAX", "ONES_BYTES", "amax", "amin", "filled", "ones", "unsigned_max"]
-
-INT32_MAX = int(np.iinfo(np.int32).max)
+__all__ = ["ONES_BYTES", "amax", "amin", "filled", "ones", "unsigned_max"]
 
 # The ufunc reductions themselves: `array.min()` adds a Python-level wrapper per call.
 amin, amax = np.minimum.reduce, np.maximum.reduce

@@ -1,4 +1,4 @@
-"""`StepBatch` (one scheduler step, host side), `GraphKey`, and dummy batches for capture.
+"""`StepBatch` (one scheduler step, host side), and the batches graphcap makes to capture and verify a key.
 
 A `StepBatch` is what a scheduler hands the model runner: per-request query lengths (the
 tokens computed this step) and total sequence lengths, optionally the token ids and the
@@ -9,52 +9,32 @@ into the pass that stages the values.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from graphcap._fastnp import INT32_MAX, ONES_BYTES, amax, amin, ones
-from graphcap._refusals import check_block_ids, check_seq_lens, check_token_ids
+from graphcap._fastnp import ONES_BYTES, amax, amin, ones, unsigned_max
 from graphcap.block_table import BlockTable
 from graphcap.errors import BatchError
+from graphcap.fields import INT32_MAX
+from graphcap.keys import GraphKey
 
-__all__ = ["GraphKey", "Probe", "StepBatch", "distinct_blocks", "dummy_batch", "probe_batch"]
+__all__ = [
+    "Probe",
+    "StepBatch",
+    "check_block_ids",
+    "check_seq_lens",
+    "check_token_ids",
+    "distinct_blocks",
+    "dummy_batch",
+    "probe_batch",
+    "scratch_block_ids",
+]
 
 _NO_EXTRAS: Mapping[str, np.ndarray] = MappingProxyType({})
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
-
-
-class GraphKey(NamedTuple):
-    """Identity of one captured graph; the manager's registry is the only place keys are made.
-
-    Fields: `num_tokens` - padded token count T (a captured size); `num_reqs` - padded
-    request count R (rows of `query_start_loc[:R+1]`, `seq_lens`, `block_table`);
-    `uniform` - every real request has exactly `T / R` tokens (a decode or spec-decode step),
-    which attention backends may exploit; `piecewise` - a piecewise graph (modes `piecewise`,
-    `full_and_piecewise`), keyed by token count alone: its registry key has `num_reqs` 0, and
-    a step stages it with its own request count (request dims are not padded).
-    """
-
-    num_tokens: int
-    num_reqs: int
-    uniform: bool
-    piecewise: bool = False
-
-    def shape(self, max_num_seqs: int) -> GraphKey:
-        """The padded shape a batch that fills this key has: the key itself, or for a piecewise
-        key its tokens over up to `max_num_seqs` requests (what its dummy and probe batches use)."""
-        if not self.piecewise:
-            return self
-        return GraphKey(self.num_tokens, min(self.num_tokens, max_num_seqs), False)
-
-    def __str__(self) -> str:
-        if self.piecewise:
-            reqs = f", reqs={self.num_reqs}" if self.num_reqs else ""
-            return f"piecewise(tokens={self.num_tokens}{reqs})"
-        kind = "uniform" if self.uniform else "mixed"
-        return f"{kind}(tokens={self.num_tokens}, reqs={self.num_reqs})"
 
 
 class StepBatch:
@@ -264,6 +244,25 @@ def probe_batch(
     return Probe(StepBatch(q, q + context, ids, blocks), writes)
 
 
+def scratch_block_ids(blocks: Any, num_blocks: int) -> tuple[int, ...]:
+    """`blocks` (an engine's free block ids, given as `capture(scratch_blocks=...)`) checked and as ints.
+
+    `TypeError` for anything but a collection of integers; `ValueError` naming a block outside
+    `[1, num_blocks)` (block 0 is the null block, which capture writes anyway).
+    """
+    if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Iterable):
+        raise TypeError(f"scratch_blocks must be a list of block ids; got {type(blocks).__name__}")
+    out = []
+    for block in blocks:
+        if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or not 1 <= block < num_blocks:
+            raise ValueError(
+                f"scratch_blocks holds {block!r}; scratch blocks are ids of free KV-cache blocks in "
+                f"[1, {num_blocks}) (kv_cache.num_blocks; block 0 is the null block, written anyway)"
+            )
+        out.append(int(block))
+    return tuple(out)
+
+
 def distinct_blocks(seq_lens: np.ndarray, block_size: int, num_blocks: int, rng: np.random.Generator) -> np.ndarray:
     """A block table giving every request its own blocks (random, never the null block 0).
 
@@ -281,6 +280,45 @@ def distinct_blocks(seq_lens: np.ndarray, block_size: int, num_blocks: int, rng:
         table[i, :count] = taken
         start += count
     return table
+
+
+def check_seq_lens(q: np.ndarray, s: np.ndarray) -> None:
+    """`seq_lens` within int32 and `>= query_lens` (both 1-D, same length, `q >= 1`)."""
+    if not len(s):
+        return
+    if unsigned_max(s) > INT32_MAX and amax(s) > INT32_MAX:  # a negative is named against its query_len
+        i = int(np.argmax(s))
+        raise BatchError(f"seq_lens[{i}] is {int(s[i])}, above the int32 range of the buffers")
+    below = s < q
+    if not below.any():
+        return
+    i = int(np.argmax(below))
+    raise BatchError(
+        f"seq_lens[{i}] is {int(s[i])} but query_lens[{i}] is {int(q[i])}; seq_lens count every token "
+        "of the request including this step's, so seq_lens >= query_lens"
+    )
+
+
+def check_token_ids(ids: np.ndarray) -> None:
+    """Token ids within int32 and `>= 0`."""
+    if unsigned_max(ids) > INT32_MAX:
+        _check_int32(ids, "input_ids")
+        t = int(np.argmax(ids < 0))
+        raise BatchError(f"input_ids[{t}] is {int(ids[t])}; token ids are >= 0")
+
+
+def check_block_ids(table: np.ndarray) -> None:
+    """Block ids within int32 and `>= 0`."""
+    if unsigned_max(table) > INT32_MAX:
+        _check_int32(table, "block_table")
+        i, j = np.argwhere(table < 0)[0]
+        raise BatchError(f"block_table[{i}, {j}] is {int(table[i, j])}; block ids are >= 0")
+
+
+def _check_int32(array: np.ndarray, name: str) -> None:
+    top = int(amax(array.ravel()))
+    if top > INT32_MAX:
+        raise BatchError(f"{name} holds {top}, above the int32 range of the buffers")
 
 
 def _query_lens(values) -> tuple[np.ndarray, int, int, int]:

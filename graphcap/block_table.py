@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from graphcap.errors import INT32_MAX, BatchError
+from graphcap.errors import BatchError
+from graphcap.fields import INT32_MAX
 
 __all__ = ["BlockTable"]
 

@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 
+from graphcap.batch import StepBatch
 from graphcap.errors import ConfigError, ConfigProblem, DistributedTimeoutError
+from graphcap.keys import Dispatch, KeyRegistry, Mode
 
-__all__ = ["DataParallelSync", "DistributedTimeoutError"]
+__all__ = ["DataParallelSync"]
 
 _MAX_VALUES = 8
 
@@ -59,6 +61,27 @@ class DataParallelSync:
             buffer[i] = value
         self._all_reduce_max(buffer, f"step {self.step}: {what}")
         return buffer.tolist()
+
+    def agree_on_dispatch(self, registry: KeyRegistry, batch: StepBatch, uniform: bool, own: Dispatch) -> Dispatch:
+        """The dispatch every rank reaches from the reduced counts (collective: every rank calls it).
+
+        All ranks replay one key or all run eagerly: the MAX of the token and request counts, of
+        "cannot use a graph" and of "not uniform" decide. An idle rank (no requests) joins any key;
+        a rank whose own step could not replay gives its own reason, the others `peer`.
+        """
+        cannot = own.mode is Mode.EAGER and not (batch.num_reqs == 0 and registry.mode != "none")
+        num_tokens, any_cannot, any_mixed, num_reqs = self.reduce_max(
+            [batch.num_tokens, int(cannot), int(not uniform), batch.num_reqs], "dispatch"
+        )
+        eager = Dispatch(
+            Mode.EAGER,
+            own.key if own.mode is Mode.EAGER else registry.eager_key(batch.num_tokens, batch.num_reqs),
+            own.reason if own.mode is Mode.EAGER else "peer",
+        )
+        if any_cannot:
+            return eager
+        agreed = registry.dispatch(num_tokens, num_reqs, not any_mixed)
+        return eager if agreed.mode is Mode.EAGER else agreed
 
     def first_failed_rank(self, failed: bool, what: str) -> int | None:
         """All-reduce a failure flag; the lowest failing rank, or None when all succeeded."""

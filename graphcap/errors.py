@@ -10,8 +10,7 @@
 | `StaticInputMovedError` | `CaptureError` | a tensor a graph reads moved or was replaced after capture |
 | `DistributedTimeoutError` | `CaptureError` | a data-parallel collective failed or timed out |
 
-The older homes (`graphcap.config`, `graphcap.backends`, `graphcap.invariants`,
-`graphcap.distributed`) re-export them, so existing imports keep working.
+Import them from here (or from `graphcap`, the package face).
 """
 
 from __future__ import annotations
@@ -19,8 +18,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 __all__ = [
-    "INT32_MAX",
-    "INT32_MIN",
     "BatchError",
     "CaptureError",
     "CaptureUnsafeError",
@@ -30,10 +27,6 @@ __all__ = [
     "InvariantViolation",
     "StaticInputMovedError",
 ]
-
-INT32_MAX = 2**31 - 1
-"""Largest value the int32 staging buffers hold (ids, lengths, slots, offsets)."""
-INT32_MIN = -(2**31)
 
 
 class ConfigProblem(NamedTuple):

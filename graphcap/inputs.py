@@ -1,15 +1,12 @@
-"""What a model's forward sees (`ForwardInputs`), and the one table of the staged buffers.
+"""What a model's forward sees (`ForwardInputs`), an engine's own buffers (`BufferSpec`), and the staging limits.
 
-`FIELD_TABLE` lists every built-in static input once: its name, what its rows are, its
-trailing shape, its dtype and its pad rule. `PersistentBuffers` (buffers.py) lays out the
-packed buffer, builds the host and device views, poisons and uploads from this table, and
-an engine's own buffers (`BufferSpec`) extend it: a new field costs one row.
-
-`PersistentBuffers.stage` makes `ForwardInputs`; `check_invariants` and models read them.
+`PersistentBuffers.stage` (graphcap.staging) makes `ForwardInputs`, built by keyword from
+`graphcap.fields.FIELD_TABLE` plus the engine buffers; `check_invariants` and models read them.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -18,51 +15,16 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import torch
 
-from graphcap.batch import GraphKey
 from graphcap.config import PadRules
-from graphcap.config.buffers import BUFFER_DTYPES, buffer_problems
+from graphcap.config.buffers import BufferConfig, buffer_problems
+from graphcap.fields import FIELDS
+from graphcap.keys import GraphKey
 
-__all__ = [
-    "BUFFER_DTYPES",
-    "FIELDS",
-    "FIELD_TABLE",
-    "BufferSpec",
-    "Field",
-    "ForwardInputs",
-    "HostView",
-    "StagingLimits",
-]
+__all__ = ["BufferSpec", "ForwardInputs", "HostView", "PreparePhase", "StagingLimits", "prepare_of"]
 
-Rows = Literal["tokens", "reqs", "reqs+1", "none"]
-
-
-class Field(NamedTuple):
-    """One built-in static input: a row of `FIELD_TABLE`."""
-
-    name: str
-    rows: Rows
-    """`tokens`: one row per padded token (T); `reqs`: per padded request (R); `reqs+1`: R + 1."""
-    width: str | None
-    """Trailing dimension: None (1-D), or `blocks` (`max_blocks_per_req` columns)."""
-    pad: str
-    """The `PadRules` field that fills its padded rows."""
-    why: str
-    """Why the padded rows hold that value."""
-
-
-FIELD_TABLE: tuple[Field, ...] = (
-    Field("query_start_loc", "reqs+1", None, "query_len", "padded requests add padding.query_len tokens (0: none)"),
-    Field("seq_lens", "reqs", None, "seq_len", "padded requests attend to padding.seq_len keys"),
-    Field("input_ids", "tokens", None, "token_id", "a valid token id"),
-    Field("positions", "tokens", None, "position", "any index computed from it stays in range"),
-    Field("slot_mapping", "tokens", None, "slot", "negative: padded tokens never write the KV cache"),
-    Field("block_table", "reqs", "blocks", "block_id", "the null block, a valid index"),
-)
-"""Every built-in static input, in packed-buffer order (the block table last, so one upload of
-a prefix covers a key's rows). All int32."""
-
-FIELDS = tuple(f.name for f in FIELD_TABLE)
-"""The built-in static input names, in packed-buffer order."""
+PreparePhase = Literal["capture", "replay", "eager"]
+"""What a staging feeds, as `model.prepare(inputs, phase)` learns it: a graph being captured or
+verified (`capture`), a real step's replay (`replay`), or an eager run (`eager`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +64,11 @@ class BufferSpec:
             detail = "; ".join(f"{key}: {message}" for key, message in problems)
             raise ValueError(f"BufferSpec {self.name!r}: {detail}")
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+    @classmethod
+    def from_config(cls, entry: BufferConfig) -> BufferSpec:
+        """The spec an entry of the YAML `buffers:` list declares (it has no `check` or `sample`)."""
+        return cls(*entry.as_tuple())
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -143,8 +110,9 @@ class StagingLimits:
 class ForwardInputs:
     """What `model.forward` receives: views of the persistent tensors for one key.
 
-    Tensor rows cover the padded shape (`T = key.num_tokens`, `R = key.num_reqs`); only the
-    first `num_tokens` tokens and `num_reqs` requests are real. Padded tokens after
+    Tensor rows cover the padded shape (`T = key.num_tokens`, `R = key.num_reqs`, or the
+    step's own request count for a key of any request count); only the first `num_tokens`
+    tokens and `num_reqs` requests are real. Padded tokens after
     `query_start_loc[num_reqs]` belong to no real request: a forward must give them a sink
     and never slice by the Python counts (a graph freezes them). The views alias persistent
     storage: they stay valid, and keep their addresses, for the life of the buffers, and
@@ -166,12 +134,29 @@ class ForwardInputs:
     """Engine buffers (`BufferSpec`) by name: views of their padded rows."""
     _basic: Any = field(default=None, init=False, repr=False, compare=False)
     """Cached by `check_invariants`: the views and expected bytes of this step's basic rules."""
-    _broken: Callable[[], None] | None = field(default=None, init=False, repr=False, compare=False)
-    """Set by staging: `check_invariants` calls it when it finds the rows broken, so the buffers
-    rewrite every padded row at the next step instead of trusting what they last wrote."""
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The static input tensors by name (built-ins in packed order, then the extras)."""
         out = {name: getattr(self, name) for name in FIELDS}
         out.update(self.extras)
         return out
+
+
+def prepare_of(model: Any) -> Callable[[ForwardInputs, PreparePhase], None] | None:
+    """`model.prepare`, called as `prepare(inputs, phase)`; the earlier `prepare(inputs, capturing)` is refused."""
+    prepare = getattr(model, "prepare", None)
+    if prepare is None:
+        return None
+    if not callable(prepare):
+        raise TypeError(f"model.prepare must be callable(inputs, phase); got {type(prepare).__name__}")
+    try:
+        parameters = inspect.signature(prepare).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: trust it
+        return prepare
+    if "capturing" in parameters or "replay" in parameters:
+        raise TypeError(
+            f"{type(model).__name__}.prepare takes 'capturing'/'replay': the model protocol is now "
+            "prepare(inputs, phase) with phase 'capture' (a graph being captured or verified), 'replay' "
+            "(a real step's replay) or 'eager'; the old `capturing` is phase == 'capture'"
+        )
+    return prepare

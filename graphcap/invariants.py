@@ -50,7 +50,9 @@ def check_invariants(
     graph still runs. `dummy`: the batch is one graphcap made for capture or verification
     (or a step given without a block table), whose requests share the null block by design;
     the `full` rules on KV writes that only real steps must keep (no null block, no slot
-    written twice) are skipped for it. `kv_writes=False`: a verification batch whose real tokens
+    written twice) are skipped for it. A violation means something other than staging wrote
+    the rows: the caller of a `PersistentBuffers` makes it rewrite every padded row next
+    (`forget_padding`), as `CaptureManager` does. `kv_writes=False`: a verification batch whose real tokens
     must write nothing (every slot the pad slot; `full` checks that instead of their blocks).
     Normally `CaptureManager` calls this on every step.
     """
@@ -58,20 +60,15 @@ def check_invariants(
         return
     if level not in LEVELS:
         raise ValueError(f"level must be one of {', '.join(LEVELS)}; got {level!r}")
-    try:
-        if not _basic_holds(inputs):
-            _check_basic(inputs)  # finds and names the first broken rule
-        if level == "full":
-            lens = _lengths(inputs.host.query_start_loc)
-            _check_full(inputs, lens, kv_writes)
-            if kv_writes:
-                _check_kv_writes(inputs, lens, dummy)
-        if inputs.limits.extras:
-            _check_extras(inputs, level)
-    except InvariantViolation:
-        if inputs._broken is not None:
-            inputs._broken()  # the next staging rewrites every padded row
-        raise
+    if not _basic_holds(inputs):
+        _check_basic(inputs)  # finds and names the first broken rule
+    if level == "full":
+        lens = _lengths(inputs.host.query_start_loc)
+        _check_full(inputs, lens, kv_writes)
+        if kv_writes:
+            _check_kv_writes(inputs, lens, dummy)
+    if inputs.limits.extras:
+        _check_extras(inputs, level)
 
 
 def _check_extras(inputs: ForwardInputs, level: str) -> None:
@@ -160,13 +157,13 @@ class _BasicPlan:
         """The plan, or None when the counts do not fit the key (`_check_basic` names that)."""
         host, key, pad = inputs.host, inputs.key, inputs.limits.pad
         n, r = inputs.num_tokens, inputs.num_reqs
-        T, R = key.num_tokens, key.num_reqs
+        T, R = len(host.input_ids), len(host.seq_lens)  # the padded counts (a piecewise key: the step's own)
         if not (0 <= n <= T and 0 <= r <= R) or host.query_start_loc.dtype != np.int32:
             return None
         p = cls()
         p.key, p.n, p.r, p.host, p.limits = key, n, r, host, inputs.limits
         p.qsl, p.seq = host.query_start_loc, host.seq_lens[:r]
-        tail = _qsl_tail(n, r, T, R, pad.query_len).astype(np.int32)
+        tail = _qsl_tail(T, R, n, r, pad.query_len).astype(np.int32)
         p.uniform = bool(key.uniform and r)
         if p.uniform:
             q = T // R
@@ -189,7 +186,7 @@ class _BasicPlan:
 def _check_basic(inputs: ForwardInputs) -> None:
     host, key, pad = inputs.host, inputs.key, inputs.limits.pad
     n, r = inputs.num_tokens, inputs.num_reqs
-    T, R = key.num_tokens, key.num_reqs
+    T, R = len(host.input_ids), len(host.seq_lens)
     if n > T or n < 0:
         _fail("num_tokens", None, f"0..{T}", n, "the real tokens must fit the key", key)
     if r > R or r < 0:
@@ -206,7 +203,7 @@ def _check_basic(inputs: ForwardInputs) -> None:
         _fail("query_start_loc", r, n, int(qsl[r]), f"the {r} real requests own exactly the {n} real tokens", key)
     if qsl[R] > T:
         _fail("query_start_loc", R, f"<= {T}", int(qsl[R]), "no offset may point past the padded tokens", key)
-    expected_tail = _qsl_tail(n, r, T, R, pad.query_len)
+    expected_tail = _qsl_tail(T, R, n, r, pad.query_len)
     bad = np.flatnonzero(qsl[r + 1 :] != expected_tail)
     if bad.size:
         i = r + 1 + int(bad[0])
@@ -398,7 +395,8 @@ def _fail_decrease(qsl: np.ndarray, i: int, key: Any) -> None:
     )  # fmt: skip
 
 
-def _qsl_tail(n: int, r: int, T: int, R: int, pad_query_len: int) -> np.ndarray:
+def _qsl_tail(T: int, R: int, n: int, r: int, pad_query_len: int) -> np.ndarray:
+    """The padded `query_start_loc[r+1 : R+1]` (written independently of `PadWriter.qsl_tail`, same arguments)."""
     steps = np.arange(1, R - r + 1)
     return np.minimum(n + pad_query_len * steps, T) if pad_query_len else np.full(R - r, n)
 

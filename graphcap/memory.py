@@ -127,7 +127,7 @@ def estimate_memory(
     tolerance `tests/test_memory.py` checks; allocator rounding and library workspaces
     (cuBLAS, a CUDA context) are not included.
     """
-    from graphcap.dispatch import KeyRegistry
+    from graphcap.keys import KeyRegistry
 
     parts: dict[str, int] = {}
     notes: list[str] = []

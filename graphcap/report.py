@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 import yaml
 
-from graphcap.batch import GraphKey
 from graphcap.config.fingerprint import config_fingerprint
 from graphcap.errors import ConfigError, ConfigProblem
+from graphcap.keys import GraphKey
 
 __all__ = [
     "MEMORY_MEANING",

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from graphcap.batch import GraphKey, StepBatch
-from graphcap.buffers import PersistentBuffers
+from graphcap.batch import StepBatch
 from graphcap.config import PadRules
+from graphcap.keys import GraphKey
+from graphcap.staging import PersistentBuffers
 
 ASSETS = Path(__file__).parent / "assets"
 

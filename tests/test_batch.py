@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphcap.batch import GraphKey, StepBatch, dummy_batch
-from graphcap.buffers import PersistentBuffers
+from graphcap.batch import StepBatch, dummy_batch
+from graphcap.keys import GraphKey
+from graphcap.staging import PersistentBuffers
 from tests.conftest import BLOCK_SIZE, NUM_BLOCKS, make_buffers
 
 INT32_MAX = 2**31 - 1
@@ -175,17 +176,6 @@ def test_step_batch_accepts_exactly_the_valid_steps(query_lens, context):
             # int array) when it is staged, one it converted (a list) at construction.
             with pytest.raises(ValueError, match=r"(query_lens|seq_lens)\[\d+\] is -?\d+"):
                 buffers.stage(StepBatch(make(query_lens), make(seq_lens)), key)
-
-
-def test_graph_key_is_immutable_hashable_and_readable():
-    key = GraphKey(64, 32, False)
-    assert key == GraphKey(num_tokens=64, num_reqs=32, uniform=False) and hash(key) == hash((64, 32, False, False))
-    assert str(key) == "mixed(tokens=64, reqs=32)" and str(GraphKey(8, 8, True)) == "uniform(tokens=8, reqs=8)"
-    assert str(GraphKey(8, 0, False, True)) == "piecewise(tokens=8)"
-    assert str(GraphKey(8, 3, False, True)) == "piecewise(tokens=8, reqs=3)"  # as a step stages it
-    assert GraphKey(8, 0, False, True).shape(4) == GraphKey(8, 4, False) and key.shape(4) is key
-    with pytest.raises(AttributeError):
-        key.num_tokens = 8
 
 
 def test_repr_shortens_long_arrays():

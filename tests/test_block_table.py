@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 
 from graphcap import CaptureManager, StepBatch
-from graphcap.batch import GraphKey
 from graphcap.errors import BatchError
 from graphcap.invariants import check_invariants
+from graphcap.keys import GraphKey
 from graphcap.models import build_model
 from graphcap.testing import make_config
 from tests.conftest import BLOCK_SIZE, MAX_BLOCKS, MAX_REQS, NUM_BLOCKS, PAD_RULES, batches_and_keys, make_buffers
@@ -105,11 +105,11 @@ class _Upload:
 def test_writes_wait_once_for_the_upload_still_reading_the_pinned_rows():
     buffers = make_buffers()
     upload = _Upload()
-    buffers._copy_done, buffers._upload_pending = upload, True  # as after a CUDA step's upload
+    buffers.layout._copy_done, buffers.layout.upload_pending = upload, True  # as after a CUDA step's upload
     buffers.block_table.set_row(0, [1])
     buffers.block_table.append(0, [2])
     assert upload.waits == 1  # one wait, then the rows are the host's until the next upload
-    buffers._upload_pending = True
+    buffers.layout.upload_pending = True
     with pytest.raises(BatchError):
         buffers.block_table.set_row(0, [-1])
     assert upload.waits == 1  # a refused write touches nothing, so it does not wait either
@@ -248,20 +248,20 @@ def test_each_step_uploads_its_prefix_once_and_host_writes_wait_for_the_previous
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     _Event.log = []
     buffers = make_buffers()
-    buffers._device_tensor = torch.zeros_like(buffers._host_tensor)  # as on CUDA: a second copy
+    buffers.layout.device_tensor = torch.zeros_like(buffers.layout.host_tensor)  # as on CUDA: a second copy
     table = buffers.block_table
     table.set_row(0, [1, 2])
     batch = StepBatch(np.ones(1, np.int32), np.array([6], np.int32), np.array([7], np.int32), table)
     key = GraphKey(2, 2, False)
     buffers.stage(batch, key)
     end = buffers.upload_nbytes(key)
-    assert torch.equal(buffers._device_tensor[:end], buffers._host_tensor[:end])
-    assert not buffers._device_tensor[end:].any()  # one prefix, not the whole buffer
+    assert torch.equal(buffers.layout.device_tensor[:end], buffers.layout.host_tensor[:end])
+    assert not buffers.layout.device_tensor[end:].any()  # one prefix, not the whole buffer
     table.append(0, [3])  # waits: the upload may still read the pinned rows
     table.set_row(1, [4])  # no second wait
     buffers.stage(StepBatch(np.ones(2, np.int32), np.array([9, 3], np.int32), None, table), key)
     assert _Event.log == ["record", "wait", "record"]
-    assert buffers._device_tensor[:end].numpy().tobytes() == buffers.packed_host[:end].tobytes()
+    assert buffers.layout.device_tensor[:end].numpy().tobytes() == buffers.packed_host[:end].tobytes()
 
 
 def test_the_readme_example_runs():

@@ -1,4 +1,4 @@
-"""`graphcap.buffers`: one staging path, pad rules, refusals that write nothing, stable addresses."""
+"""`graphcap.staging` (`PersistentBuffers`): one staging path, pad rules, refusals that write nothing, stable addresses."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphcap.batch import GraphKey, StepBatch, dummy_batch
-from graphcap.buffers import POISON, ForwardInputs, PersistentBuffers
+from graphcap.batch import StepBatch, dummy_batch
 from graphcap.config import PadRules, load_config
+from graphcap.inputs import ForwardInputs
 from graphcap.invariants import check_invariants
+from graphcap.keys import GraphKey
+from graphcap.staging import POISON, PersistentBuffers
 from tests.conftest import (
     BLOCK_SIZE,
     MAX_BLOCKS,

@@ -1,4 +1,4 @@
-"""W2 on the CPU: the event guarding the pinned staging is recorded on the stream the upload runs
+"""On the CPU: the event guarding the pinned staging is recorded on the stream the upload runs
 on, the current stream of the buffers' device, even when another device is current. The CUDA
 calls are recorded instead of made (a CPU build has no streams)."""
 
@@ -9,7 +9,7 @@ import contextlib
 import torch
 
 from graphcap import GraphKey, StepBatch
-from graphcap.buffers import PersistentBuffers
+from graphcap.staging import PersistentBuffers
 
 
 class _Event:
@@ -26,8 +26,9 @@ class _Event:
 
 def test_the_upload_event_is_recorded_on_the_target_devices_stream(monkeypatch):
     buffers = PersistentBuffers(4, 8, 2, "cpu")
-    buffers.device = torch.device("cuda", 1)  # the manager's device; cuda:0 is the current one
-    buffers._device_tensor = torch.zeros_like(buffers._host_tensor)  # a separate "device" copy
+    layout = buffers.layout
+    layout.device = torch.device("cuda", 1)  # the manager's device; cuda:0 is the current one
+    layout.device_tensor = torch.zeros_like(layout.host_tensor)  # a separate "device" copy
     events: list[_Event] = []
     monkeypatch.setattr(torch.cuda, "Event", lambda: events.append(_Event()) or events[-1])
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
@@ -38,4 +39,4 @@ def test_the_upload_event_is_recorded_on_the_target_devices_stream(monkeypatch):
     (event,) = events
     assert event.recorded_on == ["stream of cuda:1", "stream of cuda:1"]
     assert event.waits == 1  # the second staging waited for the first upload before writing
-    assert torch.equal(buffers._device_tensor, buffers._host_tensor)  # and the copy happened
+    assert torch.equal(layout.device_tensor, layout.host_tensor)  # and the copy happened

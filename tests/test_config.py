@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from graphcap.config import (
     BatchingConfig,
     CaptureConfig,
-    CaptureOptions,
+    CaptureSectionConfig,
     ChecksConfig,
     ConfigError,
     KVCacheConfig,
@@ -244,9 +244,9 @@ def test_full_decode_only_without_a_uniform_size_is_refused():
 @pytest.mark.parametrize(
     ("build", "match"),
     [
-        (lambda: CaptureOptions(max_size=0), r"capture\.max_size: must be >= 1; got 0"),
-        (lambda: CaptureOptions(sizes=[4, 2], max_size=8), r"capture\.sizes: capture sizes must be ascending"),
-        (lambda: CaptureOptions(mode="always"), r"capture\.mode: expected none \| full \| full_decode_only"),
+        (lambda: CaptureSectionConfig(max_size=0), r"capture\.max_size: must be >= 1; got 0"),
+        (lambda: CaptureSectionConfig(sizes=[4, 2], max_size=8), r"capture\.sizes: capture sizes must be ascending"),
+        (lambda: CaptureSectionConfig(mode="always"), r"capture\.mode: expected none \| full \| full_decode_only"),
         (lambda: ModelConfig(num_heads=6), r"model\.num_heads: hidden_size 256 is not divisible by num_heads 6"),
         (lambda: ModelConfig(name="gpt-9"), r"model\.name: unknown model 'gpt-9'; built in: tiny-llama"),
         (lambda: BatchingConfig(max_num_seqs=0), r"batching\.max_num_seqs: must be >= 1; got 0"),
@@ -258,7 +258,7 @@ def test_full_decode_only_without_a_uniform_size_is_refused():
         (lambda: PadRules(query_len=1), r"padding\.seq_len: 0 is smaller than padding\.query_len 1"),
         (lambda: CaptureConfig(device="gpu"), r"device: must be auto, cpu, cuda or cuda:N; got 'gpu'"),
         (
-            lambda: CaptureConfig(capture=CaptureOptions(max_size=512)),
+            lambda: CaptureConfig(capture=CaptureSectionConfig(max_size=512)),
             r"capture\.max_size: 512 exceeds batching\.max_num_tokens 256",
         ),
         (lambda: CaptureConfig(padding=PadRules(token_id=5000)), r"padding\.token_id: 5000 is not a valid token id"),
@@ -271,12 +271,12 @@ def test_sections_built_directly_raise_config_error_with_the_dotted_key(build, m
 
 def test_sections_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        CaptureOptions().max_size = 8
+        CaptureSectionConfig().max_size = 8
 
 
 def test_section_problems_are_all_reported_together():
     with pytest.raises(ConfigError) as info:
-        CaptureOptions(max_size=0, num_warmups=-1, mode="x")
+        CaptureSectionConfig(max_size=0, num_warmups=-1, mode="x")
     assert {p.key for p in info.value.problems} == {"capture.max_size", "capture.num_warmups", "capture.mode"}
 
 

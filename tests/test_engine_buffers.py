@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap import PAD_SLOT_ID, BatchError, BufferSpec, CaptureManager, GraphKey, InvariantViolation, StepBatch
-from graphcap.buffers import PersistentBuffers
 from graphcap.config import ConfigError, config_from_text
 from graphcap.invariants import check_invariants
 from graphcap.models import build_model
+from graphcap.staging import PersistentBuffers
 from graphcap.testing import TINY, make_config, nested
 
 GROUP2_BLOCKS = 4
@@ -160,7 +160,7 @@ buffers:
   - {name: temperature, rows: reqs, dtype: float32, pad: 1.0}
 """
     config = config_from_text(text)
-    assert config.buffer_specs() == (ENGINE_BUFFERS[0], ENGINE_BUFFERS[2])
+    assert tuple(map(BufferSpec.from_config, config.buffers)) == (ENGINE_BUFFERS[0], ENGINE_BUFFERS[2])
     assert config_from_text(__import__("yaml").safe_dump(config.to_dict())) == config  # round trip
 
 

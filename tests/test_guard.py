@@ -108,6 +108,9 @@ def test_static_input_moved_error_is_exported_from_graphcap():
 # -- tensors that are not parameters: register_static -------------------------------------
 
 
+SCRATCH = range(40, 72)  # free blocks of TINY's cache (BATCH uses blocks below 40)
+
+
 class ListCacheModel:
     """Not an nn.Module: its KV-cache-like state is a plain list of tensors, as vLLM holds it."""
 
@@ -129,7 +132,7 @@ def list_manager(**overrides) -> tuple[CaptureManager, ListCacheModel]:
     for i, cache in enumerate(model.caches):
         manager.register_static(f"kv_cache.{i}", cache)
     manager.register_static("weight", model.weight)
-    manager.capture()
+    manager.capture(scratch_blocks=SCRATCH)  # the model reads back its writes by slot: verification needs room
     return manager, model
 
 
@@ -153,7 +156,7 @@ def test_name_registered_again_at_another_address_is_refused_until_capture():
     manager.register_static("kv_cache.0", model.caches[0])  # ... and says so
     with pytest.raises(StaticInputMovedError, match=r"'static\.kv_cache\.0' was registered again"):
         manager.execute(BATCH)
-    manager.capture()  # the new tensor is captured
+    manager.capture(scratch_blocks=SCRATCH)  # the new tensor is captured
     torch.testing.assert_close(manager.execute(BATCH).clone(), manager.eager(BATCH))
 
 

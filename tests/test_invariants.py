@@ -9,9 +9,10 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from graphcap.batch import GraphKey, StepBatch
+from graphcap.batch import StepBatch
 from graphcap.config import PadRules
 from graphcap.invariants import LEVELS, InvariantViolation, check_invariants
+from graphcap.keys import GraphKey
 from tests.conftest import MAX_BLOCKS, NUM_BLOCKS, PAD_RULES, VOCAB, batches_and_keys, make_buffers
 
 _SHARED = {name: make_buffers(rules) for name, rules in PAD_RULES.items()}
@@ -20,8 +21,12 @@ garbage = st.integers(-(2**31), 2**31 - 1) | st.integers(-3, 40)
 
 
 def staged(case, rules="default"):
+    """`case` staged into the shared buffers of `rules`, every padded row rewritten (an earlier
+    example may have corrupted one; the manager does the same after a violation)."""
     batch, key = case
-    return _SHARED[rules].stage(batch, key)
+    buffers = _SHARED[rules]
+    buffers.forget_padding()
+    return buffers.stage(batch, key)
 
 
 def violation(inputs, level="basic") -> InvariantViolation:

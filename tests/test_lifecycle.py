@@ -167,3 +167,29 @@ def test_recapture_mid_serving_gives_the_same_logits_as_no_recapture():
             logits.append(manager.execute(StepBatch(np.ones(3, np.int32), seq, step_ids, table)).clone())
         outputs.append(torch.cat(logits))
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
+
+
+class SlotReadModel:
+    """Writes this step's values at slot_mapping and reads them back by slot (pad slot -> the null block)."""
+
+    def __init__(self) -> None:
+        self.cache = torch.zeros(72 * 4)  # TINY's KV cache: 72 blocks of 4 slots
+
+    def forward(self, inputs):
+        slots = inputs.slot_mapping.long().clamp(min=0)
+        self.cache.index_copy_(0, slots, inputs.input_ids.float())
+        return self.cache.index_select(0, slots)[:, None] * torch.ones(1, 8)
+
+
+def test_a_model_that_reads_its_writes_back_by_slot_needs_scratch_and_is_told_so():
+    config = make_config(capture__sizes=[4])
+    manager = CaptureManager(SlotReadModel(), config, progress=False)
+    manager.register_static("cache", manager.model.cache)
+    with pytest.raises(
+        CaptureError, match=r"ran without scratch blocks.*pass capture\(scratch_blocks=<free block ids>\)"
+    ):
+        manager.capture()
+    before = manager.model.cache.clone()
+    manager.capture(scratch_blocks=range(50, 72))
+    changed = set(torch.nonzero(before.view(72, 4) != manager.model.cache.view(72, 4)).flatten().tolist()[::2])
+    assert changed <= {0, *range(50, 72)}

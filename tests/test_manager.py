@@ -164,13 +164,13 @@ def test_founding_bug_with_invariants_off_fails_like_the_real_engine(monkeypatch
 def _break_query_start_loc_tail(monkeypatch, manager):
     """Reintroduce the founding bug: padded query_start_loc rows left at 0."""
     buffers = manager.buffers
-    fill = buffers._fill_padding
+    fill = buffers.pad.fill
 
-    def buggy_fill(T, R, n, r):
-        fill(T, R, n, r)
+    def buggy_fill(T, R, n, r, width):
+        fill(T, R, n, r, width)
         buffers.host["query_start_loc"][r + 1 : R + 1] = 0
 
-    monkeypatch.setattr(buffers, "_fill_padding", buggy_fill)
+    monkeypatch.setattr(buffers.pad, "fill", buggy_fill)
 
 
 def test_capture_report_records_every_key_largest_first(tmp_path):
@@ -226,8 +226,8 @@ class PreparingModel(torch.nn.Module):
         super().__init__()
         self.inner, self._prepare = inner, prepare
 
-    def prepare(self, inputs, capturing: bool) -> None:
-        self._prepare(inputs, capturing)
+    def prepare(self, inputs, phase: str) -> None:
+        self._prepare(inputs, phase)
 
     def forward(self, inputs):
         return self.inner(inputs)
@@ -239,8 +239,8 @@ def preparing_manager(prepare) -> CaptureManager:
 
 
 def test_founding_bug_written_by_prepare_is_caught_before_the_replay():
-    def buggy_prepare(inputs, capturing):
-        if not capturing:
+    def buggy_prepare(inputs, phase):
+        if phase == "replay":
             inputs.host.query_start_loc[inputs.num_reqs + 1 :] = 0  # prepare "plans" the tail
 
     manager = preparing_manager(buggy_prepare)
@@ -254,8 +254,8 @@ def test_founding_bug_written_by_prepare_is_caught_before_the_replay():
 def test_a_step_started_from_inside_prepare_is_refused():
     manager = None
 
-    def reentrant_prepare(inputs, capturing):
-        if not capturing:
+    def reentrant_prepare(inputs, phase):
+        if phase == "replay":
             manager.eager(StepBatch([1], [1]))  # would restage the buffers under the outer step
 
     manager = preparing_manager(reentrant_prepare)
@@ -263,24 +263,40 @@ def test_a_step_started_from_inside_prepare_is_refused():
     batch = StepBatch([1, 1], [3, 4], [5, 6], [[1], [2]])
     with pytest.raises(CaptureError, match=r"manager\.eager\(\) was called from inside execute\(\).*do not nest"):
         manager.execute(batch)
-    manager.model._prepare = lambda inputs, capturing: None
+    manager.model._prepare = lambda inputs, phase: None
     torch.testing.assert_close(manager.execute(batch).clone(), manager.eager(batch))  # usable afterwards
 
 
-def test_prepare_learns_whether_it_stages_a_capture():
+def test_prepare_learns_what_the_staging_feeds():
     seen = []
-    manager = preparing_manager(lambda inputs, capturing: seen.append((inputs.key.num_tokens, capturing)))
+    manager = preparing_manager(lambda inputs, phase: seen.append((inputs.key.num_tokens, phase)))
     manager.capture()
-    assert (4, True) in seen
+    assert (4, "capture") in seen and any(phase == "eager" for _, phase in seen)  # verification's reference
     seen.clear()
     manager.execute(StepBatch([1], [3], [5], [[1]]))
-    assert seen == [(4, False)]
+    assert seen == [(4, "replay")]
+    seen.clear()
+    manager.eager(StepBatch([1], [3], [5], [[1]]))
+    assert seen == [(1, "eager")]
+
+
+def test_a_prepare_of_the_earlier_protocol_is_refused_by_name():
+    class Old(torch.nn.Module):
+        def forward(self, inputs):
+            return inputs.positions.float()
+
+        def prepare(self, inputs, capturing):
+            pass
+
+    config = load_config(overrides={**SMALL, "capture.sizes": [4], "capture.max_size": None})
+    with pytest.raises(TypeError, match=r"Old.prepare takes 'capturing'.*prepare\(inputs, phase\)"):
+        CaptureManager(Old(), config, progress=False)
 
 
 # -- capture_context -------------------------------------------------------------------------
 
 
-def test_capture_context_wraps_the_whole_pass_once():
+def test_capture_context_wraps_every_capture_and_verification_runs_after_it_exits():
     events = []
 
     @contextlib.contextmanager
@@ -297,8 +313,10 @@ def test_capture_context_wraps_the_whole_pass_once():
     model.forward = lambda inputs: events.append("forward") or forward(inputs)
     manager = CaptureManager(model, config, progress=False, capture_context=graph_capture)
     manager.capture()
-    assert events[0] == "enter" and events[-1] == "exit" and events.count("enter") == 1
-    assert "forward" in events[1:-1]  # every warmup, capture and verification ran inside it
+    assert events[0] == "enter" and events.count("enter") == 1 and events.count("exit") == 1
+    exit_at = events.index("exit")
+    assert "forward" in events[1:exit_at]  # every warmup and capture ran inside it
+    assert "forward" in events[exit_at + 1 :]  # verification's eager runs after it exited
     events.clear()
     manager.execute(StepBatch([1], [3], [5], [[1]]))
     assert events == ["forward"] or events == []  # replays and steps run outside it

@@ -91,3 +91,20 @@ def test_public_names_load_lazily_and_completely():
     assert set(graphcap.__all__) <= set(dir(graphcap))
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         graphcap.no_such_name  # noqa: B018
+
+
+def test_each_public_name_is_listed_once_and_loads_from_the_module_that_defines_it():
+    """`graphcap/__init__.py` keeps one list (`_EXPORTS`); `__all__` and the type-checking imports match it."""
+    import ast
+    import importlib
+    import inspect
+
+    assert sorted(graphcap._EXPORTS) == sorted(graphcap.__all__) and len(set(graphcap.__all__)) == len(graphcap.__all__)
+    tree = ast.parse(inspect.getsource(graphcap))
+    guarded = next(node for node in tree.body if isinstance(node, ast.If))  # `if TYPE_CHECKING:`
+    imported = {alias.name for node in guarded.body for alias in node.names}
+    assert imported == set(graphcap.__all__)
+    for name, module in graphcap._EXPORTS.items():
+        value = getattr(importlib.import_module(module), name)
+        defined_in = getattr(value, "__module__", module)
+        assert defined_in == module or not callable(value), f"{name} is defined in {defined_in}, not {module}"

@@ -18,8 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphcap import CaptureError, CaptureUnsafeError, InvariantViolation, StaticInputMovedError, StepBatch
-from graphcap.batch import GraphKey
-from graphcap.dispatch import KeyRegistry, StepStats
+from graphcap.keys import GraphKey, KeyRegistry, Mode, StepStats
 from graphcap.models import build_model
 from graphcap.piecewise import current_inputs, eager_op, running
 from graphcap.testing import MOVES, Workload, make_config, make_manager
@@ -106,10 +105,10 @@ def test_full_and_piecewise_sends_decode_to_full_graphs_and_the_rest_to_pieces()
     assert config.capture.mode == "full_and_piecewise"
     registry = KeyRegistry.from_config(config)
     registry.captured.update(registry.planned)
-    assert registry.dispatch(4, 4, True)[0] == GraphKey(4, 4, True)
-    assert registry.dispatch(4, 2, False)[0] == GraphKey(4, 0, False, True)
-    assert registry.dispatch(3, 3, True)[0] == GraphKey(4, 4, True)  # one padded decode request
-    assert registry.dispatch(9, 2, False) == (None, "above_max_size")
+    assert registry.dispatch(4, 4, True)[:2] == (Mode.FULL, GraphKey(4, 4, True))
+    assert registry.dispatch(4, 2, False)[:2] == (Mode.PIECEWISE, GraphKey(4, None, False))
+    assert registry.dispatch(3, 3, True)[:2] == (Mode.FULL, GraphKey(4, 4, True))  # one padded decode request
+    assert registry.dispatch(9, 2, False) == (Mode.EAGER, GraphKey(9, 2, False), "above_max_size")
 
 
 @settings(max_examples=60, deadline=None)
@@ -119,9 +118,9 @@ def test_a_piecewise_mode_replays_every_step_up_to_the_max_with_its_own_request_
     num_reqs = data.draw(st.integers(1, min(num_tokens, 8)))
     registry = KeyRegistry.from_config(make_config(PIECEWISE, capture__mode="piecewise"))
     registry.captured.update(registry.planned)
-    key, reason = registry.dispatch(num_tokens, num_reqs, data.draw(st.booleans()))
-    assert reason == "" and key.piecewise and key.num_tokens == registry.sizes.pad(num_tokens)
-    assert registry.staging_key(key, num_reqs) == GraphKey(key.num_tokens, num_reqs, False, True)
+    mode, key, reason = registry.dispatch(num_tokens, num_reqs, data.draw(st.booleans()))
+    assert mode is Mode.PIECEWISE and reason == "" and key.num_reqs is None
+    assert key.num_tokens == registry.sizes.pad(num_tokens)
 
 
 def test_the_model_cannot_be_captured_whole_but_captures_in_pieces(monkeypatch):
@@ -200,7 +199,7 @@ def test_an_eager_op_is_a_plain_call_outside_steps_and_current_inputs_needs_a_st
     h = torch.arange(12.0).view(6, 2)
     with pytest.raises(CaptureError, match=r"current_inputs\(\) was called outside a step"):
         eager_op(_pool_new)(h)
-    inputs = make_manager(make_config()).buffers.stage(StepBatch([2, 4], [2, 4]), GraphKey(8, 2, False, True))
+    inputs = make_manager(make_config()).buffers.stage(StepBatch([2, 4], [2, 4]), GraphKey(8, None, False))
     with running(inputs):
         pooled = eager_op(_pool_new)(torch.arange(16.0).view(8, 2))
     torch.testing.assert_close(pooled[:2], torch.tensor([[1.0, 2.0]] * 2))
@@ -256,12 +255,12 @@ def test_the_founding_bug_written_by_prepare_is_caught_before_the_first_piece():
     manager = with_model(config, model)
     manager.capture()
 
-    def buggy_prepare(inputs, capturing):
-        if not capturing:
+    def buggy_prepare(inputs, phase):
+        if phase == "replay":
             inputs.host.query_start_loc[inputs.num_reqs] = 0  # offsets go backwards
 
     manager._prepare = buggy_prepare
-    pieces = manager.graphs[GraphKey(4, 0, False, True)].pieces
+    pieces = manager.graphs[GraphKey(4, None, False)].pieces
     replayed = []
     pieces[0].replay = lambda: replayed.append(1)
     cache = model.kv_cache.clone()

@@ -1,4 +1,4 @@
-"""`graphcap._staging`: the fast checks agree with the rule-by-rule refusals; padded rows stay right."""
+"""`graphcap.staging`: the fast checks agree with the rule-by-rule refusals; padded rows stay right."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap import BufferSpec, StepBatch
-from graphcap._refusals import refuse_step
-from graphcap.batch import GraphKey
-from graphcap.buffers import PersistentBuffers
 from graphcap.errors import BatchError, InvariantViolation
 from graphcap.invariants import check_invariants
+from graphcap.keys import GraphKey
+from graphcap.manager import CaptureManager
+from graphcap.staging import PersistentBuffers
+from graphcap.staging.refusals import refuse_step
 from tests.conftest import (
     BLOCK_SIZE,
     MAX_BLOCKS,
@@ -123,7 +124,39 @@ def test_after_a_violation_the_next_staging_rewrites_every_padded_row(level):
     getattr(inputs.host, field)[6] = value  # a padded row written by someone else
     with pytest.raises(InvariantViolation, match=field):
         check_invariants(inputs, level)
+    buffers.forget_padding()  # what CaptureManager does when a check fails
     check_invariants(buffers.stage(batch, GraphKey(8, 8, False)), "full", dummy=True)  # no block table: the null block
+
+
+@pytest.mark.parametrize("level", ["basic", "full"])
+def test_a_manager_step_after_a_violation_rewrites_every_padded_row(level):
+    """Through the manager: prepare() writes a padded row once; that step is refused, the next one is clean."""
+    from graphcap.models import build_model
+    from graphcap.testing import make_config
+
+    corrupt = [True]
+    field = "slot_mapping" if level == "basic" else "positions"
+
+    class Model(torch.nn.Module):
+        def __init__(self, inner) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, inputs):
+            return self.inner(inputs)
+
+        def prepare(self, inputs, phase):
+            if phase == "replay" and corrupt and inputs.num_tokens < len(inputs.host.input_ids):
+                corrupt.clear()
+                getattr(inputs.host, field)[-1] = 5  # a padded row written by someone else, once
+
+    config = make_config({"checks.invariants": level})
+    manager = CaptureManager(Model(build_model(config)), config, progress=False)
+    manager.capture()
+    batch = StepBatch(np.ones(3, np.int32), np.array([3, 4, 5], np.int32))
+    with pytest.raises(InvariantViolation, match=field):
+        manager.execute(batch)
+    torch.testing.assert_close(manager.execute(batch).clone(), manager.eager(batch))
 
 
 def test_a_smaller_step_rewrites_only_the_rows_the_larger_one_dirtied():

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from graphcap import CaptureManager, StepBatch, load_config
-from graphcap.batch import GraphKey, dummy_batch
+from graphcap.batch import dummy_batch
 from graphcap.config import CaptureConfig
+from graphcap.keys import GraphKey
 from graphcap.models import build_model
 from graphcap.report import format_bytes
 from graphcap.testing import fill_batch, time_key

@@ -76,12 +76,14 @@ def run_rank(rank: int, world_size: int, store: str, repeats: int, warmup: int) 
                 registry.mark_captured(key)
         sync = DataParallelSync(dist.group.WORLD, timeout=120.0)
         batch = rank_batch(rank)
-        own_key, _ = solo.registry.key_for(batch)
+        registry = solo.registry
+        uniform = batch.is_uniform(registry.uniform_query_len)
+        own_key = registry.dispatch(batch.num_tokens, batch.num_reqs, uniform).key
         packed = torch.zeros(4, dtype=torch.int64)
         values = [batch.num_tokens, 0, 1, batch.num_reqs]
 
         rows = [
-            ("KeyRegistry.key_for (no group)", lambda: solo.registry.key_for(batch)),
+            ("KeyRegistry.dispatch (no group)", lambda: registry.dispatch(batch.num_tokens, batch.num_reqs, uniform)),
             ("CaptureManager.dispatch (no group)", lambda: solo.dispatch(batch)),
             ("dist.all_reduce 4 x int64 (gloo)", lambda: dist.all_reduce(packed, op=dist.ReduceOp.MAX)),
             ("DataParallelSync.reduce_max", lambda: sync.reduce_max(values, "bench")),

@@ -17,8 +17,9 @@ import time
 
 import torch
 
-from graphcap import GraphKey, PersistentBuffers, load_config
+from graphcap import PersistentBuffers, load_config
 from graphcap.backends import get_backend
+from graphcap.keys import KeyRegistry
 from graphcap.models import build_model
 from graphcap.testing import fill_batch
 
@@ -38,8 +39,11 @@ def main() -> int:
     backend = get_backend("emulated", "cpu")
     print(f"emulated replay vs eager, reference model (default config), {args.threads} thread(s), {args.reps} reps")
     print(f"{'tokens':>6} {'ops':>5} {'eager us':>9} {'replay us':>9} {'replay/eager':>12}")
+    registry = KeyRegistry.from_config(config)
+    registry.captured.update(registry.planned)  # dispatch as a captured engine would
     for size in args.sizes:
-        key = GraphKey(size, min(size, config.batching.max_num_seqs), size <= config.batching.max_num_seqs)
+        # The key a full batch of `size` tokens replays: uniform where one is planned, else mixed.
+        key = registry.dispatch(size, min(size, config.batching.max_num_seqs), size <= config.batching.max_num_seqs).key
         inputs = buffers.stage(fill_batch(key, config), key)
         graph = backend.capture(lambda inputs=inputs: model.forward(inputs), inputs.tensors(), name=str(key))
         eager, replay = [], []
@@ -56,7 +60,7 @@ def main() -> int:
                 eager.append((middle - start) / 1e3)
                 replay.append((end - middle) / 1e3)
         e, r = statistics.median(eager), statistics.median(replay)
-        num_ops = len(graph._tape.steps)
+        num_ops = len(graph.tape.steps)
         print(f"{size:>6} {num_ops:>5} {e:>9.0f} {r:>9.0f} {r / e:>11.2f}x")
         graph.release()
     return 0

@@ -44,11 +44,11 @@ import torch
 from _sampling import measure
 from vllm_prep import VllmStylePrep, graphcap_real_rows, load_step, metadata_mismatches
 
-from graphcap.batch import GraphKey, StepBatch
-from graphcap.buffers import PersistentBuffers
+from graphcap.batch import StepBatch
 from graphcap.config import CaptureConfig, PadRules, load_config
-from graphcap.dispatch import KeyRegistry
 from graphcap.invariants import check_invariants
+from graphcap.keys import GraphKey, KeyRegistry, Mode
+from graphcap.staging import PersistentBuffers
 
 # Buffers big enough for 1024 decode requests with their own blocks, and a 2048-token prefill.
 OVERRIDES = {
@@ -156,8 +156,11 @@ def _key_for(registry: KeyRegistry, query_lens: np.ndarray, seq_lens: np.ndarray
     # The key a captured engine would replay: every planned key marked captured, then dispatch.
     for key in registry.planned:
         registry.mark_captured(key)
-    key, reason = registry.key_for(StepBatch(query_lens, seq_lens))
-    if key is None:
+    batch = StepBatch(query_lens, seq_lens)
+    mode, key, reason = registry.dispatch(
+        batch.num_tokens, batch.num_reqs, batch.is_uniform(registry.uniform_query_len)
+    )
+    if mode is Mode.EAGER:
         raise SystemExit(f"bench_stage: no key for the batch ({reason})")
     return key
 

@@ -42,7 +42,7 @@ __all__ = [
 
 Forward = Callable[[], Any]
 """A forward closure: no arguments, reads its static inputs itself, returns a tensor (or a
-tuple, list or dict of tensors: see `flatten_output`)."""
+tuple, list or dict of tensors: see `graphcap.outputs.flatten_output`)."""
 
 
 class GraphBackend:
@@ -82,15 +82,7 @@ class GraphBackend:
         run `fn` as capture will: compiled, lazy libraries initialised. All under
         `torch.inference_mode()`, like capture.
         """
-        if isinstance(num_warmups, bool) or not isinstance(num_warmups, int) or num_warmups < 0:
-            raise ValueError(f"num_warmups must be an int >= 0; got {num_warmups!r}")
-        if num_warmups < self.min_warmups:
-            raise ValueError(
-                f"num_warmups={num_warmups}: the {self.name} backend needs at least {self.min_warmups} plain "
-                "warmup before capture, so that lazy initialisation (cuBLAS workspaces, Triton autotuning, "
-                "torch.compile, NCCL communicators) happens outside the graph; set capture.num_warmups >= "
-                f"{self.min_warmups}"
-            )
+        self.check_warmups(num_warmups)
         _check_callable(fn)
         self._check_not_capturing("warmup()")
         with self._warmup_context(), torch.inference_mode():
@@ -99,6 +91,18 @@ class GraphBackend:
             with sync_debug_errors(self._sync_debug):
                 for _ in range(num_warmups):
                     fn()
+
+    def check_warmups(self, num_warmups: int) -> None:
+        """`ValueError` unless `num_warmups` is an int of at least `min_warmups` (what `warmup` needs)."""
+        if isinstance(num_warmups, bool) or not isinstance(num_warmups, int) or num_warmups < 0:
+            raise ValueError(f"num_warmups must be an int >= 0; got {num_warmups!r}")
+        if num_warmups < self.min_warmups:
+            raise ValueError(
+                f"{num_warmups} is too few for the {self.name} backend: it needs at least {self.min_warmups} plain "
+                "warmup before each capture, so that lazy initialisation (cuBLAS workspaces, Triton autotuning, "
+                f"torch.compile, NCCL communicators) happens outside the graph; set capture.num_warmups to "
+                f"{self.min_warmups} or more"
+            )
 
     def capture(
         self,
@@ -221,36 +225,6 @@ class GraphBackend:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device}, {len(self.graphs)} graphs)"
-
-
-def flatten_output(
-    output: Any, name: str, what: str = "the forward captured as"
-) -> tuple[list[torch.Tensor], Callable[[list], Any]]:
-    """The tensors of a forward's result, and how to rebuild the result's structure from them.
-
-    A forward returns a tensor, a tuple or list of tensors, or a dict of tensors by name
-    (hidden states and logits, say). Anything else is a `CaptureError` saying what it returned.
-    """
-    if isinstance(output, torch.Tensor):
-        return [output], lambda leaves: leaves[0]
-    if isinstance(output, (tuple, list)) and output and all(isinstance(t, torch.Tensor) for t in output):
-        kind = type(output)
-        return list(output), lambda leaves: kind(leaves)
-    if isinstance(output, dict) and output and all(isinstance(t, torch.Tensor) for t in output.values()):
-        keys = list(output)
-        return list(output.values()), lambda leaves: dict(zip(keys, leaves))
-    raise CaptureError(
-        f"{what} {name} returned {_describe(output)}; it must return a torch.Tensor, "
-        "a tuple or list of tensors, or a dict of tensors (e.g. {'hidden': h, 'logits': logits})"
-    )
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, (tuple, list, dict)):
-        items = value.values() if isinstance(value, dict) else value
-        kinds = sorted({type(v).__name__ for v in items})
-        return f"a {type(value).__name__} of {', '.join(kinds) or 'nothing'}"
-    return type(value).__name__
 
 
 def _check_callable(fn: object) -> None:

@@ -28,12 +28,13 @@ from typing import Any
 
 import torch
 
-from graphcap.backends.base import Forward, GraphBackend, flatten_output
+from graphcap.backends.base import Forward, GraphBackend
 from graphcap.backends.compiled import eager_only
 from graphcap.backends.graph import CapturedGraph
 from graphcap.backends.pieces import CUDAPieceSession
 from graphcap.backends.pool import GraphPool, discard_capture, unowned_alias
 from graphcap.errors import CaptureError
+from graphcap.outputs import flatten_output
 
 __all__ = ["CUDACapturedGraph", "CUDAGraphBackend"]
 

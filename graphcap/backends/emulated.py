@@ -33,13 +33,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphcap.backends.base import Forward, GraphBackend, flatten_output
+from graphcap.backends.base import Forward, GraphBackend
 from graphcap.backends.compiled import eager_only
 from graphcap.backends.graph import CapturedGraph
 from graphcap.backends.pieces import EmulatedPieceSession
 from graphcap.backends.pool import invalidate
 from graphcap.backends.preflight import unsafe_op_checker
 from graphcap.backends.tape import Tape, TapeRecorder, compile_tape
+from graphcap.outputs import flatten_output
 
 __all__ = ["EmulatedBackend", "EmulatedGraph"]
 

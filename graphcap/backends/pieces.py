@@ -24,13 +24,13 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphcap.backends.base import flatten_output
 from graphcap.backends.compiled import eager_only
 from graphcap.backends.graph import CapturedGraph
 from graphcap.backends.pool import discard_capture, invalidate, unowned_alias
 from graphcap.backends.preflight import _user_location, unsafe_op_checker
 from graphcap.backends.tape import TapeRecorder, compile_tape
 from graphcap.errors import CaptureError
+from graphcap.outputs import flatten_output
 from graphcap.piecewise import current_inputs
 
 __all__ = [

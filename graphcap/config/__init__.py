@@ -2,7 +2,10 @@
 
 | module | holds |
 |---|---|
-| `sections.py` | the section dataclasses and the root `CaptureConfig` (with their checks) |
+| `root.py` | the root `CaptureConfig` and the rules that span sections |
+| `model.py` | the `model:` section |
+| `sections.py` | the other section dataclasses (with their checks) |
+| `buffers.py` | the `buffers:` list (engine buffers) and the rules every buffer declaration keeps |
 | `_load.py` | `load_config`, `config_from_text`: reading, overrides, unknown keys, `file:line` |
 | `_schema.py` | the validation machinery every section shares (types, ranges, problems) |
 | `_yaml.py` | strict YAML 1.2 reading with a line for every key |
@@ -13,25 +16,20 @@ Importing this package does not import torch (the CLI's `validate` and `sizes` s
 
 from __future__ import annotations
 
-from typing import Any
-
 from graphcap.config._load import DEFAULT_CONFIG, MAX_CONFIG_BYTES, config_from_text, load_config
+from graphcap.config.model import BUILTIN_MODELS, ModelConfig
+from graphcap.config.root import SECTIONS, CaptureConfig
 from graphcap.config.sections import (
     BACKEND_NAMES,
-    BUILTIN_MODELS,
     PAD_SLOT_ID,
-    SECTIONS,
     BatchingConfig,
-    CaptureConfig,
-    CaptureOptions,
     CaptureSectionConfig,
     ChecksConfig,
     KVCacheConfig,
-    ModelConfig,
     PadRules,
     ReportConfig,
 )
-from graphcap.errors import ConfigError, ConfigProblem
+from graphcap.errors import ConfigError, ConfigProblem  # DESIGN places ConfigError with the config
 
 __all__ = [
     "BACKEND_NAMES",
@@ -42,7 +40,6 @@ __all__ = [
     "SECTIONS",
     "BatchingConfig",
     "CaptureConfig",
-    "CaptureOptions",
     "CaptureSectionConfig",
     "ChecksConfig",
     "ConfigError",
@@ -53,15 +50,4 @@ __all__ = [
     "ReportConfig",
     "config_from_text",
     "load_config",
-    "resolve_device",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    # `resolve_device` lives with the backends (it needs torch); imported on first use so
-    # that loading a config never imports torch.
-    if name == "resolve_device":
-        from graphcap.backends import resolve_device
-
-        return resolve_device
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

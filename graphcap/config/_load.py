@@ -18,7 +18,7 @@ from typing import Any
 from graphcap.config._schema import show_value
 from graphcap.config._yaml import YamlSyntaxError, read_yaml
 from graphcap.config.buffers import BufferConfig
-from graphcap.config.sections import SECTIONS, CaptureConfig
+from graphcap.config.root import SECTIONS, CaptureConfig
 from graphcap.errors import ConfigError, ConfigProblem
 
 __all__ = ["DEFAULT_CONFIG", "MAX_CONFIG_BYTES", "config_from_text", "load_config"]

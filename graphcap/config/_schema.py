@@ -14,9 +14,10 @@ from dataclasses import field, fields
 from typing import Any, ClassVar, Literal
 
 from graphcap.config._yaml import YAML11_BOOLS
-from graphcap.errors import INT32_MAX, INT32_MIN, ConfigError, ConfigProblem
+from graphcap.errors import ConfigError, ConfigProblem
+from graphcap.fields import INT32_MAX, INT32_MIN
 
-__all__ = ["INT32_MAX", "INT32_MIN", "ConfigError", "ConfigProblem", "Section", "problem", "show_value", "spec"]
+__all__ = ["Section", "problem", "show_value", "spec"]
 
 
 def problem(key: str, message: str, *, involves: tuple[str, ...] = ()) -> ConfigProblem:

@@ -11,15 +11,17 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from graphcap.config._schema import ConfigProblem, Section, problem, spec
+from graphcap.config._schema import Section, problem, spec
+from graphcap.errors import ConfigProblem
+from graphcap.fields import FIELDS
 
 __all__ = ["BUFFER_DTYPES", "BUILTIN_FIELDS", "BufferConfig", "buffer_problems"]
 
 BUFFER_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64", "bool")
 """Dtypes an engine buffer may have (numpy and torch both hold them; numpy has no bfloat16)."""
 
-BUILTIN_FIELDS = ("query_start_loc", "seq_lens", "input_ids", "positions", "slot_mapping", "block_table")
-"""Names of the built-in static inputs (`graphcap.inputs.FIELD_TABLE`): not free for a buffer."""
+BUILTIN_FIELDS = FIELDS
+"""Names of the built-in static inputs (`graphcap.fields.FIELD_TABLE`): not free for a buffer."""
 
 _INT_RANGES = {
     "int8": (-(2**7), 2**7 - 1),

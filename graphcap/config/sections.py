@@ -1,10 +1,8 @@
-"""`CaptureConfig` and its sections: frozen dataclasses, validated on construction.
+"""The sections of a config beside `model:`: frozen dataclasses, validated on construction.
 
 Every section checks its own fields in `__post_init__` (types, ranges, choices) and then
-its cross-field rules in `_check`; the root `CaptureConfig` checks what spans sections
-(`capture.max_size <= batching.max_num_tokens`, ...). Each check raises `ConfigError`
-listing every problem with its dotted key; `load_config` (in `_load.py`) collects the
-problems of all sections into one error and adds `file:line` from the YAML.
+its cross-field rules in `_check`, raising `ConfigError` listing every problem with its
+dotted key. The root `CaptureConfig` (`root.py`) checks what spans sections.
 
 Naming: the root is `CaptureConfig` (DESIGN's public name), so the `capture:` section's
 class is `CaptureSectionConfig`; the `padding:` section is `PadRules`, the name engines
@@ -13,146 +11,37 @@ use for it. Every other section is `<Name>Config`.
 
 from __future__ import annotations
 
-import re
 import typing
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
-from graphcap.config._schema import INT32_MAX, INT32_MIN, ConfigProblem, Section, problem, spec
-from graphcap.config.buffers import BufferConfig
+from graphcap.config._schema import Section, problem, spec
+from graphcap.errors import ConfigProblem
+from graphcap.fields import INT32_MAX, INT32_MIN
 from graphcap.sizes import CaptureSizes, default_capture_sizes
 
 __all__ = [
     "BACKEND_NAMES",
-    "BUILTIN_MODELS",
+    "DEFAULT_MAX_SIZE",
     "PAD_SLOT_ID",
     "BatchingConfig",
-    "CaptureConfig",
-    "CaptureOptions",
     "CaptureSectionConfig",
     "ChecksConfig",
     "KVCacheConfig",
-    "ModelConfig",
     "PadRules",
     "ReportConfig",
-    "SECTIONS",
 ]
 
 PAD_SLOT_ID = -1
 """`slot_mapping` value of a token that must not write the KV cache."""
 
-BUILTIN_MODELS = ("tiny-llama",)
-"""Names accepted by `model.name` (built by `graphcap.models.build_model`)."""
-
 BACKEND_NAMES = ("auto", "cuda", "emulated")
 """Names `graphcap.backends.get_backend` and `graphcap --backend` accept. Defined here, beside the
-device choices, so the command line reads them without importing torch; `graphcap.backends`
-re-exports this tuple."""
+device choices, so the command line reads them without importing torch."""
 
 DEFAULT_MAX_SIZE = 64
 """`capture.max_size` when neither it nor an explicit `capture.sizes` list is given."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelConfig(Section):
-    """The model to capture: a built-in reference model or an importable factory."""
-
-    _key: ClassVar[str] = "model"
-    name: str | None = None
-    """Built-in model (`tiny-llama`); the default when `factory` is not set either."""
-    factory: str | None = None
-    """`"pkg.module:function"`, called with the `CaptureConfig`; returns the model."""
-    hidden_size: int = spec(256, min=1, max=1 << 16)
-    """Width of the residual stream (at most 65536; the largest published models use 16384-25600)."""
-    num_layers: int = spec(2, min=1, max=1 << 10)
-    """Decoder layers (at most 1024)."""
-    num_heads: int = spec(8, min=1, max=1 << 10)
-    """Query heads; `hidden_size` must divide evenly among them (at most 1024)."""
-    num_kv_heads: int = spec(2, min=1, max=1 << 10)
-    """Key/value heads (grouped-query attention); must divide `num_heads`."""
-    intermediate_size: int | None = spec(None, min=1, max=1 << 20)
-    """SwiGLU width; null means 8/3 of hidden_size rounded up to a multiple of 64 (at most 1048576)."""
-    vocab_size: int = spec(4096, min=1, max=1 << 24)
-    """Token ids are valid in `[0, vocab_size)` (at most 16777216; today's largest are ~256k)."""
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    """Weight and activation dtype."""
-    seed: int = spec(0, min=0, max=2**64 - 1)
-    """Seed of the deterministic random weights (torch generators take 0 to 2**64 - 1)."""
-    rope_theta: float = spec(10000.0, gt=0)
-    """Rotary embedding base."""
-    rms_norm_eps: float = spec(1e-5, gt=0)
-    """RMSNorm epsilon."""
-    attention: Literal["vectorized", "per_request"] = "vectorized"
-    """Reference model only: `vectorized` paged attention (graph-safe), or `per_request`, a Python
-    loop over requests with `.item()` lengths marked `graphcap.eager_op` (graph-unsafe; the
-    vectorized path stands in for it inside full graphs): a model for the piecewise modes."""
-    options: Mapping = field(default_factory=dict)
-    """A factory model's own settings, passed through to it untouched (`config.model.options`):
-    any mapping with string keys. graphcap reads none of it."""
-
-    def __post_init__(self) -> None:
-        Section.__post_init__(self)
-        if self.name is None and self.factory is None:
-            object.__setattr__(self, "name", BUILTIN_MODELS[0])
-        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))  # read-only, like the rest
-
-    def _check(self) -> list[ConfigProblem]:
-        out = []
-        if self.name is not None and self.factory is not None:
-            out.append(
-                problem(
-                    "factory",
-                    f"give model.name or model.factory, not both; got name {self.name!r} and factory {self.factory!r}",
-                )
-            )
-        if self.name is not None and self.name not in BUILTIN_MODELS:
-            out.append(
-                problem(
-                    "name",
-                    f"unknown model {self.name!r}; built in: {', '.join(BUILTIN_MODELS)} "
-                    '(or use model.factory: "pkg.module:function")',
-                )
-            )
-        if self.factory is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.factory):
-            out.append(problem("factory", f'must look like "pkg.module:function"; got {self.factory!r}'))
-        bad_keys = [k for k in self.options if not isinstance(k, str)]
-        if bad_keys:
-            out.append(problem("options", f"keys must be strings; got {bad_keys[0]!r}"))
-        if self.factory is not None:
-            return out  # the shape rules below are the built-in model's; a factory model has its own
-        if self.hidden_size % self.num_heads:
-            out.append(
-                problem("num_heads", f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
-            )
-        elif (self.hidden_size // self.num_heads) % 2:
-            out.append(
-                problem(
-                    "num_heads",
-                    f"head size {self.hidden_size // self.num_heads} (hidden_size / num_heads) "
-                    "must be even for rotary embeddings",
-                )
-            )
-        if self.num_heads % self.num_kv_heads:
-            out.append(
-                problem(
-                    "num_kv_heads", f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}"
-                )
-            )
-        return out
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def ffn_size(self) -> int:
-        """`intermediate_size`, or its default: 8/3 of hidden_size rounded up to 64."""
-        if self.intermediate_size is not None:
-            return self.intermediate_size
-        return -(-(8 * self.hidden_size // 3) // 64) * 64
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -302,9 +191,6 @@ class CaptureSectionConfig(Section):
 
 _MODES = typing.get_args(typing.get_type_hints(CaptureSectionConfig)["mode"])
 
-CaptureOptions = CaptureSectionConfig
-"""Earlier name of `CaptureSectionConfig`, kept so existing imports work."""
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ChecksConfig(Section):
@@ -387,187 +273,3 @@ class PadRules(Section):
                 )
             ]
         return []
-
-
-SECTIONS: dict[str, type[Section]] = {
-    "model": ModelConfig,
-    "batching": BatchingConfig,
-    "kv_cache": KVCacheConfig,
-    "capture": CaptureSectionConfig,
-    "checks": ChecksConfig,
-    "report": ReportConfig,
-    "padding": PadRules,
-}
-"""The sections of a config file, by key."""
-
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CaptureConfig(Section):
-    """The whole configuration. Build it with `load_config`, or directly from sections.
-
-    `capture_sizes` (the validated schedule, `auto` expanded) is built once, here.
-    """
-
-    _key: ClassVar[str] = ""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """The model to capture."""
-    device: str = "auto"
-    """`auto` (cuda when available, else cpu), `cpu`, `cuda` or `cuda:N`."""
-    batching: BatchingConfig = field(default_factory=BatchingConfig)
-    """Scheduler limits."""
-    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
-    """The paged KV cache."""
-    capture: CaptureSectionConfig = field(default_factory=CaptureSectionConfig)
-    """What to capture."""
-    checks: ChecksConfig = field(default_factory=ChecksConfig)
-    """Safety checks."""
-    report: ReportConfig = field(default_factory=ReportConfig)
-    """Capture report output."""
-    padding: PadRules = field(default_factory=PadRules)
-    """Pad rules of the persistent buffers."""
-    buffers: tuple[BufferConfig, ...] = ()
-    """The engine's own persistent buffers (the `buffers:` list), staged like the built-ins."""
-    capture_sizes: CaptureSizes = field(init=False, repr=False, compare=False, default=None)  # type: ignore[assignment]
-    """The validated schedule (`capture.sizes`, with `auto` expanded), built on construction."""
-
-    def _check(self) -> list[ConfigProblem]:
-        out: list[ConfigProblem] = []
-        if not _DEVICE.fullmatch(self.device):
-            out.append(problem("device", f"must be auto, cpu, cuda or cuda:N; got {self.device!r}"))
-        cap, bat, kv, pad = self.capture, self.batching, self.kv_cache, self.padding
-        on_cuda = self.device.startswith("cuda") and _DEVICE.fullmatch(self.device)
-        if on_cuda and cap.num_warmups == 0 and cap.mode != "none":
-            out.append(
-                problem(
-                    "capture.num_warmups",
-                    f"0 with device {self.device}: the cuda backend needs at least 1 eager run before each capture "
-                    "(lazy cuBLAS, Triton and torch.compile initialisation must happen outside the graph); set 1",
-                )
-            )
-        if cap.max_size > bat.max_num_tokens:
-            out.append(
-                problem(
-                    "capture.max_size" if cap.sizes == "auto" else "capture.sizes",
-                    f"{cap.max_size} exceeds batching.max_num_tokens {bat.max_num_tokens}; the persistent buffers "
-                    "cannot hold it: lower capture.max_size or raise batching.max_num_tokens",
-                    involves=("batching",),
-                )
-            )
-        if kv.max_model_len < cap.uniform_query_len:
-            out.append(
-                problem(
-                    "kv_cache.max_model_len",
-                    f"{kv.max_model_len} is shorter than capture.uniform_query_len {cap.uniform_query_len}",
-                    involves=("capture",),
-                )
-            )
-        if pad.token_id >= self.model.vocab_size:
-            out.append(
-                problem(
-                    "padding.token_id",
-                    f"{pad.token_id} is not a valid token id (model.vocab_size {self.model.vocab_size})",
-                    involves=("model",),
-                )
-            )
-        if pad.block_id >= kv.num_blocks:
-            out.append(
-                problem(
-                    "padding.block_id",
-                    f"{pad.block_id} is not a valid block (kv_cache.num_blocks {kv.num_blocks})",
-                    involves=("kv_cache",),
-                )
-            )
-        if pad.position >= kv.max_model_len:
-            out.append(
-                problem(
-                    "padding.position",
-                    f"{pad.position} is not below kv_cache.max_model_len {kv.max_model_len}",
-                    involves=("kv_cache",),
-                )
-            )
-        if pad.seq_len > kv.max_model_len:
-            out.append(
-                problem(
-                    "padding.seq_len",
-                    f"{pad.seq_len} is above kv_cache.max_model_len {kv.max_model_len}; a padded request "
-                    "attends to at most max_model_len keys (use 0, or 1 for SGLang-style kernels)",
-                    involves=("kv_cache",),
-                )
-            )
-        seen: dict[str, int] = {}
-        for i, buffer in enumerate(self.buffers):
-            if buffer.name in seen:
-                out.append(
-                    problem(
-                        f"buffers[{i}].name", f"{buffer.name!r} is declared twice (also buffers[{seen[buffer.name]}])"
-                    )
-                )
-            seen.setdefault(buffer.name, i)
-        if out:
-            return out
-        sizes = _schedule(cap, bat.max_num_tokens)
-        object.__setattr__(self, "capture_sizes", sizes)
-        if cap.mode == "none":
-            return out
-        q = cap.uniform_query_len
-        reach = bat.max_num_seqs * kv.max_model_len
-        if cap.mode in ("full", "piecewise", "full_and_piecewise") and sizes.max_size > reach:
-            # The mixed (or piecewise) key of that size could not even be filled by its dummy batch.
-            out.append(
-                problem(
-                    "capture.max_size" if cap.sizes == "auto" else "capture.sizes",
-                    f"size {sizes.max_size} can never be reached: a step holds at most batching.max_num_seqs "
-                    f"{bat.max_num_seqs} requests of kv_cache.max_model_len {kv.max_model_len} tokens = {reach}; "
-                    f"lower capture.max_size to {reach} or drop the larger sizes",
-                    involves=("batching", "kv_cache"),
-                )
-            )
-        if cap.mode == "full_decode_only" and not any(s % q == 0 and s // q <= bat.max_num_seqs for s in sizes):
-            out.append(
-                problem(
-                    "capture.mode",
-                    f"full_decode_only captures uniform keys only, but no size in {list(sizes)} is a multiple of "
-                    f"uniform_query_len {q} with at most batching.max_num_seqs {bat.max_num_seqs} requests",
-                    involves=("batching",),
-                )
-            )
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain nested dict (YAML/JSON-ready); `load_config` of it gives an equal config."""
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            if not f.init:
-                continue
-            value = getattr(self, f.name)
-            if isinstance(value, Section):
-                value = _section_dict(value)
-            elif f.name == "buffers":
-                value = [_section_dict(buffer) for buffer in value]
-            out[f.name] = value
-        return out
-
-    def buffer_specs(self) -> tuple:
-        """The `buffers:` list as `graphcap.BufferSpec`s (imported here: config stays torch-free)."""
-        from graphcap.inputs import BufferSpec
-
-        return tuple(BufferSpec(*buffer.as_tuple()) for buffer in self.buffers)
-
-
-def _schedule(cap: CaptureSectionConfig, max_num_tokens: int) -> CaptureSizes:
-    sizes = cap.sizes
-    if sizes == "auto":
-        sizes = default_capture_sizes(cap.max_size, cap.uniform_query_len)
-    return CaptureSizes(sizes, max_num_tokens)
-
-
-def _section_dict(section: Section) -> dict[str, Any]:
-    return {f.name: _plain(getattr(section, f.name)) for f in fields(section) if f.init}
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return list(value)
-    return dict(value) if isinstance(value, MappingProxyType) else value

@@ -16,12 +16,13 @@ import torch
 import yaml
 
 from graphcap.batch import StepBatch, dummy_batch
-from graphcap.buffers import PersistentBuffers
 from graphcap.config import CaptureConfig, config_from_text
-from graphcap.dispatch import KeyRegistry
-from graphcap.errors import INT32_MAX, BatchError, InvariantViolation
+from graphcap.errors import BatchError, InvariantViolation
+from graphcap.fields import INT32_MAX
 from graphcap.invariants import check_invariants
+from graphcap.keys import KeyRegistry
 from graphcap.manager import CaptureManager
+from graphcap.staging import PersistentBuffers
 from graphcap.testing.faults import assert_unchanged, expect, snapshot
 
 __all__ = [
@@ -314,6 +315,6 @@ def assert_config_works(config: CaptureConfig) -> None:
         return  # valid, but too big to allocate in a unit test
     buffers = PersistentBuffers.from_config(config)
     for key in registry.capture_order():
-        batch = dummy_batch(key.shape(config.batching.max_num_seqs), max_model_len=kv.max_model_len)
-        inputs = buffers.stage(batch, registry.staging_key(key, batch.num_reqs))
+        batch = dummy_batch(registry.capture_shape(key), max_model_len=kv.max_model_len)
+        inputs = buffers.stage(batch, key)
         check_invariants(inputs, "full", dummy=True)

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from graphcap.batch import GraphKey, StepBatch, distinct_blocks, dummy_batch
+from graphcap.batch import StepBatch, distinct_blocks, dummy_batch
 from graphcap.config import CaptureConfig
+from graphcap.keys import GraphKey, KeyRegistry
 
 __all__ = ["Request", "Workload", "fill_batch"]
 
@@ -30,7 +31,8 @@ def fill_batch(
     """
     rng = np.random.default_rng(rng) if isinstance(rng, int) else rng
     kv = config.kv_cache
-    key = key.shape(config.batching.max_num_seqs)  # a piecewise key: its tokens over real requests
+    if key.num_reqs is None:  # a piecewise key: its tokens over as many requests as its capture batches
+        key = KeyRegistry.from_config(config).capture_shape(key)
     if num_reqs is None:
         q = dummy_batch(key, max_model_len=kv.max_model_len).query_lens.astype(np.int64)
     elif num_reqs == 0:

@@ -122,7 +122,7 @@ def _scenarios(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     import torch.distributed as dist
 
     from graphcap import CaptureError, CaptureManager, ConfigError, load_config
-    from graphcap.distributed import DistributedTimeoutError
+    from graphcap.errors import DistributedTimeoutError
     from graphcap.models import build_model
 
     dist.init_process_group(

@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from graphcap.config import load_config
 from graphcap.config.fingerprint import PER_RANK_KEYS, compared_items, config_fingerprint, fingerprint_int
-from graphcap.distributed import DataParallelSync, DistributedTimeoutError
+from graphcap.distributed import DataParallelSync
+from graphcap.errors import DistributedTimeoutError
 
 
 @pytest.fixture

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphcap.batch import GraphKey, StepBatch
-from graphcap.buffers import PersistentBuffers
+from graphcap.batch import StepBatch
 from graphcap.config import BUILTIN_MODELS, ConfigError, load_config
+from graphcap.keys import GraphKey
 from graphcap.models import MODELS, TinyLlama, build_model, resolve_device
+from graphcap.staging import PersistentBuffers
 
 from . import factory_fixture
 

@@ -9,10 +9,11 @@ import torch
 
 from graphcap.backends.base import CaptureUnsafeError
 from graphcap.backends.preflight import unsafe_op_checker
-from graphcap.batch import GraphKey, StepBatch, dummy_batch
-from graphcap.buffers import PersistentBuffers
+from graphcap.batch import StepBatch, dummy_batch
 from graphcap.config import load_config
+from graphcap.keys import GraphKey
 from graphcap.models import TinyLlama, build_model, dense_reference
+from graphcap.staging import PersistentBuffers
 
 
 def _config(**overrides):

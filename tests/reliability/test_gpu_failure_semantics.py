@@ -1,6 +1,6 @@
 """Capture failures as a GPU has them, on the CPU: a failed key's tensors are freed before the next
-key runs (C1), a sticky CUDA error stops the pass with one message (R1), an OOM CUDA reports as a
-plain CUDA error keeps the memory hint, and a backend that needs warmups refuses zero (R4)."""
+key runs, a sticky CUDA error stops the pass with one message, an OOM CUDA reports as a plain
+CUDA error keeps the memory hint, and a backend that needs warmups refuses zero."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_num_warmups_zero_is_refused_for_a_backend_that_needs_warmups():
     manager = make_manager(config, backend=NeedsWarmups("cpu"))
     with pytest.raises(ConfigError, match=r"capture\.num_warmups: 0 is too few for the emulated backend"):
         manager.capture()
-    with pytest.raises(ValueError, match=r"num_warmups=0: the emulated backend needs at least 1 plain warmup"):
+    with pytest.raises(ValueError, match=r"0 is too few for the emulated backend: it needs at least 1 plain warmup"):
         manager.backend.warmup(lambda: torch.ones(1), 0)
     make_manager(config).capture()  # the emulated backend itself accepts 0
 

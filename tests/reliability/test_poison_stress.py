@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from graphcap import StepBatch
-from graphcap.buffers import POISON
+from graphcap.staging import POISON
 from graphcap.testing import FAULT_SIZES, make_config, make_manager, stress
 
 SPEC = {"capture.uniform_query_len": 4, "capture.sizes": [4, 8]}
@@ -66,14 +66,14 @@ def test_poison_turns_a_forgotten_pad_rule_into_a_loud_failure(monkeypatch):
     manager = make_manager(make_config(FAULT_SIZES, checks__invariants="basic"))
     manager.capture()
     buffers = manager.buffers
-    fill = buffers._fill_padding
+    fill = buffers.pad.fill
 
-    def forgetful(T, R, n, r):
+    def forgetful(T, R, n, r, width):
         stale = buffers.host["positions"][n:T].copy()
-        fill(T, R, n, r)
+        fill(T, R, n, r, width)
         buffers.host["positions"][n:T] = stale  # the rule for positions is never applied
 
-    monkeypatch.setattr(buffers, "_fill_padding", forgetful)
+    monkeypatch.setattr(buffers.pad, "fill", forgetful)
     batch = StepBatch([2, 1], [6, 3], [1, 2, 3], [[1, 2], [3, 0]])  # 3 tokens padded to 4
     buffers.poison = False
     torch.testing.assert_close(manager.execute(batch).clone(), manager.eager(batch))  # silently stale

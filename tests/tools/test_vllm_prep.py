@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap import PersistentBuffers, StepBatch
-from graphcap.batch import GraphKey
+from graphcap.keys import GraphKey
 from tests.tools import TOOLS, run_tool
 
 # tools/ is not a package: its scripts import each other as top-level modules.

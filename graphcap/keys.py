@@ -1,24 +1,86 @@
-"""`KeyRegistry`: the one source of truth for which graph keys exist, and step dispatch.
+"""Graph keys and dispatch: `GraphKey`, the `Mode` a step runs in, and `KeyRegistry`, the one place keys are made.
 
 Keys come from the config once (mode, sizes, uniform query length, request limit). The
 capture loop marks each key captured or skipped; `dispatch` maps a step's counts to a
-captured key in O(1) (one padding-table index per kind) or to the named eager key with an
-explicit reason. The runtime contract, as in vLLM's dispatcher: graphs trust the key they
-are given, so every key used anywhere (planning, dispatch, data-parallel agreement, eager
-steps) comes from this class.
+captured key in O(1) (one padding-table index per kind) and says how the step runs (`Mode`):
+a full graph, a piecewise graph, or eagerly with an explicit reason. As in vLLM's dispatcher,
+the mode travels beside the key and graphs trust the key they are given, so every key used
+anywhere (planning, dispatch, data-parallel agreement, capture batches, eager steps) comes
+from this module.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from graphcap.batch import GraphKey, StepBatch
 from graphcap.sizes import CaptureSizes, uniform_sizes
 
-__all__ = ["EAGER_REASONS", "MIXED_ROWS_FLOOR", "MIXED_ROWS_STEP", "KeyRegistry", "StepStats", "mixed_request_rows"]
+__all__ = [
+    "EAGER_REASONS",
+    "MIXED_ROWS_FLOOR",
+    "MIXED_ROWS_STEP",
+    "Dispatch",
+    "GraphKey",
+    "KeyRegistry",
+    "Mode",
+    "StepStats",
+    "mixed_request_rows",
+]
+
+
+class GraphKey(NamedTuple):
+    """Identity of one graph (or of an eager step); made only by `KeyRegistry`.
+
+    `num_tokens`: the padded token count T (a captured size). `num_reqs`: the padded request
+    count R (rows of `query_start_loc[:R+1]`, `seq_lens`, `block_table`), or None for a graph
+    that holds any request count (a piecewise graph: its pieces read no request rows, so a
+    step stages its own count, unpadded). `uniform`: every real request has exactly `T / R`
+    tokens (a decode or spec-decode step), which attention backends may exploit.
+    """
+
+    num_tokens: int
+    num_reqs: int | None
+    uniform: bool
+
+    @property
+    def piecewise(self) -> bool:
+        """Whether the key holds any request count (the key of a piecewise graph)."""
+        return self.num_reqs is None
+
+    def __str__(self) -> str:
+        if self.num_reqs is None:
+            return f"piecewise(tokens={self.num_tokens})"
+        kind = "uniform" if self.uniform else "mixed"
+        return f"{kind}(tokens={self.num_tokens}, reqs={self.num_reqs})"
+
+
+class Mode(str, enum.Enum):
+    """How a step runs: the mode `KeyRegistry.dispatch` returns beside its key."""
+
+    FULL = "full"
+    """Replay the key's full graph (the whole forward, no Python)."""
+    PIECEWISE = "piecewise"
+    """Replay the key's pieces, with the eager ops between them on the real batch."""
+    EAGER = "eager"
+    """Run the forward eagerly, unpadded (the key is the step's own counts)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Dispatch(NamedTuple):
+    """What `KeyRegistry.dispatch` decided for one step."""
+
+    mode: Mode
+    key: GraphKey
+    """The captured key to replay; for `Mode.EAGER` the step's own counts, unpadded."""
+    reason: str
+    """Why the step runs eagerly (a key of `EAGER_REASONS`); "" for a graph."""
+
 
 EAGER_REASONS = {
     "mode_none": "capture.mode is none",
@@ -68,9 +130,8 @@ class KeyRegistry:
     Uniform keys: `num_reqs = size / q` at every size `sizes.uniform_sizes` gives (modes
     `full`, `full_decode_only` and `full_and_piecewise`): sizes of whole requests within
     `max_num_seqs`, plus `max_num_seqs * q` itself. Piecewise keys (modes `piecewise` and
-    `full_and_piecewise`): one per size, keyed by token count alone (`num_reqs` 0); every step
-    up to the largest size that has no uniform key replays one. Mode `none` plans nothing.
-    Does not stage or run anything.
+    `full_and_piecewise`): one per size, `num_reqs` None; every step up to the largest size
+    that has no uniform key replays one. Mode `none` plans nothing. Does not stage or run anything.
     """
 
     def __init__(
@@ -104,7 +165,7 @@ class KeyRegistry:
             )
             if mode == "piecewise":
                 uniform = []
-            pieces = [GraphKey(size, 0, False, True) for size in sizes] if "piecewise" in mode else []
+            pieces = [GraphKey(size, None, False) for size in sizes] if "piecewise" in mode else []
             planned = uniform + mixed + pieces
             if pieces:
                 by_size_pieces = {key.num_tokens: key for key in pieces}
@@ -123,9 +184,7 @@ class KeyRegistry:
                 for key in mixed:
                     by_size[key.num_tokens] = (*by_size.get(key.num_tokens, ()), key)
                 self._mixed = [by_size[sizes.pad(n)] for n in range(sizes.max_size + 1)]
-        self.planned: tuple[GraphKey, ...] = tuple(
-            sorted(planned, key=lambda k: (k.num_tokens, not k.uniform, k.piecewise, -k.num_reqs))
-        )
+        self.planned: tuple[GraphKey, ...] = tuple(sorted(planned, key=_ascending))
         self.captured: set[GraphKey] = set()
         self.skipped: dict[GraphKey, str] = {}
 
@@ -141,7 +200,21 @@ class KeyRegistry:
 
     def capture_order(self) -> list[GraphKey]:
         """Largest first (smaller graphs then reuse the pool); uniform before mixed; more rows first."""
-        return sorted(self.planned, key=lambda k: (-k.num_tokens, not k.uniform, k.piecewise, -k.num_reqs))
+        return sorted(self.planned, key=lambda k: (-k.num_tokens, *_ascending(k)[1:]))
+
+    def mode_of(self, key: GraphKey) -> Mode:
+        """How a planned key's graph runs: `PIECEWISE` for a key of any request count, else `FULL`."""
+        return Mode.PIECEWISE if key.num_reqs is None else Mode.FULL
+
+    def capture_shape(self, key: GraphKey) -> GraphKey:
+        """The padded counts of the batches that capture and verify `key` (`dummy_batch`, `probe_batch`).
+
+        The key itself, or for a piecewise key its tokens over as many requests as a step of
+        that size can have (`min(T, max_num_seqs)`), so its capture batches have padded requests.
+        """
+        if key.num_reqs is not None:
+            return key
+        return GraphKey(key.num_tokens, min(key.num_tokens, self.max_num_seqs), False)
 
     def mark_captured(self, key: GraphKey) -> None:
         self._check_planned(key)
@@ -158,54 +231,50 @@ class KeyRegistry:
         self.captured.clear()
         self.skipped.clear()
 
-    def dispatch(self, num_tokens: int, num_reqs: int, uniform: bool) -> tuple[GraphKey | None, str]:
-        """`(key, "")` for the captured key that holds a step, else `(None, reason)`.
+    def dispatch(self, num_tokens: int, num_reqs: int, uniform: bool) -> Dispatch:
+        """How a step of these counts runs: its captured key and mode, or eagerly with a reason.
 
         `uniform`: every request of the step has exactly `uniform_query_len` tokens (an empty
         step is uniform). A uniform step prefers its uniform key and falls back to the mixed
-        key of its size; a key that was skipped or not captured yet is never returned.
+        (or piecewise) key of its size; a key that was skipped or not captured yet is never
+        returned.
         """
         if self.mode == "none":
-            return None, "mode_none"
+            return self._eager(num_tokens, num_reqs, "mode_none")
         if num_tokens > self.sizes.max_size:
-            return None, "above_max_size"
+            return self._eager(num_tokens, num_reqs, "above_max_size")
         if uniform:
             key = self._uniform[num_tokens]
             if key is not None and key in self.captured:
-                return key, ""
+                return Dispatch(Mode.FULL, key, "")
             fallback = key
         else:
             fallback = None
         piece = self._piecewise[num_tokens]
         if piece is not None:  # piecewise keys hold any request count the buffers hold
-            return (piece, "") if piece in self.captured else (None, self._state(piece))
+            if piece in self.captured:
+                return Dispatch(Mode.PIECEWISE, piece, "")
+            return self._eager(num_tokens, num_reqs, self._state(piece))
         keys = self._mixed[num_tokens]
         if not keys:  # full_decode_only plans no mixed keys
-            return None, "decode_only" if fallback is None else self._state(fallback)
+            return self._eager(num_tokens, num_reqs, "decode_only" if fallback is None else self._state(fallback))
         fits = None  # the fewest rows that hold the step; a larger captured one replays instead
         for key in keys:
             if key.num_reqs >= num_reqs:
                 if key in self.captured:
-                    return key, ""
+                    return Dispatch(Mode.FULL, key, "")
                 fits = fits or key
         if fits is None:
-            return None, "too_many_requests"
-        return None, self._state(fits)
-
-    def key_for(self, batch: StepBatch) -> tuple[GraphKey | None, str]:
-        """`dispatch` for a `StepBatch` (its counts and whether it is uniform)."""
-        return self.dispatch(batch.num_tokens, batch.num_reqs, batch.is_uniform(self.uniform_query_len))
-
-    @staticmethod
-    def staging_key(key: GraphKey, num_reqs: int) -> GraphKey:
-        """The key a step stages with: `key` itself, or for a piecewise key its tokens with the
-        step's own request count (piecewise graphs read no request rows, so none are padded)."""
-        return GraphKey(key.num_tokens, num_reqs, False, True) if key.piecewise else key
+            return self._eager(num_tokens, num_reqs, "too_many_requests")
+        return self._eager(num_tokens, num_reqs, self._state(fits))
 
     @staticmethod
     def eager_key(num_tokens: int, num_reqs: int) -> GraphKey:
         """The key of an eager step: the step's own counts, unpadded, mixed (no graph has it)."""
         return GraphKey(num_tokens, num_reqs, False)
+
+    def _eager(self, num_tokens: int, num_reqs: int, reason: str) -> Dispatch:
+        return Dispatch(Mode.EAGER, GraphKey(num_tokens, num_reqs, False), reason)
 
     def _state(self, key: GraphKey) -> str:
         return "skipped" if key in self.skipped else "not_captured"
@@ -221,6 +290,11 @@ class KeyRegistry:
         return len(self.planned)
 
 
+def _ascending(key: GraphKey) -> tuple:
+    """Planned order: by size; uniform, then mixed (more rows first), then piecewise."""
+    return (key.num_tokens, not key.uniform, key.num_reqs is None, -(key.num_reqs or 0))
+
+
 @dataclass
 class StepStats:
     """Counters of executed steps (graph hits per key, eager fallbacks by reason, waste)."""
@@ -228,7 +302,7 @@ class StepStats:
     graph_hits: Counter = field(default_factory=Counter)
     """Replays per `GraphKey`."""
     eager: Counter = field(default_factory=Counter)
-    """Eager steps per reason (keys of `graphcap.dispatch.EAGER_REASONS`)."""
+    """Eager steps per reason (keys of `graphcap.keys.EAGER_REASONS`)."""
     real_tokens: int = 0
     """Real tokens of replayed steps."""
     padded_tokens: int = 0
@@ -241,7 +315,7 @@ class StepStats:
     @property
     def piecewise_replays(self) -> int:
         """Replays of piecewise keys (`graph_hits` holds them by key, with the full graphs')."""
-        return sum(n for key, n in self.graph_hits.items() if key.piecewise)
+        return sum(n for key, n in self.graph_hits.items() if key.num_reqs is None)
 
     @property
     def padded_token_waste(self) -> float:
@@ -250,7 +324,7 @@ class StepStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "graph_hits": {str(k): v for k, v in sorted(self.graph_hits.items())},
+            "graph_hits": {str(k): v for k, v in sorted(self.graph_hits.items(), key=lambda kv: _ascending(kv[0]))},
             "eager": dict(self.eager),
             "steps": sum(self.graph_hits.values()) + sum(self.eager.values()),
             "piecewise_replays": self.piecewise_replays,

@@ -1,4 +1,4 @@
-"""`graphcap.dispatch`: the key registry plans keys from the config and maps each step to one."""
+"""`graphcap.keys`: the key registry plans keys from the config and maps each step to one key and mode."""
 
 from __future__ import annotations
 
@@ -6,12 +6,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphcap.batch import GraphKey, StepBatch, dummy_batch
+from graphcap.batch import StepBatch, dummy_batch
 from graphcap.config import load_config
-from graphcap.dispatch import EAGER_REASONS, KeyRegistry, mixed_request_rows
+from graphcap.keys import EAGER_REASONS, Dispatch, GraphKey, KeyRegistry, Mode, mixed_request_rows
 from graphcap.sizes import CaptureSizes
 
 SIZES = CaptureSizes([1, 2, 4, 8, 16, 32], 64)
+
+
+def pair(dispatch: Dispatch) -> tuple[GraphKey | None, str]:
+    """`(key, "")` for a graph, `(None, reason)` for an eager step."""
+    assert (dispatch.mode is Mode.EAGER) == bool(dispatch.reason)
+    return (None, dispatch.reason) if dispatch.mode is Mode.EAGER else (dispatch.key, "")
+
+
+def key_for(keys: KeyRegistry, batch: StepBatch) -> tuple[GraphKey | None, str]:
+    return pair(keys.dispatch(batch.num_tokens, batch.num_reqs, batch.is_uniform(keys.uniform_query_len)))
 
 
 def registry(mode="full", q=1, max_num_seqs=8, sizes=SIZES, capture_all=True) -> KeyRegistry:
@@ -71,26 +81,26 @@ def test_from_config_plans_the_default_schedule():
 
 
 def test_uniform_batch_dispatches_to_the_uniform_key():
-    assert registry().key_for(decode(3)) == (GraphKey(4, 4, True), "")
-    assert registry(q=4).key_for(decode(3, q=4)) == (GraphKey(16, 4, True), "")
+    assert key_for(registry(), decode(3)) == (GraphKey(4, 4, True), "")
+    assert key_for(registry(q=4), decode(3, q=4)) == (GraphKey(16, 4, True), "")
 
 
 def test_mixed_batch_dispatches_to_the_mixed_key():
-    assert registry().key_for(StepBatch([2, 1], [5, 5])) == (GraphKey(4, 4, False), "")
+    assert key_for(registry(), StepBatch([2, 1], [5, 5])) == (GraphKey(4, 4, False), "")
 
 
 def test_uniform_batch_at_a_size_without_a_uniform_key_uses_the_mixed_key():
     keys = registry(q=2, sizes=CaptureSizes([3, 6, 12], 64))
-    assert keys.key_for(decode(1, q=2)) == (GraphKey(3, 3, False), "")  # 3 is not a multiple of 2
-    assert keys.key_for(decode(3, q=2)) == (GraphKey(6, 3, True), "")
+    assert key_for(keys, decode(1, q=2)) == (GraphKey(3, 3, False), "")  # 3 is not a multiple of 2
+    assert key_for(keys, decode(3, q=2)) == (GraphKey(6, 3, True), "")
     # 16 decode requests would need 16 rows; max_num_seqs 8 leaves no uniform key at 16
-    assert registry(max_num_seqs=8).key_for(StepBatch([2] * 8, [9] * 8)) == (GraphKey(16, 8, False), "")
+    assert key_for(registry(max_num_seqs=8), StepBatch([2] * 8, [9] * 8)) == (GraphKey(16, 8, False), "")
 
 
 def test_skipped_uniform_key_falls_back_to_the_mixed_key():
     keys = registry()
     keys.mark_skipped(GraphKey(4, 4, True), "out of memory")
-    assert keys.key_for(decode(3)) == (GraphKey(4, 4, False), "")
+    assert key_for(keys, decode(3)) == (GraphKey(4, 4, False), "")
     assert keys.skipped == {GraphKey(4, 4, True): "out of memory"}
 
 
@@ -108,17 +118,17 @@ def test_skipped_uniform_key_falls_back_to_the_mixed_key():
     ],
 )
 def test_dispatch_runs_eagerly_with_the_reason(keys, batch, reason):
-    assert keys.key_for(batch) == (None, reason)
+    assert key_for(keys, batch) == (None, reason)
     assert reason in EAGER_REASONS
 
 
 def test_skipped_key_runs_eagerly_with_reason_skipped():
     keys = registry()
     keys.mark_skipped(GraphKey(4, 4, False), "capture failed")
-    assert keys.key_for(StepBatch([2, 1], [2, 1])) == (None, "skipped")
+    assert key_for(keys, StepBatch([2, 1], [2, 1])) == (None, "skipped")
     keys = registry(mode="full_decode_only")
     keys.mark_skipped(GraphKey(2, 2, True), "capture failed")
-    assert keys.key_for(decode(2)) == (None, "skipped")
+    assert key_for(keys, decode(2)) == (None, "skipped")
 
 
 def test_mark_captured_after_skip_clears_the_skip_and_reset_forgets_everything():
@@ -154,7 +164,7 @@ def _batches(draw, max_tokens=40, max_reqs=8):
 @settings(max_examples=300, deadline=None)
 def test_dispatched_key_holds_the_batch_at_the_smallest_captured_size(batch, mode, q):
     keys = registry(mode=mode, q=q, max_num_seqs=8)
-    key, reason = keys.key_for(batch)
+    key, reason = key_for(keys, batch)
     if batch.num_tokens > SIZES.max_size:
         assert (key, reason) == (None, "above_max_size")
         return
@@ -181,14 +191,14 @@ def test_full_decode_only_captures_the_uniform_key_at_max_num_seqs():
     keys = registry(mode="full_decode_only", max_num_seqs=20, sizes=config.capture_sizes, capture_all=True)
     assert GraphKey(20, 20, True) in keys.planned
     for num_reqs in range(17, 21):
-        assert keys.key_for(decode(num_reqs)) == (GraphKey(20, 20, True), ""), num_reqs
-    assert keys.key_for(decode(16)) == (GraphKey(16, 16, True), "")
-    assert keys.key_for(StepBatch([2, 1], [5, 5])) == (None, "decode_only")  # mixed: the reason is true
+        assert key_for(keys, decode(num_reqs)) == (GraphKey(20, 20, True), ""), num_reqs
+    assert key_for(keys, decode(16)) == (GraphKey(16, 16, True), "")
+    assert key_for(keys, StepBatch([2, 1], [5, 5])) == (None, "decode_only")  # mixed: the reason is true
 
 
 def test_a_uniform_key_is_never_padded_further_than_the_schedule():
     keys = registry(q=2, sizes=CaptureSizes([3, 6, 12], 64))  # uniform keys at 6 and 12, mixed at 3
-    assert keys.key_for(decode(1, q=2)) == (GraphKey(3, 3, False), "")  # 2 tokens: 3 beats uniform 6
+    assert key_for(keys, decode(1, q=2)) == (GraphKey(3, 3, False), "")  # 2 tokens: 3 beats uniform 6
 
 
 @given(
@@ -209,7 +219,7 @@ def test_every_decode_step_within_the_max_size_replays_a_graph(max_num_seqs, q, 
     )
     keys = registry(mode=mode, q=q, max_num_seqs=max_num_seqs, sizes=config.capture_sizes)
     for num_reqs in range(1, max_num_seqs + 1):
-        key, reason = keys.key_for(decode(num_reqs, q=q))
+        key, reason = key_for(keys, decode(num_reqs, q=q))
         if num_reqs * q <= 64:
             assert key is not None and key.uniform and key.num_reqs >= num_reqs, (num_reqs, reason)
         else:
@@ -244,13 +254,13 @@ def test_a_mixed_step_replays_the_key_of_its_size_with_the_fewest_rows_that_hold
     ]
     for key in keys.planned:
         keys.mark_captured(key)
-    assert keys.dispatch(300, 100, False) == (GraphKey(512, 128, False), "")
-    assert keys.dispatch(300, 128, False) == (GraphKey(512, 128, False), "")
-    assert keys.dispatch(300, 129, False) == (GraphKey(512, 512, False), "")
+    assert pair(keys.dispatch(300, 100, False)) == (GraphKey(512, 128, False), "")
+    assert pair(keys.dispatch(300, 128, False)) == (GraphKey(512, 128, False), "")
+    assert pair(keys.dispatch(300, 129, False)) == (GraphKey(512, 512, False), "")
     keys.mark_skipped(GraphKey(512, 128, False), "x")  # fewer rows failed to capture: more rows replay
-    assert keys.dispatch(300, 100, False) == (GraphKey(512, 512, False), "")
+    assert pair(keys.dispatch(300, 100, False)) == (GraphKey(512, 512, False), "")
     keys.mark_skipped(GraphKey(512, 512, False), "x")
-    assert keys.dispatch(300, 100, False) == (None, "skipped")
+    assert pair(keys.dispatch(300, 100, False)) == (None, "skipped")
 
 
 def test_capture_order_takes_more_rows_first_within_a_size():
@@ -273,3 +283,29 @@ def test_from_config_gives_mixed_keys_rows_that_max_model_len_can_fill():
     assert {k.num_reqs for k in keys.planned if k.num_tokens == 4096 and not k.uniform} == {256, 1024}
     for key in keys.planned:  # every planned key has a dummy batch (capture stages one)
         dummy_batch(key, max_model_len=32)
+
+
+def test_graph_key_is_immutable_hashable_and_readable():
+    key = GraphKey(64, 32, False)
+    assert key == GraphKey(num_tokens=64, num_reqs=32, uniform=False) and hash(key) == hash((64, 32, False))
+    assert str(key) == "mixed(tokens=64, reqs=32)" and str(GraphKey(8, 8, True)) == "uniform(tokens=8, reqs=8)"
+    assert str(GraphKey(8, None, False)) == "piecewise(tokens=8)" and GraphKey(8, None, False).piecewise
+    with pytest.raises(AttributeError):
+        key.num_tokens = 8
+
+
+def test_the_mode_comes_beside_the_key_and_a_piecewise_key_is_one_form():
+    """A piecewise graph of 8 tokens is GraphKey(8, None, False) in the registry, at dispatch, in staging
+    and in stats; its capture batches' counts come from the registry, not from the key."""
+    keys = registry(mode="full_and_piecewise")
+    piece = GraphKey(8, None, False)
+    assert piece in keys.planned and keys.mode_of(piece) is Mode.PIECEWISE
+    assert keys.mode_of(GraphKey(8, 8, True)) is Mode.FULL
+    assert keys.dispatch(7, 3, False) == Dispatch(Mode.PIECEWISE, piece, "")
+    assert keys.dispatch(8, 8, True) == Dispatch(Mode.FULL, GraphKey(8, 8, True), "")
+    assert keys.dispatch(40, 3, False) == Dispatch(Mode.EAGER, GraphKey(40, 3, False), "above_max_size")
+    assert keys.capture_shape(piece) == GraphKey(8, 8, False) and keys.capture_shape(GraphKey(8, 8, True)) == (
+        8,
+        8,
+        True,
+    )

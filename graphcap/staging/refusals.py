@@ -1,70 +1,30 @@
 """Why a step is refused: the slow checks that find the first problem and name it.
 
-The hot path (`graphcap/_staging.py`) proves a step valid with a few vectorized comparisons;
-only when one fails does it call `refuse_step`, which walks the rules one by one in a fixed
-order and raises `BatchError` naming the field, the request, the value and the fix. A
-property test holds the two to the same verdict. `StepBatch` uses the value checks here on
-the arrays it converts (lists, other dtypes), so those are refused at construction.
+The hot path (`graphcap.staging.passes`) proves a step valid with a few vectorized
+comparisons; only when one fails does it call `refuse_step`, which walks the rules one by one
+in a fixed order and raises `BatchError` naming the field, the request, the value and the fix.
+A property test holds the two to the same verdict.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 import numpy as np
 
-from graphcap._fastnp import INT32_MAX, amax, unsigned_max
+from graphcap._fastnp import amax
+from graphcap.batch import StepBatch, check_block_ids, check_seq_lens, check_token_ids
+from graphcap.block_table import BlockTable
 from graphcap.errors import BatchError
+from graphcap.inputs import StagingLimits
+from graphcap.keys import GraphKey
 
-if TYPE_CHECKING:
-    from graphcap.batch import GraphKey, StepBatch
-    from graphcap.inputs import StagingLimits
-
-__all__ = ["check_block_ids", "check_fits", "check_seq_lens", "check_token_ids", "refuse_step"]
-
-
-def check_seq_lens(q: np.ndarray, s: np.ndarray) -> None:
-    """`seq_lens` within int32 and `>= query_lens` (both 1-D, same length, `q >= 1`)."""
-    if not len(s):
-        return
-    if unsigned_max(s) > INT32_MAX and amax(s) > INT32_MAX:  # a negative is named against its query_len
-        i = int(np.argmax(s))
-        raise BatchError(f"seq_lens[{i}] is {int(s[i])}, above the int32 range of the buffers")
-    below = s < q
-    if not below.any():
-        return
-    i = int(np.argmax(below))
-    raise BatchError(
-        f"seq_lens[{i}] is {int(s[i])} but query_lens[{i}] is {int(q[i])}; seq_lens count every token "
-        "of the request including this step's, so seq_lens >= query_lens"
-    )
-
-
-def check_token_ids(ids: np.ndarray) -> None:
-    """Token ids within int32 and `>= 0`."""
-    if unsigned_max(ids) > INT32_MAX:
-        _check_int32(ids, "input_ids")
-        t = int(np.argmax(ids < 0))
-        raise BatchError(f"input_ids[{t}] is {int(ids[t])}; token ids are >= 0")
-
-
-def check_block_ids(table: np.ndarray) -> None:
-    """Block ids within int32 and `>= 0`."""
-    if unsigned_max(table) > INT32_MAX:
-        _check_int32(table, "block_table")
-        i, j = np.argwhere(table < 0)[0]
-        raise BatchError(f"block_table[{i}, {j}] is {int(table[i, j])}; block ids are >= 0")
-
-
-def _check_int32(array: np.ndarray, name: str) -> None:
-    top = int(amax(array.ravel()))
-    if top > INT32_MAX:
-        raise BatchError(f"{name} holds {top}, above the int32 range of the buffers")
+__all__ = ["check_fits", "refuse_internal", "refuse_step"]
 
 
 def check_fits(batch: StepBatch, key: GraphKey, max_num_tokens: int, max_num_reqs: int) -> None:
     """The counts: the batch fits the buffers and the key; a uniform key gets a uniform batch."""
-    T, R = key.num_tokens, key.num_reqs
+    T, R = key.num_tokens, batch.num_reqs if key.num_reqs is None else key.num_reqs
     if batch.num_tokens > max_num_tokens:
         raise BatchError(
             f"batch has {batch.num_tokens} tokens, above batching.max_num_tokens {max_num_tokens}; "
@@ -87,7 +47,9 @@ def check_fits(batch: StepBatch, key: GraphKey, max_num_tokens: int, max_num_req
         )
 
 
-def refuse_step(batch: StepBatch, key: GraphKey, limits: StagingLimits, counts: tuple[int, int], table) -> None:
+def refuse_step(
+    batch: StepBatch, key: GraphKey, limits: StagingLimits, counts: tuple[int, int], table: BlockTable | None
+) -> None:
     """Raise `BatchError` for the first rule `batch` breaks when staged into `key`; return if none.
 
     `counts` is `(max_num_tokens, max_num_reqs)` of the buffers; `table` the buffers'
@@ -114,7 +76,7 @@ def refuse_step(batch: StepBatch, key: GraphKey, limits: StagingLimits, counts: 
                 f"[0, {lim.vocab_size}) (model.vocab_size)"
             )
     if bt is table and table is not None:
-        table.check_step(s, r, key.num_reqs)
+        table.check_step(s, r, r if key.num_reqs is None else key.num_reqs)
     elif bt is not None:
         check_block_ids(bt)
         if r:

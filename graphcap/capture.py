@@ -1,0 +1,277 @@
+"""`CapturePass`: capture and verify the keys of one model, with everything it needs passed in.
+
+For a key: its dummy batch goes through the manager's one staging path, the forward is warmed
+up, the backend captures (a full graph, or pieces cut at each `eager_op`), and the failure
+policy settles a failure. Verification (after the engine's capture context has exited) replays
+the dummy batch and a partly filled probe batch, each against an eager run of it. The manager
+owns the graphs and the registry's capture state; a pass only produces them.
+
+`gc_frozen` holds GC still for a pass: a collection in the middle of a capture could free
+tensors the graph records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from graphcap.backends import CapturedGraph, GraphBackend
+from graphcap.backends.pieces import forbidden_reads
+from graphcap.batch import StepBatch, dummy_batch, probe_batch
+from graphcap.config import CaptureConfig
+from graphcap.errors import CaptureError
+from graphcap.failures import FailurePolicy
+from graphcap.inputs import BufferSpec, ForwardInputs
+from graphcap.keys import GraphKey, KeyRegistry, Mode
+from graphcap.outputs import real_rows
+from graphcap.piecewise import running
+from graphcap.report import GraphRecord, format_bytes
+from graphcap.staging.extras import sampled
+from graphcap.verification import DUMMY_MISMATCH, compare_replay, probe_mismatch
+
+__all__ = ["CapturePass", "gc_frozen", "progress_bar", "uncompiled_warnings"]
+
+
+@dataclass
+class CapturePass:
+    """What capturing and verifying keys needs, given explicitly (the manager builds one per pass).
+
+    `stage(batch, key, phase=, dummy=, kv_writes=)`: the manager's staging path (stage, the
+    model's `prepare`, the invariants, the upload). `forward`: the model's forward.
+    `static_inputs(inputs)`: every tensor the graph reads, by name. `scratch_blocks`: KV blocks
+    the verification batch may write (see `probe_batch`).
+    """
+
+    backend: GraphBackend
+    registry: KeyRegistry
+    config: CaptureConfig
+    stage: Callable[..., ForwardInputs]
+    forward: Callable[[ForwardInputs], Any]
+    static_inputs: Callable[[ForwardInputs], dict]
+    extras: tuple[BufferSpec, ...]
+    failures: FailurePolicy
+    scratch_blocks: tuple[int, ...] = ()
+
+    def run(
+        self, keys: Iterable[GraphKey], *, context: Callable[[], AbstractContextManager], progress: bool | None
+    ) -> tuple[list[GraphRecord], dict[GraphKey, CapturedGraph]]:
+        """Capture `keys` in order inside `context()`, then (`checks.verify_replay`) verify each after it exits.
+
+        Returns every key's record and the graphs that were captured and verified. On any
+        exception the graphs captured so far are released before it propagates.
+        """
+        records: list[GraphRecord] = []
+        graphs: dict[GraphKey, CapturedGraph] = {}
+        try:
+            with context():
+                for key in progress_bar(list(keys), self.backend, progress):
+                    record, graph = self.capture(key)
+                    records.append(record)
+                    if graph is not None:
+                        graphs[key] = graph
+            if self.config.checks.verify_replay:  # after the context: the engine registered its buffers
+                for i, record in enumerate(records):
+                    records[i] = self.verify(record, graphs.get(record.key))
+                    if records[i].status == "skipped":
+                        graphs.pop(record.key, None)  # the failure policy released it
+        except BaseException:
+            for graph in graphs.values():
+                graph.release()
+            raise
+        return records, graphs
+
+    def capture(self, key: GraphKey) -> tuple[GraphRecord, CapturedGraph | None]:
+        """Stage the key's dummy batch, warm up, capture. A failure is settled by the policy
+        (raised, or the key recorded as skipped with no graph)."""
+        start = time.perf_counter()
+        eager_seconds = 0.0
+        graph = failure = None
+        mode = self.registry.mode_of(key)
+        try:
+            inputs = self.stage(self.capture_batch(key), key, phase="capture", dummy=True)
+            t0 = time.perf_counter()
+            self.backend.warmup(self._warmup_run(inputs, mode), self.config.capture.num_warmups)
+            self.backend.synchronize()  # time the warmups' GPU work, not their launches
+            eager_seconds += time.perf_counter() - t0
+            statics = self.static_inputs(inputs)
+            if mode is Mode.PIECEWISE:
+                forward = self.forward
+
+                def run_pieces(session: Any) -> Any:
+                    with running(inputs, "piecewise", session):
+                        return forward(inputs)
+
+                graph = self.backend.capture_pieces(run_pieces, statics, name=str(key))
+            else:
+                graph = self.backend.capture(self._reference_run(inputs, mode), statics, name=str(key))
+        except (KeyboardInterrupt, SystemExit):
+            if graph is not None:
+                graph.release()
+            raise
+        except Exception as exc:  # any failure of one key is handled the same way below
+            failure = exc
+        reason = self.failures.settle(f"capturing {key}", failure, graph)
+        seconds = time.perf_counter() - start
+        if reason is not None:
+            return GraphRecord(key, "skipped", seconds, 0, False, reason, eager_seconds), None
+        pieces, calls = getattr(graph, "num_pieces", 1), len(getattr(graph, "calls", ()))
+        record = GraphRecord(
+            key, "captured", seconds, graph.memory_bytes, False, "", eager_seconds, pieces=pieces, eager_ops=calls
+        )
+        return record, graph
+
+    def verify(self, record: GraphRecord, graph: CapturedGraph | None) -> GraphRecord:
+        """Replay the key's dummy batch, then a partly filled probe batch, each against an eager run.
+
+        Collective with data-parallel ranks (every rank verifies every record, in order). A
+        failure is settled by the policy: raised, or the record comes back skipped (the caller
+        releases nothing: the policy released the graph).
+        """
+        key = record.key
+        failure = None
+        start, eager_seconds = time.perf_counter(), 0.0
+        if graph is not None:
+            try:
+                eager_seconds = self._verify_dummy(key, graph) + self._verify_probe(key, graph)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except Exception as exc:
+                failure = exc
+        elif record.status == "captured":
+            failure = CaptureError(f"{key} has no graph to verify")
+        reason = self.failures.settle(f"capturing {key}", failure, graph)
+        seconds = record.capture_seconds + time.perf_counter() - start
+        if reason is not None:
+            return dataclasses.replace(
+                record, status="skipped", capture_seconds=seconds, memory_bytes=0, reason=reason, pieces=0, eager_ops=0
+            )
+        if graph is None:
+            return record
+        eager_seconds += record.eager_seconds
+        return dataclasses.replace(record, verified=True, capture_seconds=seconds, eager_seconds=eager_seconds)
+
+    def capture_batch(self, key: GraphKey) -> StepBatch:
+        """The dummy batch that captures (and first verifies) `key`, with sampled engine-buffer rows."""
+        shape = self.registry.capture_shape(key)
+        return self._sampled(dummy_batch(shape, max_model_len=self.config.kv_cache.max_model_len), 0)
+
+    def _verify_dummy(self, key: GraphKey, graph: CapturedGraph) -> float:
+        inputs = self.stage(self.capture_batch(key), key, phase="capture", dummy=True)
+        run = self._reference_run(inputs, self.registry.mode_of(key))
+        return compare_replay(
+            graph,
+            inputs,
+            lambda: real_rows(run(), inputs.num_tokens, key.num_tokens),
+            tolerance=self.config.checks.tolerance,
+            backend=self.backend,
+            message=DUMMY_MISMATCH,
+        )
+
+    def _verify_probe(self, key: GraphKey, graph: CapturedGraph) -> float:
+        kv, shape = self.config.kv_cache, self.registry.capture_shape(key)
+        batch, writes = probe_batch(
+            shape,
+            max_model_len=kv.max_model_len,
+            block_size=kv.block_size,
+            num_blocks=kv.num_blocks,
+            vocab_size=self.config.model.vocab_size,
+            scratch_blocks=self.scratch_blocks,
+        )
+        batch = self._sampled(batch, 1)
+        inputs = self.stage(batch, key, phase="capture", dummy=True, kv_writes=writes)
+        phase = "eager" if self.registry.mode_of(key) is Mode.PIECEWISE else "full"
+
+        def eager() -> Any:
+            eager_key = self.registry.eager_key(batch.num_tokens, batch.num_reqs)
+            eager_inputs = self.stage(batch, eager_key, phase="eager", dummy=True, kv_writes=writes)
+            with running(eager_inputs, phase):  # the graph's code path: full graphs ran capturable stand-ins
+                return real_rows(self.forward(eager_inputs), batch.num_tokens, batch.num_tokens)
+
+        message = probe_mismatch(batch.num_tokens, batch.num_reqs, key.num_tokens, shape.num_reqs, writes)
+        return compare_replay(
+            graph, inputs, eager, tolerance=self.config.checks.tolerance, backend=self.backend, message=message
+        )
+
+    def _reference_run(self, inputs: ForwardInputs, mode: Mode) -> Callable[[], Any]:
+        """The forward a key's graph holds: a full graph runs the eager ops' capturable stand-ins;
+        a piecewise key's reference is the plain eager forward."""
+        forward, phase = self.forward, "eager" if mode is Mode.PIECEWISE else "full"
+
+        def run() -> Any:
+            with running(inputs, phase):
+                return forward(inputs)
+
+        return run
+
+    def _warmup_run(self, inputs: ForwardInputs, mode: Mode) -> Callable[[], Any]:
+        """The warmup of a key. A piecewise key's eager ops run outside the checks (their bodies never
+        run in a graph), and the code between them may not read request metadata (`forbidden_reads`)."""
+        if mode is not Mode.PIECEWISE:
+            return self._reference_run(inputs, mode)
+        forward = self.forward
+
+        def run() -> Any:
+            with running(inputs, "piecewise_warmup"), forbidden_reads(inputs):
+                return forward(inputs)
+
+        return run
+
+    def _sampled(self, batch: StepBatch, seed: int) -> StepBatch:
+        """`batch` with real rows for every engine buffer that has a `sample`."""
+        if not any(spec.sample is not None for spec in self.extras):
+            return batch
+        rng = np.random.default_rng([seed, batch.num_tokens, batch.num_reqs])
+        extras = sampled(self.extras, rng, batch.num_tokens, batch.num_reqs)
+        return StepBatch(batch.query_lens, batch.seq_lens, batch.input_ids, batch.block_table, extras=extras)
+
+
+def progress_bar(keys: list[GraphKey], backend: GraphBackend, progress: bool | None) -> Iterator[GraphKey]:
+    """`keys`, with a progress bar on stderr naming the key and the free device memory (None: a terminal)."""
+    disable = None if progress is None else not progress
+    with tqdm(keys, desc="capture", unit="graph", file=sys.stderr, disable=disable, leave=False) as bar:
+        for key in bar:
+            free = backend.free_memory()
+            bar.set_postfix_str(str(key) if free is None else f"{key} free {format_bytes(free)}", refresh=False)
+            yield key
+
+
+def uncompiled_warnings(graphs: Iterable[CapturedGraph], backend: str) -> list[str]:
+    """What a report must say about a pass beyond its records: compiled code captured uncompiled."""
+    uncompiled = sorted({f for graph in graphs for f in graph.uncompiled})
+    if not uncompiled:
+        return []
+    return [
+        f"torch.compile was off while the {backend} backend captured: {', '.join(uncompiled)} "
+        "ran uncompiled in the graphs (eager steps run them compiled)"
+    ]
+
+
+@contextmanager
+def gc_frozen() -> Iterator[None]:
+    """Collect, freeze and disable GC for the capture pass; restore on every exit path.
+
+    A collection in the middle of a capture can free tensors the graph still records;
+    freezing also keeps the long-lived objects out of later collections' work.
+    """
+    was_enabled = gc.isenabled()
+    was_frozen = gc.get_freeze_count() > 0
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if not was_frozen:
+            gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+        gc.collect()

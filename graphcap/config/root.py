@@ -1,0 +1,207 @@
+"""`CaptureConfig`: the root of the config tree, and the rules that span its sections.
+
+Each section checks itself (`sections.py`, `model.py`, `buffers.py`); the root checks what
+spans sections (`capture.max_size <= batching.max_num_tokens`, ...) and builds the capture
+schedule once. `load_config` (in `_load.py`) collects the problems of all sections into one
+`ConfigError` and adds `file:line` from the YAML.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from graphcap.config._schema import Section, problem
+from graphcap.config.buffers import BufferConfig
+from graphcap.config.model import ModelConfig
+from graphcap.config.sections import (
+    BatchingConfig,
+    CaptureSectionConfig,
+    ChecksConfig,
+    KVCacheConfig,
+    PadRules,
+    ReportConfig,
+)
+from graphcap.errors import ConfigProblem
+from graphcap.sizes import CaptureSizes, default_capture_sizes
+
+__all__ = ["SECTIONS", "CaptureConfig"]
+
+SECTIONS: dict[str, type[Section]] = {
+    "model": ModelConfig,
+    "batching": BatchingConfig,
+    "kv_cache": KVCacheConfig,
+    "capture": CaptureSectionConfig,
+    "checks": ChecksConfig,
+    "report": ReportConfig,
+    "padding": PadRules,
+}
+"""The sections of a config file, by key."""
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CaptureConfig(Section):
+    """The whole configuration. Build it with `load_config`, or directly from sections.
+
+    `capture_sizes` (the validated schedule, `auto` expanded) is built once, here.
+    """
+
+    _key: ClassVar[str] = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model to capture."""
+    device: str = "auto"
+    """`auto` (cuda when available, else cpu), `cpu`, `cuda` or `cuda:N`."""
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    """Scheduler limits."""
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    """The paged KV cache."""
+    capture: CaptureSectionConfig = field(default_factory=CaptureSectionConfig)
+    """What to capture."""
+    checks: ChecksConfig = field(default_factory=ChecksConfig)
+    """Safety checks."""
+    report: ReportConfig = field(default_factory=ReportConfig)
+    """Capture report output."""
+    padding: PadRules = field(default_factory=PadRules)
+    """Pad rules of the persistent buffers."""
+    buffers: tuple[BufferConfig, ...] = ()
+    """The engine's own persistent buffers (the `buffers:` list), staged like the built-ins."""
+    capture_sizes: CaptureSizes = field(init=False, repr=False, compare=False, default=None)  # type: ignore[assignment]
+    """The validated schedule (`capture.sizes`, with `auto` expanded), built on construction."""
+
+    def _check(self) -> list[ConfigProblem]:
+        out: list[ConfigProblem] = []
+        if not _DEVICE.fullmatch(self.device):
+            out.append(problem("device", f"must be auto, cpu, cuda or cuda:N; got {self.device!r}"))
+        cap, bat, kv, pad = self.capture, self.batching, self.kv_cache, self.padding
+        on_cuda = self.device.startswith("cuda") and _DEVICE.fullmatch(self.device)
+        if on_cuda and cap.num_warmups == 0 and cap.mode != "none":
+            out.append(
+                problem(
+                    "capture.num_warmups",
+                    f"0 with device {self.device}: the cuda backend needs at least 1 eager run before each capture "
+                    "(lazy cuBLAS, Triton and torch.compile initialisation must happen outside the graph); set 1",
+                )
+            )
+        if cap.max_size > bat.max_num_tokens:
+            out.append(
+                problem(
+                    "capture.max_size" if cap.sizes == "auto" else "capture.sizes",
+                    f"{cap.max_size} exceeds batching.max_num_tokens {bat.max_num_tokens}; the persistent buffers "
+                    "cannot hold it: lower capture.max_size or raise batching.max_num_tokens",
+                    involves=("batching",),
+                )
+            )
+        if kv.max_model_len < cap.uniform_query_len:
+            out.append(
+                problem(
+                    "kv_cache.max_model_len",
+                    f"{kv.max_model_len} is shorter than capture.uniform_query_len {cap.uniform_query_len}",
+                    involves=("capture",),
+                )
+            )
+        if pad.token_id >= self.model.vocab_size:
+            out.append(
+                problem(
+                    "padding.token_id",
+                    f"{pad.token_id} is not a valid token id (model.vocab_size {self.model.vocab_size})",
+                    involves=("model",),
+                )
+            )
+        if pad.block_id >= kv.num_blocks:
+            out.append(
+                problem(
+                    "padding.block_id",
+                    f"{pad.block_id} is not a valid block (kv_cache.num_blocks {kv.num_blocks})",
+                    involves=("kv_cache",),
+                )
+            )
+        if pad.position >= kv.max_model_len:
+            out.append(
+                problem(
+                    "padding.position",
+                    f"{pad.position} is not below kv_cache.max_model_len {kv.max_model_len}",
+                    involves=("kv_cache",),
+                )
+            )
+        if pad.seq_len > kv.max_model_len:
+            out.append(
+                problem(
+                    "padding.seq_len",
+                    f"{pad.seq_len} is above kv_cache.max_model_len {kv.max_model_len}; a padded request "
+                    "attends to at most max_model_len keys (use 0, or 1 for SGLang-style kernels)",
+                    involves=("kv_cache",),
+                )
+            )
+        seen: dict[str, int] = {}
+        for i, buffer in enumerate(self.buffers):
+            if buffer.name in seen:
+                out.append(
+                    problem(
+                        f"buffers[{i}].name", f"{buffer.name!r} is declared twice (also buffers[{seen[buffer.name]}])"
+                    )
+                )
+            seen.setdefault(buffer.name, i)
+        if out:
+            return out
+        sizes = _schedule(cap, bat.max_num_tokens)
+        object.__setattr__(self, "capture_sizes", sizes)
+        if cap.mode == "none":
+            return out
+        q = cap.uniform_query_len
+        reach = bat.max_num_seqs * kv.max_model_len
+        if cap.mode in ("full", "piecewise", "full_and_piecewise") and sizes.max_size > reach:
+            # The mixed (or piecewise) key of that size could not even be filled by its dummy batch.
+            out.append(
+                problem(
+                    "capture.max_size" if cap.sizes == "auto" else "capture.sizes",
+                    f"size {sizes.max_size} can never be reached: a step holds at most batching.max_num_seqs "
+                    f"{bat.max_num_seqs} requests of kv_cache.max_model_len {kv.max_model_len} tokens = {reach}; "
+                    f"lower capture.max_size to {reach} or drop the larger sizes",
+                    involves=("batching", "kv_cache"),
+                )
+            )
+        if cap.mode == "full_decode_only" and not any(s % q == 0 and s // q <= bat.max_num_seqs for s in sizes):
+            out.append(
+                problem(
+                    "capture.mode",
+                    f"full_decode_only captures uniform keys only, but no size in {list(sizes)} is a multiple of "
+                    f"uniform_query_len {q} with at most batching.max_num_seqs {bat.max_num_seqs} requests",
+                    involves=("batching",),
+                )
+            )
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (YAML/JSON-ready); `load_config` of it gives an equal config."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if not f.init:
+                continue
+            value = getattr(self, f.name)
+            if isinstance(value, Section):
+                value = _section_dict(value)
+            elif f.name == "buffers":
+                value = [_section_dict(buffer) for buffer in value]
+            out[f.name] = value
+        return out
+
+
+def _schedule(cap: CaptureSectionConfig, max_num_tokens: int) -> CaptureSizes:
+    sizes = cap.sizes
+    if sizes == "auto":
+        sizes = default_capture_sizes(cap.max_size, cap.uniform_query_len)
+    return CaptureSizes(sizes, max_num_tokens)
+
+
+def _section_dict(section: Section) -> dict[str, Any]:
+    return {f.name: _plain(getattr(section, f.name)) for f in fields(section) if f.init}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    return dict(value) if isinstance(value, MappingProxyType) else value

@@ -1,0 +1,114 @@
+"""What a failed key does to a capture pass, and how a failure is described.
+
+`FailurePolicy.settle` decides: data-parallel ranks agree on it first (capture runs in
+lockstep), a sticky CUDA error ends the pass on every rank, `capture.on_error: raise` raises
+with the key and a hint, `skip` returns the reason the key is recorded with. Every failure's
+frames are dropped first, so its tensors never outlive the key.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import traceback
+from typing import Any
+
+import torch
+
+from graphcap.backends import is_sticky_cuda_error
+from graphcap.errors import CaptureError, CaptureUnsafeError
+
+__all__ = ["OOM_HINT", "STICKY_HINT", "FailurePolicy", "describe_failure"]
+
+log = logging.getLogger("graphcap")
+
+OOM_HINT = (
+    "the GPU ran out of memory while capturing; capture fewer sizes (capture.sizes), "
+    "lower capture.max_size, or set capture.on_error: skip to run this size eagerly"
+)
+STICKY_HINT = (
+    "this CUDA error is sticky: the CUDA context of this process is unusable (every later kernel, eager "
+    "ones too, fails with it), so the pass stops here; restart the process. CUDA reports kernel errors "
+    "late, so the faulty kernel may belong to an earlier key or step: rerun with CUDA_LAUNCH_BLOCKING=1 "
+    "to locate it; a device-side assert in an indexing kernel usually means out-of-range metadata "
+    "(run with checks.invariants: full)"
+)
+
+
+class FailurePolicy:
+    """What a failed key does to a capture pass (`capture.on_error`), agreed with data-parallel peers.
+
+    `sync`: the manager's `DataParallelSync`, or None. Every rank calls `settle` for every key
+    (failed or not) in the same order: it is a collective with a group.
+    """
+
+    def __init__(self, on_error: str, sync: Any = None) -> None:
+        self.on_error = on_error
+        self.sync = sync
+
+    def settle(self, what: str, failure: BaseException | None, graph: Any = None) -> str | None:
+        """None when `what` (a key, or its verification) succeeded on every rank; else release `graph`
+        and raise (`on_error: raise`, or a sticky CUDA error) or return the reason to skip it."""
+        failure = self._agree(what, failure)
+        sticky = failure is not None and is_sticky_cuda_error(failure)
+        if self.sync is not None:  # a rank that stops must not leave its peers waiting in the next key
+            sticky_rank = self.sync.first_failed_rank(sticky, what=f"{what}: sticky CUDA error")
+            if sticky_rank is not None and not sticky:
+                failure = CaptureError(
+                    f"rank {sticky_rank} hit a sticky CUDA error (its own error names it); every rank stops the pass"
+                )
+                sticky = True
+        if failure is None:
+            return None
+        if graph is not None:
+            graph.release()
+        reason = describe_failure(failure)
+        _drop_frames(failure)  # the failed forward's tensors must not outlive this key
+        if sticky:
+            raise CaptureError(f"{what} failed: {reason}; {STICKY_HINT}") from failure
+        if self.on_error == "raise":
+            if isinstance(failure, CaptureUnsafeError):
+                # Keep the type engines catch; the message already names op and line.
+                failure.args = (f"{what} failed: {failure}",)
+                raise failure
+            raise CaptureError(f"{what} failed: {reason}") from failure
+        log.warning("skipping %s: %s", what, reason)
+        return reason
+
+    def _agree(self, what: str, failure: BaseException | None) -> BaseException | None:
+        if self.sync is None:
+            return failure
+        failed_rank = self.sync.first_failed_rank(failure is not None, what=what)
+        if failure is None and failed_rank is not None:
+            # Capture is in lockstep: a key one rank lacks is dropped by every rank (or raises).
+            return CaptureError(f"rank {failed_rank} failed to capture it; data-parallel ranks keep the same keys")
+        return failure
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line: the exception's type and first line, or an out-of-memory hint."""
+    text = (str(exc).strip().splitlines() or [""])[0]  # an exception may have no message
+    # An OOM inside cudaGraphInstantiate surfaces as "CUDA error: out of memory", not OutOfMemoryError.
+    if isinstance(exc, torch.OutOfMemoryError) or "CUDA error: out of memory" in text:
+        return f"out of memory ({text[:160] or 'no message'}); {OOM_HINT}"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Free what the frames of a failed capture hold (its tensors live in the graph pool).
+
+    The failure references its traceback, whose frames reference the failure again (a cycle)
+    and every tensor of the failed forward; GC is off for the pass, so without this they would
+    pin the pool until the pass ends. Frames keep their file and line for the traceback; only
+    their locals go. `gc.collect()` then frees any other cycle the forward left (cheap: the
+    heap is frozen).
+    """
+    pending, seen = [exc], set()
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        pending += [error.__cause__, error.__context__]
+    gc.collect()
