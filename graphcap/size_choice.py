@@ -1,0 +1,367 @@
+"""Capture sizes chosen from observed traffic: the fewest padded tokens for a number of graphs.
+
+`choose_sizes(histogram, max_graphs, constraints)` takes how many steps ran at each token count
+and returns the capture sizes that minimise the expected padded tokens per step, with at most
+`max_graphs` sizes. It is exact: an optimal schedule only needs sizes at observed token counts
+(a size between two of them pads more than the lower one and holds nothing more), so a dynamic
+program over the `m` distinct counts finds the optimum, in O(max_graphs * m) with a convex hull
+of the bucket costs. The largest replayable count always gets a size; a step above every
+allowed size runs eagerly, and the choice says which do.
+
+With a memory budget (`GraphCosts` from graphcap's own estimate, `graph_costs`), the largest
+size is the largest whose graphs fit, and the rest of the budget is spent on the sizes that save
+the most padding: exact where graphs share one pool sized by the largest key (the CUDA backend:
+smaller graphs cost no more), a Lagrangian search along the padding/bytes trade-off where every
+size keeps memory of its own (the emulated backend: always within the budget, the padding
+minimal among the schedules on that trade-off's convex hull).
+
+A plain function of its arguments, so a manager can call it online from its own counts. The
+module imports no torch (`graphcap sizes` stays fast).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from graphcap.dispatch import KeyRegistry
+from graphcap.memory import estimate_memory
+
+__all__ = ["GraphCosts", "SizeChoice", "SizeConstraints", "candidate_sizes", "choose_sizes", "graph_costs"]
+
+
+@dataclass(frozen=True, slots=True)
+class SizeConstraints:
+    """What a schedule may contain, from the config (`SizeConstraints.from_config`)."""
+
+    max_size: int
+    """Largest size allowed (`capture.max_size`); a step above it runs eagerly."""
+    multiple_of: int = 1
+    """Every size is a multiple of this: `capture.uniform_query_len` when the mode captures uniform
+    keys, so a uniform step pads to whole requests (as `default_capture_sizes` does)."""
+    uniform_only: bool = False
+    """Only uniform steps replay (`full_decode_only`): a token count that is not whole requests
+    of `multiple_of` tokens runs eagerly whatever the sizes."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_size", "multiple_of"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SizeConstraints.{name} must be an integer >= 1; got {value!r}")
+        if self.max_size < self.multiple_of:
+            raise ValueError(
+                f"SizeConstraints.max_size {self.max_size} holds no multiple of {self.multiple_of}; "
+                f"raise max_size to at least {self.multiple_of}"
+            )
+
+    @property
+    def largest(self) -> int:
+        """The largest size allowed: `max_size` rounded down to a multiple of `multiple_of`."""
+        return self.max_size - self.max_size % self.multiple_of
+
+    @classmethod
+    def from_config(cls, config: Any) -> SizeConstraints:
+        """The config's bounds: `capture.max_size`, whole uniform requests when the mode captures
+        uniform keys, and under `full_decode_only` at most `batching.max_num_seqs` requests."""
+        cap = config.capture
+        q = cap.uniform_query_len
+        if cap.mode == "none":
+            raise ValueError("capture.mode is none: no graph is captured, so there are no sizes to choose")
+        top = cap.max_size
+        if cap.mode == "full_decode_only":
+            top = min(top, config.batching.max_num_seqs * q)
+        return cls(top, q if cap.mode != "piecewise" else 1, cap.mode == "full_decode_only")
+
+
+@dataclass(frozen=True, slots=True)
+class GraphCosts:
+    """Graph memory of a schedule, split the way graphcap's estimate adds it up.
+
+    `per_size[s]`: bytes the graphs of size `s` keep on their own (summed over the sizes);
+    `shared[s]`: bytes that depend only on the largest size `s` (a pool shared by every graph,
+    the keys every schedule reaching `s` gets). A schedule's bytes: `bytes_of(sizes)`.
+    """
+
+    per_size: Mapping[int, int]
+    shared: Mapping[int, int]
+    backend: str = ""
+    """What the bytes are (e.g. `cuda`, `emulated`), for messages."""
+
+    def bytes_of(self, sizes: Iterable[int]) -> int:
+        sizes = list(sizes)
+        return sum(self.per_size[s] for s in sizes) + self.shared[max(sizes)]
+
+
+@dataclass(frozen=True, slots=True)
+class SizeChoice:
+    """The chosen schedule and what it costs on the histogram it was chosen for.
+
+    `histogram` holds the steps (relative weights) by token count, `eager` the counts no size
+    replays (above `sizes[-1]`, or under `uniform_only` not whole requests); `limited_by` says
+    what kept the largest size below the largest observed count (`""`, `"max_size"` or
+    `"memory_budget"`); `memory` is the graphs' bytes by the `GraphCosts` given, else None.
+    """
+
+    sizes: tuple[int, ...]
+    histogram: dict[int, float]
+    constraints: SizeConstraints
+    eager: dict[int, float] = field(default_factory=dict)
+    limited_by: str = ""
+    memory: int | None = None
+
+    def pad(self, num_tokens: int) -> int | None:
+        """The size a step of `num_tokens` replays at; None when it runs eagerly."""
+        if num_tokens in self.eager or num_tokens > self.sizes[-1]:
+            return None
+        return next(s for s in self.sizes if s >= num_tokens)
+
+    def buckets(self) -> list[tuple[int, int, float, float, float]]:
+        """Per size: `(size, first token count it holds, steps, real tokens, padded tokens)`."""
+        rows, first = [], 1
+        for size in self.sizes:
+            held = [(n, w) for n, w in self.histogram.items() if first <= n <= size and n not in self.eager]
+            steps = sum(w for _, w in held)
+            rows.append((size, first, steps, sum(n * w for n, w in held), size * steps))
+            first = size + 1
+        return rows
+
+    @property
+    def waste(self) -> float:
+        """Fraction of replayed tokens that are padding (steps that run eagerly waste none)."""
+        rows = self.buckets()
+        padded = sum(r[4] for r in rows)
+        return 0.0 if padded == 0 else (padded - sum(r[3] for r in rows)) / padded
+
+    @property
+    def eager_share(self) -> float:
+        """Fraction of the steps that run eagerly."""
+        return sum(self.eager.values()) / sum(self.histogram.values())
+
+
+def candidate_sizes(histogram: Mapping[int, float], constraints: SizeConstraints) -> tuple[int, ...]:
+    """The sizes an optimal schedule may use: every replayable observed count, rounded up to a
+    multiple of `constraints.multiple_of`, ascending (what `graph_costs` must price)."""
+    return tuple(sorted(_points(_checked(histogram), constraints)[0]))
+
+
+def choose_sizes(
+    histogram: Mapping[int, float],
+    max_graphs: int,
+    constraints: SizeConstraints,
+    *,
+    costs: GraphCosts | None = None,
+    memory_budget: int | None = None,
+) -> SizeChoice:
+    """The sizes (at most `max_graphs`) that minimise expected padded tokens over `histogram`.
+
+    `histogram` maps a token count (>= 1) to how many steps ran at it (>= 0, any finite scale).
+    The largest count a size may hold always gets one; counts above `constraints.largest` run
+    eagerly (listed in `.eager`). With `memory_budget` (bytes) and `costs`, the graphs' bytes
+    `costs.bytes_of(sizes)` stay within the budget: the largest size is the largest that fits
+    on its own, and the counts above it run eagerly. Raises `ValueError` for a bad argument, for
+    a histogram with no replayable step, and for a budget below the smallest graph.
+    """
+    if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+        raise ValueError(f"max_graphs must be an integer >= 1; got {max_graphs!r}")
+    if memory_budget is not None:
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 1:
+            raise ValueError(f"memory_budget must be bytes >= 1; got {memory_budget!r}")
+        if costs is None:
+            raise ValueError("memory_budget needs the graphs' costs (graph_costs(config, sizes, backend))")
+    weights = _checked(histogram)
+    points, eager = _points(weights, constraints)
+    if not points:
+        smallest = min(weights)
+        raise ValueError(
+            f"no observed step can replay: the smallest token count {smallest} is above the largest "
+            f"allowed size {constraints.largest}"
+            + (" or is not whole uniform requests" if constraints.uniform_only else "")
+            + "; raise capture.max_size (and batching.max_num_tokens)"
+        )
+    limited_by = "max_size" if eager and max(eager) > constraints.largest else ""
+    xs = sorted(points)
+    if costs is not None:
+        missing = [x for x in xs if x not in costs.per_size or x not in costs.shared]
+        if missing:
+            raise ValueError(f"costs do not price size {missing[0]}; build them from candidate_sizes(...)")
+    if memory_budget is not None:
+        fits = [x for x in xs if costs.per_size[x] + costs.shared[x] <= memory_budget]
+        if not fits:
+            raise ValueError(
+                f"memory budget {memory_budget} bytes is below the smallest graph's "
+                f"{costs.per_size[xs[0]] + costs.shared[xs[0]]} bytes (size {xs[0]}, {costs.backend} estimate); "
+                "raise the budget"
+            )
+        if fits[-1] < xs[-1]:
+            limited_by = "memory_budget"
+            for n, w in weights.items():
+                if n not in eager and _round_up(n, constraints.multiple_of) > fits[-1]:
+                    eager[n] = w
+            xs = [x for x in xs if x <= fits[-1]]
+    total = sum(points[x] for x in xs)
+    ws = [points[x] / total for x in xs]  # fractions of the replayed steps: no overflow, any scale
+    if memory_budget is None:
+        chosen = _solve(xs, ws, None, max_graphs, 0.0)
+    else:
+        spare = memory_budget - costs.shared[xs[-1]]
+        chosen = _within(xs, ws, [costs.per_size[x] for x in xs], max_graphs, spare)
+    sizes = tuple(xs[i] for i in chosen)
+    memory = None if costs is None else costs.bytes_of(sizes)
+    return SizeChoice(sizes, dict(weights), constraints, eager, limited_by, memory)
+
+
+def graph_costs(config: Any, sizes: Iterable[int], backend: str) -> GraphCosts:
+    """`GraphCosts` of capturing any subset of `sizes` with `config`, by `estimate_memory`.
+
+    It mirrors how the estimate adds graphs up: on `cuda` every graph shares one pool that holds
+    the largest key's activations and output (`shared`, an upper bound where a smaller key
+    happens to need more); on `emulated` each key keeps its static output (`per_size`), and the
+    uniform key of `batching.max_num_seqs` requests, which every schedule reaching it gets, is
+    `shared`. Raises `ValueError` for a factory model (no per-graph estimate).
+    """
+    sizes = tuple(sorted(set(sizes)))
+    if config.model.factory is not None:
+        raise ValueError(
+            f"model.factory {config.model.factory} has no per-graph memory estimate (its estimate_memory "
+            "gives one number); a memory budget works with the built-in models"
+        )
+    capture = dataclasses.replace(config.capture, sizes=sizes, max_size=sizes[-1])
+    config = dataclasses.replace(config, capture=capture)
+    keys = KeyRegistry.from_config(config).planned
+    graphs = estimate_memory(config, backend=backend).graphs
+    if [k.num_tokens for k in keys] != [g.num_tokens for g in graphs]:
+        raise RuntimeError("estimate_memory no longer lists one graph per planned key, in order")
+    q, rows = config.capture.uniform_query_len, config.batching.max_num_seqs
+    top = (rows * q, rows)  # the uniform key every schedule reaching it plans (sizes.uniform_sizes)
+    per_size = dict.fromkeys(sizes, 0)
+    extra_from, extra, peaks = None, 0, dict.fromkeys(sizes, 0)
+    for key, graph in zip(keys, graphs, strict=True):
+        own = graph.output if backend == "emulated" else 0
+        if key.uniform and (key.num_tokens, key.num_reqs) == top:
+            extra_from, extra = key.num_tokens, own
+        else:
+            per_size[key.num_tokens] += own
+        if backend == "cuda":  # a key counts from the smallest size whose schedules plan it
+            at = sizes[bisect.bisect_left(sizes, key.num_tokens)]
+            peaks[at] = max(peaks[at], graph.activations + graph.output)
+    shared, peak = {}, 0
+    for s in sizes:
+        peak = max(peak, peaks[s])
+        shared[s] = peak + (extra if extra_from is not None and s >= extra_from else 0)
+    return GraphCosts(per_size, shared, backend)
+
+
+def _checked(histogram: Mapping[int, float]) -> dict[int, float]:
+    if not isinstance(histogram, Mapping):
+        raise ValueError(f"histogram must map token counts to step counts; got {type(histogram).__name__}")
+    out: dict[int, float] = {}
+    for n, w in histogram.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"histogram token count must be an integer >= 1; got {n!r}")
+        if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w) or w < 0:
+            raise ValueError(f"histogram count of {n} tokens must be a finite number >= 0; got {w!r}")
+        if w > 0:
+            out[n] = float(w)
+    if not out:
+        raise ValueError("histogram holds no step (every count is 0)")
+    if not math.isfinite(sum(out.values())):
+        raise ValueError("histogram counts sum to infinity; scale them down (they are relative weights)")
+    return out
+
+
+def _points(weights: dict[int, float], constraints: SizeConstraints) -> tuple[dict[int, float], dict[int, float]]:
+    """({size a count rounds up to: its steps}, {count that runs eagerly: its steps})."""
+    q, points, eager = constraints.multiple_of, {}, {}
+    for n, w in weights.items():
+        x = _round_up(n, q)
+        if x > constraints.largest or (constraints.uniform_only and n % q):
+            eager[n] = w
+        else:
+            points[x] = points.get(x, 0.0) + w
+    return points, eager
+
+
+def _round_up(n: int, q: int) -> int:
+    return -(-n // q) * q
+
+
+def _solve(xs: list[int], ws: list[float], costs: list[int] | None, max_graphs: int, lam: float) -> list[int]:
+    """Indices of the sizes minimising padded tokens (+ `lam` * bytes), ending at the last point.
+
+    `f[k][j]`: the least cost of holding points `0..j` with `k + 1` sizes, the last at `j`;
+    `f[k][j] = x_j * P[j+1] + lam * c_j + min_i (f[k-1][i] - x_j * P[i+1])` over `i < j`, where
+    `P` are prefix sums of the weights. Each `i` is a line in `x_j` whose slope `-P[i+1]` falls
+    as `i` grows, and queries `x_j` grow, so a deque of the lower envelope answers each in O(1).
+    """
+    m = len(xs)
+    prefix = [0.0]
+    for w in ws:
+        prefix.append(prefix[-1] + w)
+    extra = [0.0] * m if costs is None else [lam * c for c in costs]
+    inf = math.inf
+    f = [xs[j] * prefix[j + 1] + extra[j] for j in range(m)]
+    parents: list[list[int]] = []
+    best_k, best = 0, f[m - 1]
+    for k in range(1, min(max_graphs, m)):
+        g, parent = [inf] * m, [-1] * m
+        hull: deque[tuple[float, float, int]] = deque()  # (intercept f[i], slope -P[i+1], i)
+        for j in range(k, m):
+            i = j - 1
+            if f[i] < inf:
+                line = (f[i], -prefix[i + 1], i)
+                while len(hull) >= 2 and _useless(hull[-2], hull[-1], line):
+                    hull.pop()
+                hull.append(line)
+            x = xs[j]
+            while len(hull) >= 2 and hull[1][0] + hull[1][1] * x <= hull[0][0] + hull[0][1] * x:
+                hull.popleft()
+            a, b, i = hull[0]
+            g[j], parent[j] = x * prefix[j + 1] + extra[j] + a + b * x, i
+        parents.append(parent)
+        f = g
+        if f[m - 1] < best:  # ties keep the fewer graphs
+            best_k, best = k, f[m - 1]
+    chosen, j = [m - 1], m - 1
+    for k in range(best_k, 0, -1):
+        j = parents[k - 1][j]
+        chosen.append(j)
+    return chosen[::-1]
+
+
+def _useless(l1: tuple[float, float, int], l2: tuple[float, float, int], l3: tuple[float, float, int]) -> bool:
+    # Slopes fall from l1 to l3: l2 is never the lowest when l3 overtakes l1 no later than l2 does.
+    return (l3[0] - l1[0]) * (l1[1] - l2[1]) <= (l2[0] - l1[0]) * (l1[1] - l3[1])
+
+
+_BISECTIONS = 50
+"""Halvings of the byte price: the bracket ends `2**-50` of its start apart."""
+
+
+def _within(xs: list[int], ws: list[float], costs: list[int], max_graphs: int, spare: int) -> list[int]:
+    """`_solve` whose sizes' own bytes stay within `spare`: the padding-optimal schedule if it
+    fits, else the least padding over a bisection of the price `lam` of a byte."""
+
+    def spent(chosen: list[int]) -> int:
+        return sum(costs[i] for i in chosen)
+
+    chosen = _solve(xs, ws, costs, max_graphs, 0.0)
+    if spent(chosen) <= spare:
+        return chosen
+    # Schedules differ in bytes by multiples of `unit`, and in padding per step by less than the
+    # largest size: at the price `hi` the fewest bytes win (the largest size alone, which fits).
+    unit = math.gcd(*costs)
+    lo, hi = 0.0, (xs[-1] + 1) / unit
+    best = [len(xs) - 1]
+    for _ in range(_BISECTIONS):
+        mid = (lo + hi) / 2
+        trial = _solve(xs, ws, costs, max_graphs, mid)
+        if spent(trial) <= spare:
+            hi, best = mid, trial
+        else:
+            lo = mid
+    return best
