@@ -8,31 +8,26 @@ program over the `m` distinct counts finds the optimum, in O(max_graphs * m) wit
 of the bucket costs. The largest replayable count always gets a size; a step above every
 allowed size runs eagerly, and the choice says which do.
 
-With a memory budget (`GraphCosts` from graphcap's own estimate, `graph_costs`), the largest
+With a memory budget (`GraphCosts` from graphcap's own estimate, `graphcap.graph_costs`), the largest
 size is the largest whose graphs fit, and the rest of the budget is spent on the sizes that save
 the most padding: exact where graphs share one pool sized by the largest key (the CUDA backend:
 smaller graphs cost no more), a Lagrangian search along the padding/bytes trade-off where every
 size keeps memory of its own (the emulated backend: always within the budget, the padding
 minimal among the schedules on that trade-off's convex hull).
 
-A plain function of its arguments, so a manager can call it online from its own counts. The
-module imports no torch (`graphcap sizes` stays fast).
+A plain function of its arguments, so a manager can call it online from its own counts. A leaf
+module: it imports nothing of graphcap (nor torch or numpy).
 """
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphcap.dispatch import KeyRegistry
-from graphcap.memory import estimate_memory
-
-__all__ = ["GraphCosts", "SizeChoice", "SizeConstraints", "candidate_sizes", "choose_sizes", "graph_costs"]
+__all__ = ["GraphCosts", "SizeChoice", "SizeConstraints", "candidate_sizes", "choose_sizes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +140,7 @@ class SizeChoice:
 
 def candidate_sizes(histogram: Mapping[int, float], constraints: SizeConstraints) -> tuple[int, ...]:
     """The sizes an optimal schedule may use: every replayable observed count, rounded up to a
-    multiple of `constraints.multiple_of`, ascending (what `graph_costs` must price)."""
+    multiple of `constraints.multiple_of`, ascending (what `graphcap.graph_costs.graph_costs` must price)."""
     return tuple(sorted(_points(_checked(histogram), constraints)[0]))
 
 
@@ -172,7 +167,7 @@ def choose_sizes(
         if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 1:
             raise ValueError(f"memory_budget must be bytes >= 1; got {memory_budget!r}")
         if costs is None:
-            raise ValueError("memory_budget needs the graphs' costs (graph_costs(config, sizes, backend))")
+            raise ValueError("memory_budget needs the graphs' costs (graphcap.graph_costs.graph_costs)")
     weights = _checked(histogram)
     points, eager = _points(weights, constraints)
     if not points:
@@ -215,47 +210,6 @@ def choose_sizes(
     return SizeChoice(sizes, dict(weights), constraints, eager, limited_by, memory)
 
 
-def graph_costs(config: Any, sizes: Iterable[int], backend: str) -> GraphCosts:
-    """`GraphCosts` of capturing any subset of `sizes` with `config`, by `estimate_memory`.
-
-    It mirrors how the estimate adds graphs up: on `cuda` every graph shares one pool that holds
-    the largest key's activations and output (`shared`, an upper bound where a smaller key
-    happens to need more); on `emulated` each key keeps its static output (`per_size`), and the
-    uniform key of `batching.max_num_seqs` requests, which every schedule reaching it gets, is
-    `shared`. Raises `ValueError` for a factory model (no per-graph estimate).
-    """
-    sizes = tuple(sorted(set(sizes)))
-    if config.model.factory is not None:
-        raise ValueError(
-            f"model.factory {config.model.factory} has no per-graph memory estimate (its estimate_memory "
-            "gives one number); a memory budget works with the built-in models"
-        )
-    capture = dataclasses.replace(config.capture, sizes=sizes, max_size=sizes[-1])
-    config = dataclasses.replace(config, capture=capture)
-    keys = KeyRegistry.from_config(config).planned
-    graphs = estimate_memory(config, backend=backend).graphs
-    if [k.num_tokens for k in keys] != [g.num_tokens for g in graphs]:
-        raise RuntimeError("estimate_memory no longer lists one graph per planned key, in order")
-    q, rows = config.capture.uniform_query_len, config.batching.max_num_seqs
-    top = (rows * q, rows)  # the uniform key every schedule reaching it plans (sizes.uniform_sizes)
-    per_size = dict.fromkeys(sizes, 0)
-    extra_from, extra, peaks = None, 0, dict.fromkeys(sizes, 0)
-    for key, graph in zip(keys, graphs, strict=True):
-        own = graph.output if backend == "emulated" else 0
-        if key.uniform and (key.num_tokens, key.num_reqs) == top:
-            extra_from, extra = key.num_tokens, own
-        else:
-            per_size[key.num_tokens] += own
-        if backend == "cuda":  # a key counts from the smallest size whose schedules plan it
-            at = sizes[bisect.bisect_left(sizes, key.num_tokens)]
-            peaks[at] = max(peaks[at], graph.activations + graph.output)
-    shared, peak = {}, 0
-    for s in sizes:
-        peak = max(peak, peaks[s])
-        shared[s] = peak + (extra if extra_from is not None and s >= extra_from else 0)
-    return GraphCosts(per_size, shared, backend)
-
-
 def _checked(histogram: Mapping[int, float]) -> dict[int, float]:
     if not isinstance(histogram, Mapping):
         raise ValueError(f"histogram must map token counts to step counts; got {type(histogram).__name__}")
@@ -291,10 +245,18 @@ def _round_up(n: int, q: int) -> int:
 
 
 def _solve(xs: list[int], ws: list[float], costs: list[int] | None, max_graphs: int, lam: float) -> list[int]:
-    """Indices of the sizes minimising padded tokens (+ `lam` * bytes), ending at the last point.
+    """Indices of the sizes minimising padded tokens (+ `lam` * bytes), ending at the last point."""
+    finals, parents = _layers(xs, ws, [0.0] * len(xs) if costs is None else [lam * c for c in costs], max_graphs)
+    best = min(range(len(finals)), key=finals.__getitem__)  # ties keep the fewer graphs
+    return _path(parents, best, len(xs))
+
+
+def _layers(xs: list[int], ws: list[float], extra: list[float], max_graphs: int) -> tuple[list[float], list]:
+    """The dynamic program: `finals[k]`, the least cost of holding every point with `k + 1` sizes,
+    and the parents that rebuild each schedule (`_path`).
 
     `f[k][j]`: the least cost of holding points `0..j` with `k + 1` sizes, the last at `j`;
-    `f[k][j] = x_j * P[j+1] + lam * c_j + min_i (f[k-1][i] - x_j * P[i+1])` over `i < j`, where
+    `f[k][j] = x_j * P[j+1] + extra_j + min_i (f[k-1][i] - x_j * P[i+1])` over `i < j`, where
     `P` are prefix sums of the weights. Each `i` is a line in `x_j` whose slope `-P[i+1]` falls
     as `i` grows, and queries `x_j` grow, so a deque of the lower envelope answers each in O(1).
     """
@@ -302,11 +264,9 @@ def _solve(xs: list[int], ws: list[float], costs: list[int] | None, max_graphs: 
     prefix = [0.0]
     for w in ws:
         prefix.append(prefix[-1] + w)
-    extra = [0.0] * m if costs is None else [lam * c for c in costs]
     inf = math.inf
     f = [xs[j] * prefix[j + 1] + extra[j] for j in range(m)]
-    parents: list[list[int]] = []
-    best_k, best = 0, f[m - 1]
+    finals, parents = [f[m - 1]], []
     for k in range(1, min(max_graphs, m)):
         g, parent = [inf] * m, [-1] * m
         hull: deque[tuple[float, float, int]] = deque()  # (intercept f[i], slope -P[i+1], i)
@@ -324,11 +284,16 @@ def _solve(xs: list[int], ws: list[float], costs: list[int] | None, max_graphs: 
             g[j], parent[j] = x * prefix[j + 1] + extra[j] + a + b * x, i
         parents.append(parent)
         f = g
-        if f[m - 1] < best:  # ties keep the fewer graphs
-            best_k, best = k, f[m - 1]
-    chosen, j = [m - 1], m - 1
-    for k in range(best_k, 0, -1):
-        j = parents[k - 1][j]
+        finals.append(f[m - 1])
+    return finals, parents
+
+
+def _path(parents: list[list[int]], k: int, m: int) -> list[int]:
+    """The point indices of the best schedule of `k + 1` sizes of `m` points (the last is one)."""
+    j = m - 1
+    chosen = [j]
+    for layer in range(k, 0, -1):
+        j = parents[layer - 1][j]
         chosen.append(j)
     return chosen[::-1]
 
@@ -343,25 +308,39 @@ _BISECTIONS = 50
 
 
 def _within(xs: list[int], ws: list[float], costs: list[int], max_graphs: int, spare: int) -> list[int]:
-    """`_solve` whose sizes' own bytes stay within `spare`: the padding-optimal schedule if it
-    fits, else the least padding over a bisection of the price `lam` of a byte."""
-
-    def spent(chosen: list[int]) -> int:
-        return sum(costs[i] for i in chosen)
-
+    """The schedule with the least padding whose sizes' own bytes stay within `spare`: the
+    padding-optimal one if it fits, else the best that fits of every graph count at each price
+    `lam` of a byte along a bisection (a Lagrangian search: it may miss a schedule off the convex
+    hull of the padding/bytes trade-off)."""
     chosen = _solve(xs, ws, costs, max_graphs, 0.0)
-    if spent(chosen) <= spare:
+    if sum(costs[i] for i in chosen) <= spare:
         return chosen
     # Schedules differ in bytes by multiples of `unit`, and in padding per step by less than the
     # largest size: at the price `hi` the fewest bytes win (the largest size alone, which fits).
     unit = math.gcd(*costs)
     lo, hi = 0.0, (xs[-1] + 1) / unit
-    best = [len(xs) - 1]
+    prefix = [0.0]
+    for w in ws:
+        prefix.append(prefix[-1] + w)
+    best, best_padding = [len(xs) - 1], math.inf
     for _ in range(_BISECTIONS):
         mid = (lo + hi) / 2
-        trial = _solve(xs, ws, costs, max_graphs, mid)
-        if spent(trial) <= spare:
-            hi, best = mid, trial
+        finals, parents = _layers(xs, ws, [mid * c for c in costs], max_graphs)
+        fitted = False
+        for k, total in enumerate(finals):
+            if total == math.inf:
+                continue
+            trial = _path(parents, k, len(xs))
+            spent = sum(costs[i] for i in trial)
+            if spent > spare:
+                continue
+            padding = sum(xs[j] * (prefix[j + 1] - prefix[i + 1]) for i, j in zip([-1, *trial], trial))
+            if k == min(range(len(finals)), key=finals.__getitem__):
+                fitted = True
+            if padding < best_padding:
+                best, best_padding = trial, padding
+        if fitted:
+            hi = mid
         else:
             lo = mid
     return best

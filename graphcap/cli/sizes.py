@@ -224,7 +224,8 @@ def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gr
 def _costs(config: Any, sizes: tuple[int, ...]) -> tuple[Any, list[Any]]:
     """`GraphCosts` for the backends the config's device may use, and with two (device `auto`) the
     larger of each part, so a choice within a budget fits on either."""
-    from graphcap.size_choice import GraphCosts, graph_costs
+    from graphcap.graph_costs import graph_costs
+    from graphcap.size_choice import GraphCosts
 
     each = [graph_costs(config, sizes, backend) for backend in _backends_of(config.device)]
     if len(each) == 1:
