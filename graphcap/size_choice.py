@@ -308,38 +308,41 @@ _BISECTIONS = 50
 
 
 def _within(xs: list[int], ws: list[float], costs: list[int], max_graphs: int, spare: int) -> list[int]:
-    """The schedule with the least padding whose sizes' own bytes stay within `spare`: the
-    padding-optimal one if it fits, else the best that fits of every graph count at each price
-    `lam` of a byte along a bisection (a Lagrangian search: it may miss a schedule off the convex
-    hull of the padding/bytes trade-off)."""
-    chosen = _solve(xs, ws, costs, max_graphs, 0.0)
-    if sum(costs[i] for i in chosen) <= spare:
-        return chosen
-    # Schedules differ in bytes by multiples of `unit`, and in padding per step by less than the
-    # largest size: at the price `hi` the fewest bytes win (the largest size alone, which fits).
-    unit = math.gcd(*costs)
-    lo, hi = 0.0, (xs[-1] + 1) / unit
+    """The schedule with the least padding whose sizes' own bytes stay within `spare`.
+
+    A Lagrangian search: at a price `lam` per byte, the dynamic program gives the best schedule
+    of every graph count; the best of those that fit is kept, over `lam = 0` (so never more
+    padding than an unconstrained optimum with fewer graphs that fits) and a bisection of `lam`.
+    It may miss a schedule off the convex hull of the padding/bytes trade-off.
+    """
+    m = len(xs)
     prefix = [0.0]
     for w in ws:
         prefix.append(prefix[-1] + w)
-    best, best_padding = [len(xs) - 1], math.inf
-    for _ in range(_BISECTIONS):
-        mid = (lo + hi) / 2
-        finals, parents = _layers(xs, ws, [mid * c for c in costs], max_graphs)
-        fitted = False
+    best, best_padding = [m - 1], math.inf
+
+    def fits_at(lam: float) -> bool:
+        """Keep the best fitting schedule at price `lam`; whether the priced optimum fits."""
+        nonlocal best, best_padding
+        finals, parents = _layers(xs, ws, [lam * c for c in costs], max_graphs)
+        optimum = _path(parents, min(range(len(finals)), key=finals.__getitem__), m)
         for k, total in enumerate(finals):
-            if total == math.inf:
-                continue
-            trial = _path(parents, k, len(xs))
-            spent = sum(costs[i] for i in trial)
-            if spent > spare:
+            trial = _path(parents, k, m) if total < math.inf else []
+            if not trial or sum(costs[i] for i in trial) > spare:
                 continue
             padding = sum(xs[j] * (prefix[j + 1] - prefix[i + 1]) for i, j in zip([-1, *trial], trial))
-            if k == min(range(len(finals)), key=finals.__getitem__):
-                fitted = True
             if padding < best_padding:
                 best, best_padding = trial, padding
-        if fitted:
+        return sum(costs[i] for i in optimum) <= spare
+
+    if fits_at(0.0):
+        return best
+    # Schedules differ in bytes by multiples of `unit`, and in padding per step by less than the
+    # largest size: at the price `hi` the fewest bytes win (the largest size alone, which fits).
+    lo, hi = 0.0, (xs[-1] + 1) / math.gcd(*costs)
+    for _ in range(_BISECTIONS):
+        mid = (lo + hi) / 2
+        if fits_at(mid):
             hi = mid
         else:
             lo = mid

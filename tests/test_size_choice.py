@@ -236,10 +236,41 @@ def test_a_memory_budget_is_never_exceeded_by_the_estimate(backend, fraction):
     assert len(choice.sizes) <= 30
     if fraction == 1.0:
         assert choice.sizes == free.sizes
-    else:
-        assert choice.waste >= free.waste - 1e-12 or choice.eager  # no free lunch
+    held = {n: w for n, w in histogram.items() if n <= choice.sizes[-1]}  # a budget costs padding
+    assert padded(choice.sizes, held) >= padded(choose_sizes(held, 30, constraints).sizes, held) * (1 - 1e-12)
     if choice.eager:
         assert choice.limited_by == "memory_budget" and min(choice.eager) > choice.sizes[-1]
+        assert (
+            costs.bytes_of([min(c for c in candidate_sizes(histogram, constraints) if c > choice.sizes[-1])]) > budget
+        )
+
+
+@given(
+    histogram=st.dictionaries(st.integers(1, 64), st.integers(1, 50), min_size=1, max_size=30),
+    max_graphs=st.integers(1, 12),
+    fraction=st.floats(0.01, 1.0),
+)
+@settings(max_examples=60, deadline=None)
+def test_an_emulated_budget_choice_fits_and_beats_every_unconstrained_optimum_that_fits(
+    histogram, max_graphs, fraction
+):
+    # On the emulated backend every key keeps its output: sizes cost bytes of their own.
+    config = load_config(None, {"device": "cpu"})
+    constraints = SizeConstraints.from_config(config)
+    costs = graph_costs(config, candidate_sizes(histogram, constraints), "emulated")
+    budget = max(1, int(choose_sizes(histogram, max_graphs, constraints, costs=costs).memory * fraction))
+    try:
+        choice = choose_sizes(histogram, max_graphs, constraints, costs=costs, memory_budget=budget)
+    except ValueError as exc:
+        assert "is below the smallest graph's" in str(exc)
+        return
+    _fits(config, choice.sizes, "emulated", budget)
+    assert len(choice.sizes) <= max_graphs
+    held = {n: w for n, w in histogram.items() if n <= choice.sizes[-1]}
+    for fewer in range(1, max_graphs + 1):
+        optimum = choose_sizes(held, fewer, constraints, costs=costs)
+        if optimum.memory <= budget:
+            assert padded(choice.sizes, held) <= padded(optimum.sizes, held) * (1 + 1e-12)
 
 
 @given(

@@ -237,13 +237,15 @@ def _costs(config: Any, sizes: tuple[int, ...]) -> tuple[Any, list[Any]]:
 
 def _fragment(choice: Any, args: argparse.Namespace) -> str:
     """YAML that sets the chosen schedule; `capture.max_size` follows it (load_config requires equal)."""
+    flags = [("--config", args.config), ("--histogram", args.histogram), ("--max-graphs", args.max_graphs)]
+    flags.append(("--memory-budget", args.memory_budget))
+    command = " ".join(f"{flag} {value}" for flag, value in flags if value is not None)
     return (
-        f"# graphcap sizes --histogram {args.histogram} --max-graphs {args.max_graphs}"
-        + (f" --memory-budget {args.memory_budget}" if args.memory_budget else "")
-        + f"\n# expected padded-token waste {choice.waste:.1%}; merge into the config's capture section\n"
-        + "capture:\n"
-        + f"  sizes: [{', '.join(map(str, choice.sizes))}]\n"
-        + f"  max_size: {choice.sizes[-1]}\n"
+        f"# graphcap sizes {command}\n"
+        f"# expected padded-token waste {choice.waste:.1%}; merge into the config's capture section\n"
+        "capture:\n"
+        f"  sizes: [{', '.join(map(str, choice.sizes))}]\n"
+        f"  max_size: {choice.sizes[-1]}\n"
     )
 
 
