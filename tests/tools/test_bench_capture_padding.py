@@ -19,4 +19,8 @@ def test_bench_capture_padding_prints_a_row_per_shape_and_the_worst_waste():
         ladder, chosen_30, chosen_51 = (float(cell.rstrip("%")) for cell in row[4:7])
         assert chosen_30 <= 5.0 and chosen_51 <= ladder
         assert int(row[8]) <= 30  # graphs for at most 5% waste
-    assert lines[-1].startswith("worst waste with 30 chosen graphs (60% of the ladder's 51): ")
+    assert [line.split()[:2] for line in lines if line.startswith("synthetic 1")] == [
+        ["synthetic", "1"],
+        ["synthetic", "1/n"],
+    ]
+    assert lines[-1].startswith("worst waste with 30 chosen graphs (60% of the ladder's 51) on the traffic shapes: ")
