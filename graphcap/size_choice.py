@@ -97,23 +97,39 @@ class SizeChoice:
     """The chosen schedule and what it costs on the histogram it was chosen for.
 
     `histogram` holds the steps (relative weights) by token count, `eager` the counts no size
-    replays (above `sizes[-1]`, or under `uniform_only` not whole requests); `limited_by` says
-    what kept the largest size below the largest observed count (`""`, `"max_size"` or
-    `"memory_budget"`); `memory` is the graphs' bytes by the `GraphCosts` given, else None.
+    replays (`eager_reasons` says why); `memory` is the graphs' bytes by the `GraphCosts`
+    given, else None.
     """
 
     sizes: tuple[int, ...]
     histogram: dict[int, float]
     constraints: SizeConstraints
     eager: dict[int, float] = field(default_factory=dict)
-    limited_by: str = ""
     memory: int | None = None
 
     def pad(self, num_tokens: int) -> int | None:
-        """The size a step of `num_tokens` replays at; None when it runs eagerly."""
-        if num_tokens in self.eager or num_tokens > self.sizes[-1]:
+        """The size a step of `num_tokens` (>= 1) replays at; None when it runs eagerly."""
+        if num_tokens > self.sizes[-1] or self._not_uniform(num_tokens):
             return None
         return next(s for s in self.sizes if s >= num_tokens)
+
+    def eager_reasons(self) -> dict[str, dict[int, float]]:
+        """The eager counts by reason, named as the manager counts eager steps: `above_max_size`
+        (no allowed size holds them), `over_budget` (the memory budget kept the largest size
+        below them), `decode_only` (`uniform_only` and not whole requests)."""
+        out: dict[str, dict[int, float]] = {}
+        for n, w in sorted(self.eager.items()):
+            if self._not_uniform(n):
+                reason = "decode_only"
+            elif _round_up(n, self.constraints.multiple_of) > self.constraints.largest:
+                reason = "above_max_size"
+            else:
+                reason = "over_budget"
+            out.setdefault(reason, {})[n] = w
+        return out
+
+    def _not_uniform(self, num_tokens: int) -> bool:
+        return self.constraints.uniform_only and num_tokens % self.constraints.multiple_of != 0
 
     def buckets(self) -> list[tuple[int, int, float, float, float]]:
         """Per size: `(size, first token count it holds, steps, real tokens, padded tokens)`."""
@@ -178,7 +194,6 @@ def choose_sizes(
             + (" or is not whole uniform requests" if constraints.uniform_only else "")
             + "; raise capture.max_size (and batching.max_num_tokens)"
         )
-    limited_by = "max_size" if eager and max(eager) > constraints.largest else ""
     xs = sorted(points)
     if costs is not None:
         missing = [x for x in xs if x not in costs.per_size or x not in costs.shared]
@@ -193,7 +208,6 @@ def choose_sizes(
                 "raise the budget"
             )
         if fits[-1] < xs[-1]:
-            limited_by = "memory_budget"
             for n, w in weights.items():
                 if n not in eager and _round_up(n, constraints.multiple_of) > fits[-1]:
                     eager[n] = w
@@ -207,7 +221,7 @@ def choose_sizes(
         chosen = _within(xs, ws, [costs.per_size[x] for x in xs], max_graphs, spare)
     sizes = tuple(xs[i] for i in chosen)
     memory = None if costs is None else costs.bytes_of(sizes)
-    return SizeChoice(sizes, dict(weights), constraints, eager, limited_by, memory)
+    return SizeChoice(sizes, dict(weights), constraints, eager, memory)
 
 
 def _checked(histogram: Mapping[int, float]) -> dict[int, float]:

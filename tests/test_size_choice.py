@@ -118,10 +118,11 @@ def test_steps_above_max_size_run_eagerly_and_the_largest_size_is_max_size_or_be
     histogram = {1: 10, 30: 5, 70: 3, 100: 1}
     choice = choose_sizes(histogram, 3, SizeConstraints(64))
     assert choice.sizes == (1, 30) and choice.eager == {70: 3.0, 100: 1.0}
-    assert choice.limited_by == "max_size" and choice.eager_share == pytest.approx(4 / 19)
+    assert choice.eager_reasons() == {"above_max_size": {70: 3.0, 100: 1.0}}
+    assert choice.eager_share == pytest.approx(4 / 19)
     assert choice.pad(20) == 30 and choice.pad(70) is None
     covered = choose_sizes({1: 10, 30: 5, 63: 1}, 2, SizeConstraints(64))
-    assert covered.sizes[-1] == 63 and covered.limited_by == "" and not covered.eager
+    assert covered.sizes[-1] == 63 and not covered.eager and covered.eager_reasons() == {}
 
 
 def test_uniform_query_len_rounds_sizes_to_whole_requests():
@@ -137,6 +138,8 @@ def test_decode_only_steps_that_are_not_whole_requests_run_eagerly():
     assert constraints == SizeConstraints(64, 2, True)
     choice = choose_sizes({2: 5, 3: 4, 8: 2, 64: 1, 100: 1}, 4, constraints)
     assert choice.eager == {3: 4.0, 100: 1.0} and choice.sizes[-1] == 64
+    assert choice.eager_reasons() == {"decode_only": {3: 4.0}, "above_max_size": {100: 1.0}}
+    assert choice.pad(3) is None and choice.pad(7) is None and choice.pad(64) == 64
 
 
 def test_constraints_from_configs():
@@ -239,7 +242,7 @@ def test_a_memory_budget_is_never_exceeded_by_the_estimate(backend, fraction):
     held = {n: w for n, w in histogram.items() if n <= choice.sizes[-1]}  # a budget costs padding
     assert padded(choice.sizes, held) >= padded(choose_sizes(held, 30, constraints).sizes, held) * (1 - 1e-12)
     if choice.eager:
-        assert choice.limited_by == "memory_budget" and min(choice.eager) > choice.sizes[-1]
+        assert list(choice.eager_reasons()) == ["over_budget"] and min(choice.eager) > choice.sizes[-1]
         assert (
             costs.bytes_of([min(c for c in candidate_sizes(histogram, constraints) if c > choice.sizes[-1])]) > budget
         )

@@ -207,10 +207,13 @@ def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gr
     above = sum(w for n, w in histogram.items() if n > current.max_size) / total
     print(f"  {was} {len(current)} sizes: {current.expected_waste(histogram):.1%} (eager {above:.1%} of steps)")
     if choice.eager:
-        counts = sorted(choice.eager)
-        why = {"max_size": f"above {bound} {constraints.max_size}", "memory_budget": "over the memory budget"}
-        reason = why.get(choice.limited_by, "not whole uniform requests (full_decode_only)")
-        print(f"  steps that run eagerly: {choice.eager_share:.1%} (token counts {counts[0]}-{counts[-1]}: {reason})")
+        why = {
+            "above_max_size": f"above {bound} {constraints.max_size}",
+            "over_budget": "over the memory budget",
+            "decode_only": "not whole uniform requests, under full_decode_only",
+        }
+        parts = [f"{_span(sorted(counts))}: {why[reason]}" for reason, counts in choice.eager_reasons().items()]
+        print(f"  steps that run eagerly: {choice.eager_share:.1%} ({'; '.join(parts)})")
     else:
         print("  steps that run eagerly: none (the largest size holds the largest observed step)")
     if each:
@@ -256,6 +259,12 @@ def _check_out(path: str, inputs: tuple[str | None, ...]) -> None:
     for given in inputs:
         if given and os.path.exists(path) and os.path.exists(given) and os.path.samefile(path, given):
             raise UserError(f"--out {path}: is the input file {given}; writing there would destroy it")
+
+
+def _span(counts: list[int]) -> str:
+    if len(counts) == 1:
+        return f"token count {counts[0]}"
+    return f"token counts {counts[0]}-{counts[-1]}"
 
 
 def _count(total: float) -> str:

@@ -307,3 +307,28 @@ def test_out_refuses_a_directory_and_the_histogram_itself_and_writes_nothing_on_
         capsys, "--histogram", str(path), "--max-graphs", "4", "--memory-budget", "100", "--out", str(out_file)
     )
     assert code == 2 and not out_file.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["traffic.txt"]
+
+
+def test_each_eager_reason_is_named_with_its_token_counts(capsys, tmp_path):
+    path = histogram_file(tmp_path, "2 5\n3 4\n8 2\n100 1\n")
+    config = ("--config", "capture_configs/decode-only.yaml", "--set", "capture.uniform_query_len=2")
+    code, out, _ = run(capsys, *config, "--histogram", str(path), "--max-graphs", "2")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "sizes: [2, 8]"
+    assert (
+        "  steps that run eagerly: 41.7% (token count 3: not whole uniform requests, under full_decode_only; "
+        "token count 100: above capture.max_size 64)"
+    ) in lines
+
+
+def test_a_memory_budget_alone_chooses_as_many_sizes_as_fit(capsys, tmp_path):
+    path = histogram_file(tmp_path)
+    out_file = tmp_path / "sizes.yaml"
+    code, out, _ = run(capsys, "--histogram", str(path), "--memory-budget", "2MiB", "--out", str(out_file))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "sizes: [1, 2, 3]"
+    assert lines[1] == f"chosen for 100 steps in {path} (memory budget 2.0 MiB; capture.max_size 64)"
+    assert "  steps that run eagerly: 30.0% (token counts 8-64: over the memory budget)" in lines
+    assert out_file.read_text().splitlines()[0] == f"# graphcap sizes --histogram {path} --memory-budget 2MiB"
