@@ -159,19 +159,23 @@ def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gr
                 "--memory-budget needs a config's model for its memory estimate: use --config, not --max-size"
             )
         constraints = SizeConstraints(args.max_size, args.uniform_query_len)
-        bound = "--max-size"
+        limit = f"--max-size {args.max_size}"
     else:
         try:
             constraints = SizeConstraints.from_config(config)
         except ValueError as exc:
             raise UserError(str(exc)) from None
-        bound = "batching.max_num_seqs" if constraints.max_size < config.capture.max_size else "capture.max_size"
+        limit = f"capture.max_size {config.capture.max_size}"
+        if constraints.max_size < config.capture.max_size:  # full_decode_only: the largest uniform key
+            q = config.capture.uniform_query_len
+            limit = f"batching.max_num_seqs {config.batching.max_num_seqs} x uniform_query_len {q}"
     if args.out is not None:
         _check_out(args.out, (args.config, args.histogram))
     histogram = read_histogram(args.histogram)
-    if config is not None and max(histogram) > config.batching.max_num_tokens:
+    largest = max((n for n, steps in histogram.items() if steps > 0), default=0)
+    if config is not None and largest > config.batching.max_num_tokens:
         raise UserError(
-            f"--histogram {args.histogram}: token count {max(histogram)} is above batching.max_num_tokens "
+            f"--histogram {args.histogram}: token count {largest} is above batching.max_num_tokens "
             f"{config.batching.max_num_tokens}, which no step of this config exceeds; is the histogram from "
             "another engine config? (raise batching.max_num_tokens to match it)"
         )
@@ -193,7 +197,7 @@ def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gr
         ([f"at most {max_graphs} graphs"] if args.max_graphs is not None else [])
         + ([f"memory budget {format_bytes(budget)}"] if budget is not None else [])
     )
-    print(f"chosen for {_count(total)} steps in {args.histogram} ({limits}; {bound} {constraints.max_size})")
+    print(f"chosen for {_count(total)} steps in {args.histogram} ({limits}; {limit})")
     print()
     print(f"  {'size':>6}  {'tokens':>11}  {'steps':>6}  {'pad/step':>8}  {'waste':>6}")
     for size, first, steps, real, padded in choice.buckets():
@@ -208,7 +212,7 @@ def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gr
     print(f"  {was} {len(current)} sizes: {current.expected_waste(histogram):.1%} (eager {above:.1%} of steps)")
     if choice.eager:
         why = {
-            "above_max_size": f"above {bound} {constraints.max_size}",
+            "above_max_size": f"above {limit}",
             "over_budget": "over the memory budget",
             "decode_only": "not whole uniform requests, under full_decode_only",
         }

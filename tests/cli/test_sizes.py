@@ -332,3 +332,17 @@ def test_a_memory_budget_alone_chooses_as_many_sizes_as_fit(capsys, tmp_path):
     assert lines[1] == f"chosen for 100 steps in {path} (memory budget 2.0 MiB; capture.max_size 64)"
     assert "  steps that run eagerly: 30.0% (token counts 8-64: over the memory budget)" in lines
     assert out_file.read_text().splitlines()[0] == f"# graphcap sizes --histogram {path} --memory-budget 2MiB"
+
+
+def test_under_full_decode_only_the_largest_uniform_key_bounds_the_choice(capsys, tmp_path):
+    path = histogram_file(tmp_path, "2 5\n4 3\n40 1\n600 0\n")  # a count with no step is no step
+    flags = ("--config", "capture_configs/decode-only.yaml", "--set", "batching.max_num_seqs=16")
+    code, out, _ = run(capsys, *flags, "--histogram", str(path), "--max-graphs", "2")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "sizes: [2, 4]"
+    assert lines[1].endswith("(at most 2 graphs; batching.max_num_seqs 16 x uniform_query_len 1)")
+    assert (
+        "  steps that run eagerly: 11.1% (token count 40: above batching.max_num_seqs 16 x uniform_query_len 1)"
+        in lines
+    )
