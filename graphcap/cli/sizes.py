@@ -1,11 +1,15 @@
-"""`graphcap sizes`: the capture schedule, the padding table, the keys, the expected waste."""
+"""`graphcap sizes`: the capture schedule, the padding table, the keys, the expected waste; with
+`--max-graphs` (or `--memory-budget`), the sizes chosen for a traffic histogram (`graphcap.size_choice`)."""
 
 from __future__ import annotations
 
 import argparse
-import math
+import os
+import re
+from typing import Any
 
 from graphcap.cli._common import UserError, add_common, config_from_args
+from graphcap.cli._histogram import read_histogram
 from graphcap.sizes import CaptureSizes, default_capture_sizes
 
 EPILOG = """examples:
@@ -13,18 +17,25 @@ EPILOG = """examples:
   graphcap sizes --config capture_configs/spec-decode.yaml
   graphcap sizes --max-size 512 --uniform-query-len 4
   graphcap sizes --config my.yaml --histogram batch_sizes.txt
+  graphcap sizes --config my.yaml --histogram batch_sizes.txt --max-graphs 30 --out sizes.yaml
+  graphcap sizes --config my.yaml --histogram batch_sizes.txt --max-graphs 30 --memory-budget 4GiB
 
 A histogram file holds one observed token count per line, or `TOKENS COUNT` pairs
 (whitespace or comma separated); `#` starts a comment.
+
+--max-graphs N chooses at most N sizes (within capture.max_size) that pad the fewest tokens
+over the histogram: the first line is `sizes: [...]`, then a table. --memory-budget keeps the
+graphs within graphcap's memory estimate. --out writes a config fragment (capture.sizes and
+capture.max_size) to merge into the config.
 """
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "sizes",
-        help="show the capture schedule, padding table and padded-token waste",
+        help="show the capture schedule, padding table and padded-token waste, or choose sizes for traffic",
         description="Show the capture sizes of a config (or of --max-size), the padding table, the graph keys, "
-        "and the expected fraction of padded tokens.",
+        "and the expected fraction of padded tokens; with --max-graphs, choose the sizes for a histogram.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -34,6 +45,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--uniform-query-len", type=int, default=1, metavar="Q", help="with --max-size: tokens per uniform request"
     )
     parser.add_argument("--histogram", metavar="FILE", help="observed batch token counts, for the expected waste")
+    parser.add_argument("--max-graphs", metavar="N", help="choose at most N sizes for the --histogram traffic")
+    parser.add_argument(
+        "--memory-budget", metavar="BYTES", help="choose sizes whose graphs fit, e.g. 4GiB (graphcap's estimate)"
+    )
+    parser.add_argument("--out", metavar="FILE", help="write the chosen sizes as a config fragment (YAML)")
     parser.set_defaults(run=run)
 
 
@@ -41,6 +57,15 @@ def run(args: argparse.Namespace) -> int:
     from graphcap.keys import MIXED_ROWS_FLOOR, MIXED_ROWS_STEP, KeyRegistry  # numpy: loaded when run
     from graphcap.memory import estimate_memory
 
+    choosing = args.max_graphs is not None or args.memory_budget is not None
+    if not choosing and args.out is not None:
+        raise UserError("--out writes chosen sizes: give --max-graphs N (and --histogram FILE) with it")
+    if choosing:
+        max_graphs = _parse_max_graphs(args.max_graphs)
+        budget = None if args.memory_budget is None else parse_bytes(args.memory_budget, "--memory-budget")
+        if args.histogram is None:
+            raise UserError("--max-graphs and --memory-budget choose sizes for traffic: give --histogram FILE")
+    config = None
     if args.max_size is not None:
         if args.config or args.overrides:
             raise UserError("give either --max-size or --config/--set, not both")
@@ -53,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
         sizes = config.capture_sizes
         registry = KeyRegistry.from_config(config)
         source = f"{args.config or 'embedded default config'} (capture.mode {config.capture.mode})"
-    histogram = _read_histogram(args.histogram) if args.histogram else None
+    if choosing:
+        return _choose(args, config, sizes, max_graphs, budget)
+    histogram = read_histogram(args.histogram) if args.histogram else None
     print(f"capture sizes from {source}")
     print(f"  {len(sizes)} sizes: {', '.join(map(str, sizes.sizes))}")
     print()
@@ -121,59 +148,155 @@ def _check_schedule_flags(max_size: int, uniform_query_len: int) -> None:
         raise UserError("; ".join(f"{flags.get(p.key, p.key)}: {p.message}" for p in exc.problems)) from None
 
 
-MAX_HISTOGRAM_BYTES = 64 << 20
-"""Largest histogram read (64 MiB: ten million one-per-line observations)."""
-_MAX_LINE = 4096
+def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_graphs: int, budget: int | None) -> int:
+    """`--max-graphs`/`--memory-budget`: `sizes: [...]`, the table, the comparison, `--out`."""
+    from graphcap.report import atomic_write, format_bytes
+    from graphcap.size_choice import SizeConstraints, candidate_sizes, choose_sizes
 
-
-def _read_histogram(path: str) -> dict[int, float]:
-    """`TOKENS [COUNT]` lines -> {tokens: weight}; every problem is a `UserError` naming file and line."""
-    counts: dict[int, float] = {}
-    try:
-        with open(path, "rb") as handle:
-            read = 0
-            for number, raw in enumerate(iter(lambda: handle.readline(_MAX_LINE + 1), b""), 1):
-                read += len(raw)
-                if len(raw) > _MAX_LINE:
-                    raise UserError(f"{path}:{number}: line longer than {_MAX_LINE} bytes; is it a histogram?")
-                if read > MAX_HISTOGRAM_BYTES:
-                    raise UserError(
-                        f"{path}: larger than {MAX_HISTOGRAM_BYTES >> 20} MiB; aggregate it as TOKENS COUNT"
-                    )
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    raise UserError(
-                        f"{path}:{number}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); "
-                        "expected TOKENS or TOKENS COUNT"
-                    ) from None
-                _add_line(counts, line, path, number)
-    except OSError as exc:
-        raise UserError(f"--histogram {path}: cannot read: {exc.strerror or exc}") from None
-    total = sum(counts.values())
-    if not counts or total <= 0:
-        raise UserError(f"{path}: no batch sizes in the histogram")
-    if not math.isfinite(total):
-        raise UserError(f"{path}: the counts sum to {total}; scale them down (they are relative weights)")
-    return counts
-
-
-def _add_line(counts: dict[int, float], line: str, path: str, number: int) -> None:
-    text = line.split("#", 1)[0].replace(",", " ").split()
-    if not text:
-        return
-    try:
-        values = [float(v) for v in text]
-    except ValueError:
-        raise UserError(f"{path}:{number}: expected TOKENS or TOKENS COUNT; got {line.strip()!r}") from None
-    if (
-        len(values) > 2
-        or not all(map(math.isfinite, values))  # int(inf) and int(nan) raise
-        or values[0] != int(values[0])
-        or values[0] < 1
-        or (len(values) == 2 and values[1] < 0)
-    ):
+    if config is None:
+        if budget is not None:
+            raise UserError(
+                "--memory-budget needs a config's model for its memory estimate: use --config, not --max-size"
+            )
+        constraints = SizeConstraints(args.max_size, args.uniform_query_len)
+        limit = f"--max-size {args.max_size}"
+    else:
+        try:
+            constraints = SizeConstraints.from_config(config)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        limit = f"capture.max_size {config.capture.max_size}"
+        if constraints.max_size < config.capture.max_size:  # full_decode_only: the largest uniform key
+            q = config.capture.uniform_query_len
+            limit = f"batching.max_num_seqs {config.batching.max_num_seqs} x uniform_query_len {q}"
+    if args.out is not None:
+        _check_out(args.out, (args.config, args.histogram))
+    histogram = read_histogram(args.histogram)
+    largest = max((n for n, steps in histogram.items() if steps > 0), default=0)
+    if config is not None and largest > config.batching.max_num_tokens:
         raise UserError(
-            f"{path}:{number}: expected a token count >= 1 and an optional count >= 0; got {line.strip()!r}"
+            f"--histogram {args.histogram}: token count {largest} is above batching.max_num_tokens "
+            f"{config.batching.max_num_tokens}, which no step of this config exceeds; is the histogram from "
+            "another engine config? (raise batching.max_num_tokens to match it)"
         )
-    counts[int(values[0])] = counts.get(int(values[0]), 0.0) + (values[1] if len(values) == 2 else 1.0)
+    costs, each = None, []
+    try:
+        if (config is not None and config.model.factory is None) or budget is not None:
+            costs, each = _costs(config, candidate_sizes(histogram, constraints))
+        choice = choose_sizes(histogram, max_graphs, constraints, costs=costs, memory_budget=budget)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if args.out is not None:
+        try:
+            atomic_write(args.out, _fragment(choice, args))
+        except OSError as exc:
+            raise UserError(f"--out {args.out}: cannot write: {exc.strerror or exc}") from None
+    total = sum(histogram.values())
+    print(f"sizes: [{', '.join(map(str, choice.sizes))}]")
+    limits = ", ".join(
+        ([f"at most {max_graphs} graphs"] if args.max_graphs is not None else [])
+        + ([f"memory budget {format_bytes(budget)}"] if budget is not None else [])
+    )
+    print(f"chosen for {_count(total)} steps in {args.histogram} ({limits}; {limit})")
+    print()
+    print(f"  {'size':>6}  {'tokens':>11}  {'steps':>6}  {'pad/step':>8}  {'waste':>6}")
+    for size, first, steps, real, padded in choice.buckets():
+        span = f"{first}" if first == size else f"{first}-{size}"
+        pad = (padded - real) / steps if steps else 0.0
+        waste = (padded - real) / padded if padded else 0.0
+        print(f"  {size:>6}  {span:>11}  {steps / total:>6.1%}  {pad:>8.2f}  {waste:>6.1%}")
+    print()
+    print(f"  expected padded-token waste: {choice.waste:.1%} with {len(choice.sizes)} graphs")
+    was = "the config's" if config is not None else "the default schedule's"
+    above = sum(w for n, w in histogram.items() if n > current.max_size) / total
+    print(f"  {was} {len(current)} sizes: {current.expected_waste(histogram):.1%} (eager {above:.1%} of steps)")
+    if choice.eager:
+        why = {
+            "above_max_size": f"above {limit}",
+            "over_budget": "over the memory budget",
+            "decode_only": "not whole uniform requests, under full_decode_only",
+        }
+        parts = [f"{_span(sorted(counts))}: {why[reason]}" for reason, counts in choice.eager_reasons().items()]
+        print(f"  steps that run eagerly: {choice.eager_share:.1%} ({'; '.join(parts)})")
+    else:
+        print("  steps that run eagerly: none (the largest size holds the largest observed step)")
+    if each:
+        shown = ", ".join(f"{c.backend} {format_bytes(c.bytes_of(choice.sizes))}" for c in each)
+        print(f"  graph memory estimate: {shown}" + (f" (budget {format_bytes(budget)})" if budget else ""))
+    if args.out is not None:
+        print(f"  wrote capture.sizes and capture.max_size to {args.out}")
+    return 0
+
+
+def _costs(config: Any, sizes: tuple[int, ...]) -> tuple[Any, list[Any]]:
+    """`GraphCosts` for the backends the config's device may use, and with two (device `auto`) the
+    larger of each part, so a choice within a budget fits on either."""
+    from graphcap.graph_costs import graph_costs
+    from graphcap.size_choice import GraphCosts
+
+    each = [graph_costs(config, sizes, backend) for backend in _backends_of(config.device)]
+    if len(each) == 1:
+        return each[0], each
+    per_size = {s: max(c.per_size[s] for c in each) for s in sizes}
+    shared = {s: max(c.shared[s] for c in each) for s in sizes}
+    return GraphCosts(per_size, shared, " or ".join(c.backend for c in each)), each
+
+
+def _fragment(choice: Any, args: argparse.Namespace) -> str:
+    """YAML that sets the chosen schedule; `capture.max_size` follows it (load_config requires equal)."""
+    flags = [("--config", args.config), ("--histogram", args.histogram), ("--max-graphs", args.max_graphs)]
+    flags.append(("--memory-budget", args.memory_budget))
+    command = " ".join(f"{flag} {value}" for flag, value in flags if value is not None)
+    return (
+        f"# graphcap sizes {command}\n"
+        f"# expected padded-token waste {choice.waste:.1%}; merge into the config's capture section\n"
+        "capture:\n"
+        f"  sizes: [{', '.join(map(str, choice.sizes))}]\n"
+        f"  max_size: {choice.sizes[-1]}\n"
+    )
+
+
+def _check_out(path: str, inputs: tuple[str | None, ...]) -> None:
+    """Refuse an `--out` that is a directory or one of the command's own input files."""
+    if os.path.isdir(path):
+        raise UserError(f"--out {path}: is a directory; give a file name, e.g. {os.path.join(path, 'sizes.yaml')}")
+    for given in inputs:
+        if given and os.path.exists(path) and os.path.exists(given) and os.path.samefile(path, given):
+            raise UserError(f"--out {path}: is the input file {given}; writing there would destroy it")
+
+
+def _span(counts: list[int]) -> str:
+    if len(counts) == 1:
+        return f"token count {counts[0]}"
+    return f"token counts {counts[0]}-{counts[-1]}"
+
+
+def _count(total: float) -> str:
+    return f"{total:.0f}" if total == int(total) else f"{total:.3g}"
+
+
+def _parse_max_graphs(text: str | None) -> int:
+    if text is None:
+        return 1 << 16  # only a budget: as many sizes as it allows
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise UserError(f"--max-graphs: expected a whole number >= 1; got {text!r}")
+    return value
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+_BYTES = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """`4GiB` -> 4294967296: bytes, or a number with B, KB/MB/GB/TB (powers of 1000) or
+    KiB/MiB/GiB/TiB (powers of 1024), case-insensitive; `UserError` naming `flag` otherwise."""
+    match = _BYTES.fullmatch(text)
+    unit = _UNITS.get(match.group(2).lower()) if match else None
+    if unit is None or float(match.group(1)) * unit < 1 or float(match.group(1)) * unit >= 1 << 62:
+        raise UserError(f"{flag}: expected bytes or a size such as 4GiB, 512MiB or 8GB (at least 1 byte); got {text!r}")
+    return int(float(match.group(1)) * unit)
