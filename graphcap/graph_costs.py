@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from graphcap.dispatch import KeyRegistry
+from graphcap.keys import KeyRegistry
 from graphcap.memory import estimate_memory
 from graphcap.size_choice import GraphCosts
 
