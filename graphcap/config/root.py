@@ -13,17 +13,10 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+from graphcap.config import sections
 from graphcap.config._schema import Section, problem
 from graphcap.config.buffers import BufferConfig
 from graphcap.config.model import ModelConfig
-from graphcap.config.sections import (
-    BatchingConfig,
-    CaptureSectionConfig,
-    ChecksConfig,
-    KVCacheConfig,
-    PadRules,
-    ReportConfig,
-)
 from graphcap.errors import ConfigProblem
 from graphcap.sizes import CaptureSizes, default_capture_sizes
 
@@ -31,12 +24,12 @@ __all__ = ["SECTIONS", "CaptureConfig"]
 
 SECTIONS: dict[str, type[Section]] = {
     "model": ModelConfig,
-    "batching": BatchingConfig,
-    "kv_cache": KVCacheConfig,
-    "capture": CaptureSectionConfig,
-    "checks": ChecksConfig,
-    "report": ReportConfig,
-    "padding": PadRules,
+    "batching": sections.BatchingConfig,
+    "kv_cache": sections.KVCacheConfig,
+    "capture": sections.CaptureSectionConfig,
+    "checks": sections.ChecksConfig,
+    "report": sections.ReportConfig,
+    "padding": sections.PadRules,
 }
 """The sections of a config file, by key."""
 
@@ -55,17 +48,17 @@ class CaptureConfig(Section):
     """The model to capture."""
     device: str = "auto"
     """`auto` (cuda when available, else cpu), `cpu`, `cuda` or `cuda:N`."""
-    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    batching: sections.BatchingConfig = field(default_factory=sections.BatchingConfig)
     """Scheduler limits."""
-    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    kv_cache: sections.KVCacheConfig = field(default_factory=sections.KVCacheConfig)
     """The paged KV cache."""
-    capture: CaptureSectionConfig = field(default_factory=CaptureSectionConfig)
+    capture: sections.CaptureSectionConfig = field(default_factory=sections.CaptureSectionConfig)
     """What to capture."""
-    checks: ChecksConfig = field(default_factory=ChecksConfig)
+    checks: sections.ChecksConfig = field(default_factory=sections.ChecksConfig)
     """Safety checks."""
-    report: ReportConfig = field(default_factory=ReportConfig)
+    report: sections.ReportConfig = field(default_factory=sections.ReportConfig)
     """Capture report output."""
-    padding: PadRules = field(default_factory=PadRules)
+    padding: sections.PadRules = field(default_factory=sections.PadRules)
     """Pad rules of the persistent buffers."""
     buffers: tuple[BufferConfig, ...] = ()
     """The engine's own persistent buffers (the `buffers:` list), staged like the built-ins."""
@@ -103,30 +96,14 @@ class CaptureConfig(Section):
                     involves=("capture",),
                 )
             )
-        if pad.token_id >= self.model.vocab_size:
-            out.append(
-                problem(
-                    "padding.token_id",
-                    f"{pad.token_id} is not a valid token id (model.vocab_size {self.model.vocab_size})",
-                    involves=("model",),
-                )
-            )
-        if pad.block_id >= kv.num_blocks:
-            out.append(
-                problem(
-                    "padding.block_id",
-                    f"{pad.block_id} is not a valid block (kv_cache.num_blocks {kv.num_blocks})",
-                    involves=("kv_cache",),
-                )
-            )
-        if pad.position >= kv.max_model_len:
-            out.append(
-                problem(
-                    "padding.position",
-                    f"{pad.position} is not below kv_cache.max_model_len {kv.max_model_len}",
-                    involves=("kv_cache",),
-                )
-            )
+        for name, limit, message, section in (
+            ("token_id", self.model.vocab_size, "is not a valid token id (model.vocab_size {})", "model"),
+            ("block_id", kv.num_blocks, "is not a valid block (kv_cache.num_blocks {})", "kv_cache"),
+            ("position", kv.max_model_len, "is not below kv_cache.max_model_len {}", "kv_cache"),
+        ):  # a padded row's value must index what it indexes
+            value = getattr(pad, name)
+            if value >= limit:
+                out.append(problem(f"padding.{name}", f"{value} {message.format(limit)}", involves=(section,)))
         if pad.seq_len > kv.max_model_len:
             out.append(
                 problem(
@@ -190,7 +167,7 @@ class CaptureConfig(Section):
         return out
 
 
-def _schedule(cap: CaptureSectionConfig, max_num_tokens: int) -> CaptureSizes:
+def _schedule(cap: sections.CaptureSectionConfig, max_num_tokens: int) -> CaptureSizes:
     sizes = cap.sizes
     if sizes == "auto":
         sizes = default_capture_sizes(cap.max_size, cap.uniform_query_len)
