@@ -38,6 +38,7 @@ __all__ = [
     "UnsafeOpMode",
     "check_capture_safe",
     "check_op",
+    "in_preflight",
     "outside_checks",
     "preflight",
     "sync_debug_errors",
@@ -130,6 +131,45 @@ def _sync_error(op: str, location: str) -> CaptureUnsafeError:
     return CaptureUnsafeError(op, location, _SYNC_REASON, _SYNC_FIX)
 
 
+def _to_target(args: tuple, kwargs: dict) -> tuple[Any, bool]:
+    """(target device or None, non_blocking) of a `Tensor.to` call, parsed as torch parses it."""
+    try:
+        device, _, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+    except (TypeError, RuntimeError):
+        return None, False
+    return device, bool(non_blocking)
+
+
+def _cuda_target(args: tuple, kwargs: dict) -> tuple[Any, bool]:
+    """(target device, non_blocking) of a `Tensor.cuda(device=None, non_blocking=False)` call."""
+    non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    return torch.device("cuda"), bool(non_blocking)
+
+
+def _upload_row(func: Any, args: tuple, kwargs: dict, device: torch.device) -> tuple[UnsafeOp, str] | None:
+    """The row of a Python-level copy between host and device memory, classified by its arguments.
+
+    `Tensor.copy_`, `Tensor.to` and `Tensor.cuda` enter the device (a device guard, a current-device
+    lookup) before the dispatcher sees them: on a CPU-only build under `FakeTensorMode` they raise
+    inside torch. Classified here, before they run, as the aten op each becomes, they are named the
+    same way on every build.
+    """
+    if func is torch.Tensor.copy_:
+        row = UNSAFE_OPS["aten.copy_"]
+        return (row, row.name) if len(args) > 1 and row.applies(func, args, kwargs, device) else None
+    target, non_blocking = _TARGETS[func](args, kwargs)
+    source = args[0] if args else None
+    if not isinstance(target, torch.device) or not isinstance(source, torch.Tensor) or source.device.type != "cpu":
+        return None  # a device tensor to the host is the `Tensor.to` / `Tensor.cpu` row's
+    row = UNSAFE_OPS["aten._to_copy"]
+    to_copy = {"device": target, "non_blocking": non_blocking}
+    return (row, row.name) if row.applies(func, (args[0],), to_copy, device) else None
+
+
+_TARGETS = {torch.Tensor.to: _to_target, torch.Tensor.cuda: _cuda_target}
+_UPLOADS = (torch.Tensor.copy_, *_TARGETS)
+
+
 class _HostReadMode(TorchFunctionMode):
     """Catches host reads, host copies and uploads by Python function (invisible as aten ops)."""
 
@@ -139,6 +179,10 @@ class _HostReadMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _UPLOADS and self._device.type != "cpu":
+            named = _upload_row(func, args, kwargs, self._device)
+            if named is not None:
+                _raise(*named)
         row = _FUNCTIONS.get(func)
         if row is not None and (row.applies is None or row.applies(func, args, kwargs, self._device)):
             is_method = row.name.startswith("Tensor.")
@@ -273,8 +317,20 @@ def preflight(device: torch.device | str, *, sync_debug: bool = False) -> Iterat
 
     Yields the compiled functions the forward entered (they ran uncompiled, by design).
     """
-    with eager_only() as uncompiled, unsafe_op_checker(device), sync_debug_errors(sync_debug):
-        yield uncompiled
+    _preflights.depth = getattr(_preflights, "depth", 0) + 1
+    try:
+        with eager_only() as uncompiled, unsafe_op_checker(device), sync_debug_errors(sync_debug):
+            yield uncompiled
+    finally:
+        _preflights.depth -= 1
+
+
+_preflights = threading.local()
+
+
+def in_preflight() -> bool:
+    """Whether this thread runs inside `preflight()` (torch.compile off, the checker on)."""
+    return getattr(_preflights, "depth", 0) > 0
 
 
 def check_capture_safe(fn: Callable[[], Any], device: torch.device | str) -> Any:
@@ -305,8 +361,9 @@ def outside_checks() -> Iterator[None]:
     """Run the enclosed code with every Python mode popped and this thread's sync guard off.
 
     What an `eager_op`'s body runs under while its forward is checked or recorded: the body is
-    allowed what a graph cannot hold (it runs eagerly between graph pieces). The modes are
-    pushed back, in order, on every exit path.
+    allowed what a graph cannot hold (it runs eagerly between graph pieces), host syncs included,
+    so CUDA's process-wide `set_sync_debug_mode` is off inside (the preflight turns it on). The
+    modes, and the sync-debug mode, are restored on every exit path.
     """
     local = _sync_guard._local
     depth = getattr(local, "depth", 0)
@@ -315,9 +372,29 @@ def outside_checks() -> Iterator[None]:
     while torch._C._len_torch_function_stack() > 0:
         functions.append(torch._C._pop_torch_function_stack())
     try:
-        with torch.utils._python_dispatch._disable_current_modes():
+        with torch.utils._python_dispatch._disable_current_modes(), _sync_debug_off():
             yield
     finally:
         for mode in reversed(functions):
             torch._C._push_on_torch_function_stack(mode)
         local.depth = depth
+
+
+@contextlib.contextmanager
+def _sync_debug_off() -> Iterator[None]:
+    """CUDA's sync-debug mode off (0) for the enclosed code; the previous mode back on every exit path.
+
+    Nothing to do while CUDA is not initialised: then no mode was set.
+    """
+    if not torch.cuda.is_initialized():
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    if previous == 0:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)

@@ -147,6 +147,14 @@ def _is_host_target(func: Any, args: tuple, kwargs: dict, device: torch.device) 
     return False
 
 
+def _is_pinned(host: torch.Tensor) -> bool:
+    """Whether a host tensor is in pinned memory; a build without CUDA pins nothing (and may raise)."""
+    try:
+        return bool(host.is_pinned())
+    except RuntimeError:
+        return False
+
+
 def _crosses(source: Any, target_type: str, device: torch.device, non_blocking: bool) -> bool:
     """A copy between host memory and the (non-CPU) graph device that capture cannot hold."""
     if device.type == "cpu" or not isinstance(source, torch.Tensor):
@@ -154,7 +162,7 @@ def _crosses(source: Any, target_type: str, device: torch.device, non_blocking: 
     source_type = source.device.type
     if {source_type, target_type} != {"cpu", device.type}:
         return False
-    host_is_pinned = source_type != "cpu" or source.is_pinned()
+    host_is_pinned = source_type != "cpu" or _is_pinned(source)
     # Device -> host always lands in fresh pageable memory (_to_copy allocates it).
     return not (non_blocking and host_is_pinned and source_type == "cpu")
 
@@ -175,7 +183,7 @@ def _is_blocking_copy(func: Any, args: tuple, kwargs: dict, device: torch.device
     if types != {"cpu", device.type}:
         return False
     host = dst if dst.device.type == "cpu" else src
-    return not (non_blocking and host.is_pinned())
+    return not (non_blocking and _is_pinned(host))
 
 
 def _fill_value_on_device(position: int) -> _Applies:
@@ -253,12 +261,3 @@ SYNC_FUNCTIONS = (
 
 UNSAFE_OPS: Mapping[str, UnsafeOp] = MappingProxyType({row.name: row for row in _rows()})
 """The table: op name -> row. Read-only; extend `_rows` (and the test) instead."""
-
-
-def __getattr__(name: str) -> Any:
-    # The checker moved to graphcap.backends.preflight; its names still resolve here.
-    if name in ("unsafe_op_checker", "UnsafeOpMode", "check_op"):
-        from graphcap.backends import preflight
-
-        return getattr(preflight, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

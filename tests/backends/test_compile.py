@@ -1,4 +1,4 @@
-"""torch.compile and capture (S2): the checked preflight never poisons compilation, and a backend
+"""torch.compile and capture: the checked preflight never poisons compilation, and a backend
 that captures compiled code uncompiled (the emulated one always does) says so, never silently."""
 
 from __future__ import annotations

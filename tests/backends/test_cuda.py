@@ -1,6 +1,6 @@
 """The CUDA backend on a real GPU: replay == eager, a pool per backend, outputs not kept alive,
 address checks, the preflight (table, sync-debug, compile), and clean failure: a failed first
-capture (C1) and a capture CUDA invalidated (C2) leave later captures working. Skipped without
+capture (its tensors still pinning the pool) and a capture CUDA invalidated leave later captures working. Skipped without
 CUDA; `tools/gpu_check.py` (phase P1) runs this file."""
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def _end_capture_left(handle) -> bool:
 
 @pytest.mark.parametrize("forward", [_upload_forward, _nonzero_forward], ids=["upload", "nonzero"])
 def test_a_capture_cuda_invalidates_leaves_nothing_recording_and_later_captures_work(cuda_backend, forward):
-    """C2: capture runs without the checker (S2), so CUDA itself refuses the op (error 900)."""
+    """Capture runs without the checker (so compiled code stays compiled): CUDA itself refuses the op (error 900)."""
     t = _persistent()
     stream_before = torch.cuda.current_stream()
     handle = cuda_backend.pool.handle
@@ -166,7 +166,7 @@ def test_a_capture_cuda_invalidates_leaves_nothing_recording_and_later_captures_
 
 
 def test_a_failed_first_capture_does_not_break_the_next_one_while_its_tensors_live(cuda_backend):
-    """C1: the failed forward's tensors (in the pool) stay alive through the error we keep."""
+    """The failed forward's tensors (in the pool) stay alive through the error we keep; the next capture still works."""
     t = _persistent()
 
     def failing():
