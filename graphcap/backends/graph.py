@@ -68,7 +68,10 @@ def storage_ptr(tensor: torch.Tensor, name: str) -> int:
     storage: a graph reads their inner tensors, and those are what must be address-checked.
     """
     try:
-        return tensor.data_ptr()
+        ptr = tensor.data_ptr()
+        if ptr == 0 and tensor.numel() > 0 and tensor.device.type != "meta":
+            raise RuntimeError("data_ptr() is 0: no storage is allocated for it")
+        return ptr
     except (RuntimeError, NotImplementedError) as exc:
         raise CaptureError(
             f"static input {name!r} is a {type(tensor).__name__} without storage of its own ({exc}); a graph "
@@ -149,7 +152,7 @@ class CapturedGraph:
                     recorded_ptr,
                     None,
                 )
-            current_ptr = storage_ptr(tensor, input_name)
+            current_ptr = tensor.data_ptr()
             if current_ptr != recorded_ptr:
                 raise StaticInputMovedError(
                     f"static input {input_name!r} of graph {self.name} moved: data_ptr "

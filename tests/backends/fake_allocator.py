@@ -74,8 +74,10 @@ class FakeCUDAGraph:
         self.handle = None
         self.began = False  # the pool's use was taken (beginAllocateToPool ran)
         self.completed = False
+        self.invalidated = False  # set by a test: CUDA invalidated the capture under way
+        self.replays = 0
 
-    def capture_begin(self, pool, fail_after_recording: bool = False) -> None:
+    def capture_begin(self, pool, capture_error_mode: str = "global", fail_after_recording: bool = False) -> None:
         self.handle = pool
         self.allocator.begin(0, pool)
         self.began = True
@@ -83,12 +85,16 @@ class FakeCUDAGraph:
             raise RuntimeError("CUDA error: operation not permitted")
 
     def capture_end(self, invalidated: bool = False) -> None:
+        invalidated = invalidated or self.invalidated
         if invalidated and self.order == "raise_before_end":
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
         self.allocator.end(0, self.handle)
         if invalidated:
             raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
         self.completed = True
+
+    def replay(self) -> None:
+        self.replays += 1
 
     def pool(self):
         if not self.completed:
