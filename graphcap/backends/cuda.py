@@ -36,8 +36,8 @@ import torch
 
 from graphcap.backends.base import Forward, GraphBackend, flatten_output
 from graphcap.backends.compiled import eager_only
-from graphcap.backends.graph import CapturedGraph
 from graphcap.backends.cuda_pieces import CUDAPieceSession
+from graphcap.backends.graph import CapturedGraph
 from graphcap.backends.pool import GraphPool, discard_capture, unowned_alias
 from graphcap.errors import CaptureError
 

@@ -30,7 +30,9 @@ def test_eager_op_bodies_run_with_sync_debug_off_inside_a_preflight_that_turned_
     mode = {"now": 0}
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: mode["now"])
-    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda value: mode.update(now={"error": 2}.get(value, value)))
+    monkeypatch.setattr(
+        torch.cuda, "set_sync_debug_mode", lambda value: mode.update(now={"error": 2}.get(value, value))
+    )
     seen = []
 
     @eager_op
@@ -241,5 +243,7 @@ class _Wrapper(torch.Tensor):
 
 def test_a_static_input_without_storage_is_named_with_what_to_register_instead():
     weight = _Wrapper(torch.ones(4, 4))
-    with pytest.raises(CaptureError, match=r"static input 'layers.0.w' is a _Wrapper without storage .* register those"):
+    with pytest.raises(
+        CaptureError, match=r"static input 'layers.0.w' is a _Wrapper without storage .* register those"
+    ):
         record_input_ptrs({"layers.0.w": weight})
