@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphcap.backends.compiled import eager_only
-from graphcap.backends.unsafe import SYNC_FUNCTIONS, UNSAFE_OPS, UnsafeOp
+from graphcap.backends.unsafe import PYTHON_UPLOADS, SYNC_FUNCTIONS, UNSAFE_OPS, UnsafeOp, python_upload_row
 from graphcap.errors import CaptureUnsafeError
 
 __all__ = [
@@ -131,45 +131,6 @@ def _sync_error(op: str, location: str) -> CaptureUnsafeError:
     return CaptureUnsafeError(op, location, _SYNC_REASON, _SYNC_FIX)
 
 
-def _to_target(args: tuple, kwargs: dict) -> tuple[Any, bool]:
-    """(target device or None, non_blocking) of a `Tensor.to` call, parsed as torch parses it."""
-    try:
-        device, _, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
-    except (TypeError, RuntimeError):
-        return None, False
-    return device, bool(non_blocking)
-
-
-def _cuda_target(args: tuple, kwargs: dict) -> tuple[Any, bool]:
-    """(target device, non_blocking) of a `Tensor.cuda(device=None, non_blocking=False)` call."""
-    non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
-    return torch.device("cuda"), bool(non_blocking)
-
-
-def _upload_row(func: Any, args: tuple, kwargs: dict, device: torch.device) -> tuple[UnsafeOp, str] | None:
-    """The row of a Python-level copy between host and device memory, classified by its arguments.
-
-    `Tensor.copy_`, `Tensor.to` and `Tensor.cuda` enter the device (a device guard, a current-device
-    lookup) before the dispatcher sees them: on a CPU-only build under `FakeTensorMode` they raise
-    inside torch. Classified here, before they run, as the aten op each becomes, they are named the
-    same way on every build.
-    """
-    if func is torch.Tensor.copy_:
-        row = UNSAFE_OPS["aten.copy_"]
-        return (row, row.name) if len(args) > 1 and row.applies(func, args, kwargs, device) else None
-    target, non_blocking = _TARGETS[func](args, kwargs)
-    source = args[0] if args else None
-    if not isinstance(target, torch.device) or not isinstance(source, torch.Tensor) or source.device.type != "cpu":
-        return None  # a device tensor to the host is the `Tensor.to` / `Tensor.cpu` row's
-    row = UNSAFE_OPS["aten._to_copy"]
-    to_copy = {"device": target, "non_blocking": non_blocking}
-    return (row, row.name) if row.applies(func, (args[0],), to_copy, device) else None
-
-
-_TARGETS = {torch.Tensor.to: _to_target, torch.Tensor.cuda: _cuda_target}
-_UPLOADS = (torch.Tensor.copy_, *_TARGETS)
-
-
 class _HostReadMode(TorchFunctionMode):
     """Catches host reads, host copies and uploads by Python function (invisible as aten ops)."""
 
@@ -179,10 +140,10 @@ class _HostReadMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _UPLOADS and self._device.type != "cpu":
-            named = _upload_row(func, args, kwargs, self._device)
-            if named is not None:
-                _raise(*named)
+        if func in PYTHON_UPLOADS and self._device.type != "cpu":
+            row = python_upload_row(func, args, kwargs, self._device)
+            if row is not None:
+                _raise(row, row.name)
         row = _FUNCTIONS.get(func)
         if row is not None and (row.applies is None or row.applies(func, args, kwargs, self._device)):
             is_method = row.name.startswith("Tensor.")
