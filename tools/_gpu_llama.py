@@ -11,6 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from _gpu_report import checkpoint
 
 from graphcap import CaptureManager, load_config
 from graphcap.backends import get_backend
@@ -92,6 +93,7 @@ class KeyTimes:
         def timed(*args, **kwargs):
             if key_from_arg:
                 self._key = str(args[0])
+                checkpoint({"seconds_per_key": self.table()})  # a pass cut short keeps the keys it did
                 return fn(*args, **kwargs)
             with self._timed(step):
                 return fn(*args, **kwargs)
@@ -141,6 +143,7 @@ def llama8b(device: str, quick: bool) -> dict:
     with times.installed():
         report = manager.capture()
     pool = pool_segments(_handles(manager))
+    checkpoint({"seconds_per_key": times.table(), "pool": pool, "captured": len(report.captured)})
     timed = {}
     for key in manager.graphs:
         if key.num_tokens in (1, 8, 32, 128, 256, 512):

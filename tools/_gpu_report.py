@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 from pathlib import Path
+
+PARTIAL = "GPU_CHECK_PARTIAL"
+"""Environment variable naming the file a case running in a subprocess checkpoints into."""
+
+
+def checkpoint(record: dict) -> None:
+    """Save what a long case has seen so far; if it times out, gpu_check reports this instead of nothing."""
+    path = os.environ.get(PARTIAL)
+    if path:
+        temporary = Path(path + ".tmp")
+        temporary.write_text(json.dumps(record, default=str))
+        temporary.replace(path)
 
 
 class Log:

@@ -46,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]  # the case modules beside this file, and graphcap
 
-from _gpu_report import Log, environment, verdict  # noqa: E402  (found through the path set above)
+from _gpu_report import PARTIAL, Log, environment, verdict  # noqa: E402  (found through the path set above)
 
 DEFAULT_DEADLINE = 360.0
 
@@ -319,24 +319,37 @@ def _case_in_subprocess(name: str, device: str, quick: bool, timeout: float) -> 
         result = Path(tmp) / "case.json"
         command = [sys.executable, str(Path(__file__).resolve()), "--case", name, "--device", device]
         command += ["--result", str(result)] + (["--quick"] if quick else [])
+        partial = Path(tmp) / "partial.json"
         child = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             cwd=ROOT,
-            env=os.environ,
+            env={**os.environ, PARTIAL: str(partial)},
             start_new_session=True,
         )
         try:
             _, stderr = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill_group(child)
-            _, stderr = child.communicate()
-            return {"ok": False, "observed": f"timeout after {timeout:.0f} s", "stderr": (stderr or "")[-400:]}
+            try:  # a process outside the group (a compile worker of its own session) may hold the pipes
+                _, stderr = child.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                stderr = "(the case's pipes stayed open after it was killed)"
+            return _timed_out(timeout, stderr, partial)
         if result.exists():
             return json.loads(result.read_text())
         return {"ok": False, "observed": f"crashed (exit {child.returncode})", "stderr": (stderr or "")[-1500:]}
+
+
+def _timed_out(timeout: float, stderr: str | None, partial: Path) -> dict:
+    """The record of a case stopped at its timeout, with what it checkpointed (`_gpu_report.checkpoint`)."""
+    record = {"ok": False, "observed": f"timeout after {timeout:.0f} s", "stderr": (stderr or "")[-400:]}
+    if partial.exists():
+        record["partial"] = json.loads(partial.read_text())
+        record["observed"] += f"; it had checkpointed: {', '.join(record['partial'])}"
+    return record
 
 
 def _kill_group(child: subprocess.Popen) -> None:

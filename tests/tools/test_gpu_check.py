@@ -71,11 +71,28 @@ def test_cases_run_in_subprocesses_and_the_deadline_skips_what_no_longer_fits(tm
     assert phases["P17"]["status"] == "ok" and "rerun: python3 tools/gpu_check.py --only P2,P4" in result.stdout
 
 
-def test_a_case_past_its_timeout_is_reported_not_waited_for(monkeypatch):
+def _load_gpu_check(monkeypatch):
     spec = importlib.util.spec_from_file_location("gpu_check", TOOLS / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # dataclasses look their module up
     monkeypatch.setattr(sys, "path", list(sys.path))  # the tool prepends its folders
     spec.loader.exec_module(gpu_check)
+    return gpu_check
+
+
+def test_a_case_past_its_timeout_is_reported_not_waited_for(monkeypatch):
+    gpu_check = _load_gpu_check(monkeypatch)
     record = gpu_check._case_in_subprocess("tiny", "cpu", True, timeout=0.2)  # cannot even import torch
     assert record["ok"] is False and record["observed"] == "timeout after 0 s"
+
+
+def test_a_timed_out_case_reports_what_it_checkpointed(monkeypatch, tmp_path):
+    gpu_check = _load_gpu_check(monkeypatch)
+    import _gpu_report
+
+    partial = tmp_path / "partial.json"
+    monkeypatch.setenv(_gpu_report.PARTIAL, str(partial))
+    _gpu_report.checkpoint({"seconds_per_key": {"uniform(tokens=512, reqs=512)": {"capture": 0.4}}})
+    record = gpu_check._timed_out(150.0, "", partial)
+    assert record["observed"] == "timeout after 150 s; it had checkpointed: seconds_per_key"
+    assert record["partial"]["seconds_per_key"]["uniform(tokens=512, reqs=512)"] == {"capture": 0.4}
