@@ -326,9 +326,25 @@ def test_an_invalidated_capture_leaves_no_memory_behind_once_its_pool_is_release
     with pytest.raises(CaptureError, match="CUDA invalidated"):
         backend.capture(lambda: _upload_forward({"x": x}), {}, name="bad")
     backend.reset()
+    gc.collect()  # nothing of the failed forward's frames may hold a block of the pool
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     assert torch.cuda.memory_reserved() == reserved  # a use left counted would keep the pool reserved
+
+
+PINNING_CONFIG = {
+    "device": "cuda",
+    "model.attention": "per_request",
+    "model.hidden_size": 256,
+    "model.num_heads": 8,
+    "model.num_kv_heads": 2,
+    "model.num_layers": 2,
+    "batching.max_num_tokens": 256,
+    "batching.max_num_seqs": 64,
+    "kv_cache.num_blocks": 512,
+    "kv_cache.max_model_len": 64,
+    "capture.sizes": [64, 128, 256],
+}
 
 
 def test_a_piecewise_graph_pins_no_memory_outside_its_pool():
@@ -336,10 +352,7 @@ def test_a_piecewise_graph_pins_no_memory_outside_its_pool():
     pass is about what the graphs' outputs need, not every key's attention tensors."""
     from graphcap.testing import make_config, make_manager
 
-    config = make_config(
-        {"device": "cuda", "model.attention": "per_request", "capture.sizes": [64, 128, 256]},
-        capture__mode="piecewise",
-    )
+    config = make_config(PINNING_CONFIG, capture__mode="piecewise")
     manager = make_manager(config)
     manager.capture()  # the first pass creates what lives on (library workspaces of the capture stream)
     manager.reset()
