@@ -117,7 +117,8 @@ class CUDAGraphBackend(GraphBackend):
         super().__init__(device, pool)
 
     def _new_pool(self) -> GraphPool:
-        return GraphPool(self.device, torch.cuda.graph_pool_handle, torch.cuda.Stream(device=self.device))
+        stream = torch.cuda.Stream(device=self.device)
+        return GraphPool(self.device, torch.cuda.graph_pool_handle, stream, empty_cache=self.empty_cache)
 
     @contextlib.contextmanager
     def _warmup_context(self) -> Iterator[None]:

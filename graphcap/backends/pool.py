@@ -43,7 +43,8 @@ class GraphPool:
     """One memory pool: its handle (CUDA), its capture stream (CUDA), and who replayed last.
 
     `new_handle` makes a fresh allocator pool (`torch.cuda.graph_pool_handle` on CUDA;
-    None on the emulated backend, whose graphs own private memory). `rotate()` moves later
+    None on the emulated backend, whose graphs own private memory); `empty_cache` returns
+    the memory of a pool whose last graph was released. `rotate()` moves later
     captures to a fresh handle: after a failed capture (whose leftovers may pin the old
     pool, or leave the allocator recording to it), when a backend is reset, and when the
     last live graph of the current handle is released (`hold` / `drop` count them). Graphs
@@ -55,8 +56,10 @@ class GraphPool:
         device: torch.device,
         new_handle: Callable[[], Any] | None = None,
         stream: Any = None,
+        empty_cache: Callable[[], None] | None = None,
     ) -> None:
         self.device = device
+        self._empty_cache = empty_cache  # returns a rotated-away pool's free memory (CUDA)
         self.stream = stream
         """The side stream every capture into this pool runs on (CUDA), or None."""
         self._new_handle = new_handle
@@ -95,6 +98,9 @@ class GraphPool:
         self._live.pop(handle, None)
         if self._new_handle is not None and handle == self.handle:
             self.rotate()
+            if self._empty_cache is not None:  # the old pool is all free now: give it back at once
+                with contextlib.suppress(Exception):
+                    self._empty_cache()
 
     def num_live(self, handle: Any = None) -> int:
         """Live graphs counted in `handle` (default: the current one)."""

@@ -76,7 +76,7 @@ class FakeCUDABackend(EmulatedBackend):
 
     def _new_pool(self) -> GraphPool:
         handles = itertools.count(1)
-        return GraphPool(self.device, lambda: (0, next(handles)))
+        return GraphPool(self.device, lambda: (0, next(handles)), empty_cache=self.allocator.empty_cache)
 
     def _capture(self, fn, *, name, input_ptrs):
         handle = self.pool.handle
@@ -103,8 +103,8 @@ def test_capturing_again_after_releasing_the_last_graph_of_the_pool_goes_to_a_fr
     x = torch.arange(4.0)
     first = backend.capture(lambda: x * 2, {"x": x}, name="a")
     handle = backend.pool.handle
-    first.release()  # the handle's use count is 0 now; the allocator keeps the pool until empty_cache
-    assert backend.allocator.use_count[handle] == 0 and backend.pool.handle != handle
+    first.release()  # the handle's use count is 0 now: the pool rotates and its memory is given back
+    assert handle not in backend.allocator.use_count and backend.pool.handle != handle
     again = backend.capture(lambda: x * 3, {"x": x}, name="b")  # not the use_count > 0 assert
     torch.testing.assert_close(again.replay(), x * 3)
     kept = backend.capture(lambda: x + 1, {"x": x}, name="c")
@@ -113,8 +113,10 @@ def test_capturing_again_after_releasing_the_last_graph_of_the_pool_goes_to_a_fr
 
 
 def test_without_rotation_the_next_capture_hits_the_allocators_assert(monkeypatch):
-    # The canary: PyTorch refuses a capture into a handle whose graphs were all released.
+    # The canary: PyTorch refuses a capture into a handle whose graphs were all released (and not yet
+    # freed by empty_cache).
     monkeypatch.setattr(GraphPool, "rotate", lambda self: None)
+    monkeypatch.setattr(FakeAllocator, "empty_cache", lambda self: None)
     backend = FakeCUDABackend(FakeAllocator())
     x = torch.arange(4.0)
     backend.capture(lambda: x * 2, {"x": x}, name="a").release()
