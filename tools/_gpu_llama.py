@@ -61,10 +61,16 @@ class KeyTimes:
             with self._timed("preflight"), original_preflight(device, sync_debug=sync_debug) as uncompiled:
                 yield uncompiled
 
+        # Private hooks of the manager, wrapped only where they exist (a renamed one loses its column, never the case).
+        hooks = {
+            "_capture_key": (None, True),
+            "_verify": ("verification", False),
+            "_verify_probe": ("verification", False),
+        }
         patched = {
-            "_capture_key": self._around(manager._capture_key, None, key_from_arg=True),
-            "_verify": self._around(manager._verify, "verification"),
-            "_verify_probe": self._around(manager._verify_probe, "verification"),
+            name: self._around(getattr(manager, name), step, key_from_arg=by_key)
+            for name, (step, by_key) in hooks.items()
+            if callable(getattr(manager, name, None))
         }
         base.preflight = preflight
         for name, fn in patched.items():
