@@ -141,7 +141,7 @@ def estimate_memory(
         rows = config.batching.max_num_seqs
         graphs = tuple(_graph(config, key.num_tokens, key.num_reqs or min(key.num_tokens, rows)) for key in keys)
         if any(key.piecewise for key in keys):
-            notes.append("piecewise keys counted as full graphs of their size (an upper bound)")
+            notes.append(_PIECEWISE_NOTES["cuda" if backend == "cuda" else "emulated"])
     elif model_estimate is not None:
         given = model_estimate(config)
         own = dict(given) if isinstance(given, Mapping) else {"model": given}
@@ -156,6 +156,15 @@ def estimate_memory(
         parts["graphs"] = _held_by_graphs(graphs, backend)
     transient = max((g.transient if backend == "emulated" else 0 for g in graphs), default=0)
     return MemoryEstimate(backend, parts, build_transient, transient, graphs, tuple(notes))
+
+
+_PIECEWISE_NOTES = {
+    "emulated": "piecewise keys counted as full graphs of their size (an upper bound)",
+    "cuda": (
+        "piecewise keys counted as full graphs of their size: their pieces share the pool, and the eager ops' "
+        "arguments and results live in it unowned; what an eager op allocates while it runs is not counted"
+    ),
+}
 
 
 def _held_by_graphs(graphs: Iterable[GraphMemory], backend: str) -> int:

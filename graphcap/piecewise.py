@@ -21,7 +21,15 @@ The contract of an `eager_op` function:
   except that a *full* graph (mode `full`, or the uniform keys of `full_and_piecewise`)
   captures the whole forward. For those, pass `capturable=`: a graph-safe implementation with
   the same signature that full graphs use instead (without it the function itself is
-  captured and must be graph-safe).
+  captured and must be graph-safe; a capture-unsafe body is refused naming the op, and
+  `capture.mode: piecewise` runs it eagerly for every key).
+- During a piecewise capture on CUDA the pieces are only recorded, not run: the function is
+  called once with tensors no kernel has written yet (uninitialised pool memory). It must not
+  use values of its tensor arguments for indexing or sizes then (an out-of-range index is a
+  device-side assert, which poisons the CUDA context for good); values read through
+  `current_inputs()` are the real, staged ones.
+- A result read after the graph was released or captured again reads freed device memory on
+  CUDA (an illegal address, also sticky): read results before the next `capture()`/`release()`.
 
 Outside any graphcap step an `eager_op` is a plain call of the function.
 """
@@ -35,7 +43,7 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any, Literal
 
-from graphcap.errors import CaptureError
+from graphcap.errors import CaptureError, CaptureUnsafeError
 
 __all__ = ["current_inputs", "eager_op"]
 
@@ -103,14 +111,30 @@ class EagerOp:
         phase, session = _PHASE.get()
         if phase == "piecewise":
             return session.cut(self, args, kwargs)
-        if phase == "full" and self.capturable is not None:
-            return self.capturable(*args, **kwargs)
+        if phase == "full":
+            if self.capturable is not None:
+                return self.capturable(*args, **kwargs)
+            return self._in_full_graph(args, kwargs)
         if phase == "piecewise_warmup":
             from graphcap.backends.preflight import outside_checks
 
             with outside_checks():
                 return self.fn(*args, **kwargs)
         return self.fn(*args, **kwargs)
+
+    def _in_full_graph(self, args: tuple, kwargs: dict) -> Any:
+        """Run the function itself inside a full graph; a capture-unsafe body is refused naming this op."""
+        try:
+            return self.fn(*args, **kwargs)
+        except CaptureUnsafeError as exc:
+            raise CaptureUnsafeError(
+                exc.op,
+                exc.location,
+                f"{exc.reason}; it runs inside {self!r}, which a full graph (mode full or full_decode_only, or "
+                "the uniform keys of full_and_piecewise) captures whole because it has no capturable= twin",
+                f"Pass a graph-safe implementation with the same signature as eager_op(capturable=...), or use "
+                f"capture.mode: piecewise, which runs {self!r} eagerly between graph pieces for every key",
+            ) from exc
 
     def __repr__(self) -> str:
         return f"eager_op({getattr(self.fn, '__qualname__', self.fn)})"

@@ -1,7 +1,8 @@
 """gpu_check cases that probe failure paths and the rules around capture: a real OOM in the first
-capture (C1), a capture CUDA invalidates (C2), a sticky device assert (R1), the preflight table on
-real CUDA (C3) and torch.compile (S2). Each case is `(device, quick) -> dict` with `ok` (as
-predicted), `observed` (one line) and its numbers."""
+capture (the rest of the pass must still capture), a capture CUDA invalidates (nothing may stay
+recording), a sticky device assert (the pass stops with one message), the preflight table on real
+CUDA, and torch.compile (captures run the compiled code). Each case is `(device, quick) -> dict`
+with `ok` (as predicted), `observed` (one line) and its numbers."""
 
 from __future__ import annotations
 

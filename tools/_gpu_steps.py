@@ -1,6 +1,7 @@
 """gpu_check cases that capture and step: the CUDA tests, the tiny config, pipelined real batches,
-the cross-graph output probe, piecewise capture, the data-parallel agreement (S1) and the 8B-shaped model. Each case
-is `(device, quick) -> dict` with `ok` (as predicted), `observed` (one line) and its numbers."""
+the cross-graph output probe, piecewise capture and the data-parallel agreement (the 8B-shaped
+model: `_gpu_llama`). Each case is `(device, quick) -> dict` with `ok` (as predicted), `observed`
+(one line) and its numbers."""
 
 from __future__ import annotations
 
@@ -19,12 +20,10 @@ from graphcap.batch import dummy_batch
 from graphcap.config import CaptureConfig
 from graphcap.keys import GraphKey
 from graphcap.models import build_model
-from graphcap.report import format_bytes
 from graphcap.testing import fill_batch, time_key
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA_8B = ROOT / "capture_configs" / "llama3-8b-h200.yaml"
-LLAMA_8B_MIN_FREE = 60 * 2**30  # weights 16 GiB + KV 16 GiB + activations and graph pool
+CUDA_TESTS_SECONDS = 80  # inside the phase's 90 s: a slow run still reports which tests ran
 
 
 def tiny_config(device: str, quick: bool, **overrides) -> CaptureConfig:
@@ -44,8 +43,15 @@ def _manager(config: CaptureConfig) -> CaptureManager:
 
 
 def cuda_tests(device: str, quick: bool) -> dict:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/backends/test_cuda.py"]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests/backends/test_cuda.py"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=CUDA_TESTS_SECONDS)
+    except subprocess.TimeoutExpired as exc:  # keep what ran: the phase's own timeout would lose it all
+        seen = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        ran = [line for line in seen.splitlines() if " PASSED" in line or " FAILED" in line]
+        failed = [line.split(" ", 1)[0] for line in ran if " FAILED" in line]
+        observed = f"pytest stopped after {CUDA_TESTS_SECONDS} s: {len(ran)} tests ran, failed: {failed or 'none'}"
+        return {"ok": False, "observed": observed, "failed": failed, "ran": ran}
     lines = done.stdout.strip().splitlines()
     failed = [line.split(" ", 1)[1] for line in lines if line.startswith("FAILED ")]
     summary = lines[-1] if lines else done.stderr.strip()[-200:]
@@ -190,63 +196,6 @@ def piecewise(device: str, quick: bool) -> dict:
     return {"ok": ok, "observed": observed, "pieces": pieces, "timings": timings, "stats": stats.as_dict()}
 
 
-def llama8b(device: str, quick: bool) -> dict:
-    free = torch.cuda.mem_get_info(device)[0]
-    if quick or free < LLAMA_8B_MIN_FREE:
-        why = "--quick" if quick else f"{format_bytes(free)} free, needs {format_bytes(LLAMA_8B_MIN_FREE)}"
-        return {"ok": True, "observed": f"skipped: {why}"}
-    config = load_config(LLAMA_8B, {"device": device, "report.path": None})
-    started = time.perf_counter()
-    model = build_model(config)
-    build_s = time.perf_counter() - started
-    manager = CaptureManager(model, config, progress=False)
-    torch.cuda.reset_peak_memory_stats(device)
-    report = manager.capture()
-    held_before_s3 = sum(k.num_tokens for k in manager.graphs) * config.model.vocab_size * 4
-    timed = {}
-    for key in manager.graphs:
-        if key.num_tokens in (1, 8, 32, 128, 256, 512):
-            wall = time_key(manager, key, steps=5)
-            if wall is not None:
-                timed[str(key)] = {
-                    "eager_ms": wall.eager_ms,
-                    "replay_ms": wall.replay_ms,
-                    **_event_ms(manager, key, config),
-                }
-    speed = {k: round(v["eager_ms"] / v["replay_ms"], 2) for k, v in sorted(timed.items())}
-    observed = (
-        f"{len(report.captured)} of {len(report.records)} keys in {report.total_seconds:.0f} s "
-        f"(build {build_s:.0f} s); "
-        f"pool {format_bytes(report.pool_bytes)}, largest graph {format_bytes(report.largest_graph_bytes)} "
-        f"(logits the old backend held: {format_bytes(held_before_s3)}); peak allocated "
-        f"{format_bytes(torch.cuda.max_memory_allocated(device))}; wall speedup {speed}"
-    )
-    return {
-        "ok": not report.skipped and report.pool_bytes < report.largest_graph_bytes + held_before_s3 / 2,
-        "observed": observed,
-        "report": {k: v for k, v in report.to_dict().items() if k != "config"},
-        "timed": timed,
-    }
-
-
-def _event_ms(manager: CaptureManager, key: GraphKey, config: CaptureConfig) -> dict:
-    """GPU time per step (CUDA events around the step; the host runs ahead between them)."""
-    batch = fill_batch(key, config)
-    out = {}
-    with manager.uncounted():
-        for side, step in (("eager_gpu_ms", manager.eager), ("replay_gpu_ms", manager.execute)):
-            samples = []
-            for _ in range(6):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                step(batch)
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end))
-            out[side] = statistics.median(samples[1:])
-    return out
-
-
 def agreement(device: str, quick: bool) -> dict:
     """Per-step cost of the agreement: `dispatch` (the collective and the key lookup, no forward)
     and `execute` (the whole step, no sync between steps), with and without a group."""
@@ -315,5 +264,4 @@ CASES = {
     "clobber": clobber,
     "piecewise": piecewise,
     "agreement": agreement,
-    "llama8b": llama8b,
 }

@@ -1,22 +1,31 @@
-"""One GPU run that settles the CUDA backend: phases P0-P11, each printing its prediction next to what it saw.
+"""One GPU run that settles the CUDA backend: phases P0-P17 in order of value, each printing its prediction
+next to what it saw. The plan is docs/gpu/README.md.
 
-The plan of docs/gpu (and of the CUDA backend review, section 3): the CUDA tests, pipelined
-real batches compared with eager, the cross-graph output probe, the failure paths (C1, C2,
-R1, a real OOM), the preflight table on real CUDA, torch.compile, the data-parallel agreement
-on one NCCL rank, the 8B-shaped capture with memory and replay-vs-eager timing, and piecewise
-capture (one CUDAGraph per piece, eager attention between them).
+The command (on the lent GPU machine, from the repository root; nothing to install):
 
-- A global deadline (default 450 s, ~7.5 min): a phase that no longer fits is skipped.
-- The JSON (`--out`) is rewritten after every phase, so a run cut short keeps what it saw.
-- On CUDA every case runs in its own subprocess with a timeout: a poisoned CUDA context
-  (a device-side assert is sticky) or a hang ends that case, not the run. On the CPU cases
-  run in-process (`--isolate always` forces subprocesses there too).
-- `--device cpu` runs what a CPU can (the emulated backend, fake-CUDA preflight verdicts,
-  gloo); phases that need CUDA report "skipped: no CUDA". CI runs it that way.
+    python3 tools/gpu_check.py
+
+With `OUT` set (the device machine returns only what is under `$OUT`) the JSON goes to
+`$OUT/gpu_check.json` and the log to `$OUT/gpu_check.log`, both rewritten as the run goes, so a
+run cut short keeps what it saw. The default deadline (360 s) leaves room in a 15-minute lease,
+machine start included, for one rerun of what did not fit; the run ends by printing that
+rerun's command (`--only ...`).
+
+- Phases in order of value: the NCCL all-reduce in a graph, the tiny config, the 8B-shaped
+  pass, piecewise capture, piecewise at 8B decode shapes, the founding bug, release and
+  recapture, torch.compile, bf16 tolerances; then the CUDA tests, pipelining, the output probe,
+  the failure paths, the preflight table, data-parallel agreement and inductor timing.
+- A phase that no longer fits the deadline is skipped, and the verdict names it.
+- On CUDA every case runs in its own subprocess (its own process group) with a timeout: a
+  poisoned CUDA context (a device-side assert is sticky) or a hang ends that case, not the run.
+  On the CPU cases run in-process (`--isolate always` forces subprocesses there too).
+- `--device cpu` runs what a CPU can (the emulated backend, fake-CUDA preflight verdicts, gloo);
+  phases that need CUDA report "skipped: no CUDA", and the verdict lists every phase and case
+  that did not run. CI runs it that way.
 
     python tools/gpu_check.py --list                  # the phases and their predictions
-    python tools/gpu_check.py                         # the full run on the best device
     python tools/gpu_check.py --device cpu --quick    # what CI runs
+    python3 tools/gpu_check.py --only P10,P11         # a rerun of two phases
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,6 +46,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]  # the case modules beside this file, and graphcap
 
+from _gpu_report import PARTIAL, Log, environment, verdict  # noqa: E402  (found through the path set above)
+
+DEFAULT_DEADLINE = 360.0
+
 
 @dataclass(frozen=True)
 class Phase:
@@ -45,7 +59,7 @@ class Phase:
     """Seconds the phase may take (all its cases); its cases share it."""
     prediction: str
     cases: tuple[str, ...]
-    """Case functions (in _gpu_steps / _gpu_probes), each run alone; () for P0 and P11."""
+    """Case functions (in _gpu_cases, _gpu_llama, _gpu_steps, _gpu_probes), each run alone; () for P0 and P17."""
     needs_cuda: bool = False
 
 
@@ -53,10 +67,10 @@ PHASES = (
     Phase("P0", "environment of the target device", 10, "-", ()),
     Phase(
         "P1",
-        "pytest tests/backends/test_cuda.py",
-        75,
-        "all pass (before the fixes: C1's use_count INTERNAL ASSERT)",
-        ("cuda_tests",),
+        "NCCL all-reduce captured in a CUDA graph (one GPU, world size 1)",
+        45,
+        "captured; replay equals eager exactly",
+        ("nccl_graph",),
         True,
     ),
     Phase(
@@ -68,68 +82,117 @@ PHASES = (
     ),
     Phase(
         "P3",
+        "Llama-3-8B-shaped capture: every key, per-key seconds, graph pool from allocator segments",
+        150,
+        "103 keys captured and verified; the pool's segments within 0.5-2x of the estimate's graphs (4.6 GiB); "
+        "decode replay several times faster",
+        ("llama8b",),
+        True,
+    ),
+    Phase(
+        "P4",
+        "piecewise capture around eager per-request attention",
+        45,
+        "every key captured and verified (pieces on one pool, .item() attention between them, sync-debug off "
+        "inside it); every step up to the max replays a graph and equals eager",
+        ("piecewise",),
+    ),
+    Phase(
+        "P5",
+        "piecewise vs full vs eager at 8B decode shapes",
+        75,
+        "piecewise keys captured; a piecewise pass leaves < 1/4 of what pinned eager-op tensors took allocated",
+        ("llama8b_piecewise",),
+        True,
+    ),
+    Phase(
+        "P6",
+        "the founding bug: a stale query_start_loc tail",
+        40,
+        "raw replay with the stale tail: a device-side assert from repeat_interleave (CPU: an error); through "
+        "execute the batch equals eager; a corrupted tail is refused before upload",
+        ("founding_bug_raw", "founding_bug_execute"),
+    ),
+    Phase(
+        "P7",
+        "release the last graph of a pool, then capture on the same backend",
+        30,
+        "no use_count INTERNAL ASSERT: the capture after a release equals eager; two passes of one manager with a "
+        "passed-in backend capture every key",
+        ("release_recapture",),
+    ),
+    Phase(
+        "P8",
+        "torch.compile through warmup and capture, and a compiled model in full and piecewise",
+        60,
+        "cuda: captures run the compiled code, no warning; emulated: a warning; eager steps run compiled code "
+        "after a full and a piecewise pass",
+        ("compiled", "compiled_model"),
+    ),
+    Phase(
+        "P9",
+        "bf16 verification tolerances",
+        40,
+        "replay vs eager at the same (padded) shape within atol/rtol 0.02 everywhere; norm-relative error "
+        "< 1e-2 also at the real shape (other GEMM kernels)",
+        ("bf16_tolerance",),
+    ),
+    Phase(
+        "P10",
+        "pytest tests/backends/test_cuda.py",
+        90,
+        "all pass",
+        ("cuda_tests",),
+        True,
+    ),
+    Phase(
+        "P11",
         "pipelined real batches, no sync between steps",
         40,
         "every step equals eager (uploads ordered on the target device's stream)",
         ("pipelined",),
     ),
     Phase(
-        "P4",
+        "P12",
         "cross-graph output probe",
         30,
-        "a view kept past another graph's replay changes within a pool; another manager's step leaves it intact (W1)",
+        "a view kept past another graph's replay changes within a pool; another manager's step leaves it intact",
         ("clobber",),
     ),
     Phase(
-        "P5",
+        "P13",
         "failure paths: real OOM, invalidated capture, sticky assert",
         75,
-        "the rest of the pass captures after an OOM (C1) and after an invalidated capture (C2); "
-        "a device assert stops the pass with one message (R1)",
+        "the rest of the pass captures after an OOM and after an invalidated capture; a device assert stops "
+        "the pass with one message",
         ("oom_first_key", "invalidated_capture", "sticky_assert"),
     ),
     Phase(
-        "P6",
+        "P14",
         "preflight table on real CUDA",
         30,
-        "every capture-illegal form named; x[mask] = 0.0 not flagged and captured; "
-        "raw illegal captures invalidated, and the next capture works (C3, C2)",
+        "every capture-illegal form named; x[mask] = 0.0 not flagged and captured; raw illegal captures "
+        "invalidated, and the next capture works",
         ("preflight_table",),
     ),
     Phase(
-        "P7",
-        "torch.compile through warmup and capture",
-        60,
-        "cuda: the capture runs the compiled code (before the fix: 0 compiled frames), and an inductor "
-        "graph replays faster; emulated: a warning",
-        ("compiled", "compiled_inductor"),
-    ),
-    Phase(
-        "P8",
+        "P15",
         "data-parallel agreement on one rank",
         40,
-        "nccl group: agreement on a gloo group, < 1 ms per step (before: a device sync and a sleep-poll per step)",
+        "nccl group: agreement on a gloo group, < 1 ms per step",
         ("agreement",),
     ),
     Phase(
-        "P9",
-        "Llama-3-8B-shaped capture, memory and timing",
-        200,
-        "86 keys captured; pool about the largest graph (S3: ~7 GiB of logits no longer held); "
-        "decode replay several times faster",
-        ("llama8b",),
+        "P16",
+        "inductor-compiled vs eager capture: replay time",
+        45,
+        "the inductor graph replays faster",
+        ("compiled_inductor",),
         True,
     ),
-    Phase(
-        "P10",
-        "piecewise capture around eager per-request attention",
-        60,
-        "every key captured and verified (pieces on one pool, .item() attention between them); every step "
-        "up to the max replays a graph and equals eager",
-        ("piecewise",),
-    ),
-    Phase("P11", "verdict", 5, "-", ()),
+    Phase("P17", "verdict", 5, "-", ()),
 )
+FIRST, LAST = PHASES[0].name, PHASES[-1].name
 
 
 def main() -> int:
@@ -141,47 +204,66 @@ def main() -> int:
             need = " (needs CUDA)" if phase.needs_cuda else ""
             print(f"{phase.name:<4} {phase.title}{need}, {phase.budget:.0f} s\n     predicted: {phase.prediction}")
         return 0
+    out = Path(args.out) if args.out else _default_out()
+    say = Log(out.with_suffix(".log"))
     import torch  # after --list: listing needs no torch
 
     device = _device(args.device, torch)
     on_cuda = device.startswith("cuda")
     isolate = args.isolate == "always" or (args.isolate == "auto" and on_cuda)
     deadline = time.monotonic() + args.deadline
-    out = Path(args.out)
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "device": device, "quick": args.quick, "phases": {}}
     only = set(args.only.split(",")) if args.only else None
     for phase in PHASES:
-        if only is not None and phase.name not in only and phase.name not in ("P0", "P11"):
+        if only is not None and phase.name not in only and phase.name not in (FIRST, LAST):
             continue
         started = time.monotonic()
-        if phase.name == "P0":
-            record = {"status": "ok", "observed": "", **_environment(device, torch)}
+        record = {"status": "running", "observed": ""}
+        results["phases"][phase.name] = {"title": phase.title, "prediction": phase.prediction, **record}
+        if phase.name == FIRST:
+            record = {"status": "ok", "observed": "", **environment(device, torch)}
             record["observed"] = ", ".join(f"{k} {v}" for k, v in record.items() if k not in ("status", "observed"))
-        elif phase.name == "P11":
-            record = _verdict(results["phases"])
+        elif phase.name == LAST:
+            record = verdict(results["phases"], len(PHASES) - 2)
         elif phase.needs_cuda and not on_cuda:
             record = {"status": "skipped", "observed": "skipped: no CUDA"}
         elif deadline - started < phase.budget / 2:  # it would most likely be cut short
             record = {"status": "skipped", "observed": f"skipped: {deadline - started:.0f} s left of the deadline"}
         else:
-            record = _run_phase(phase, device, args.quick, isolate, min(phase.budget, deadline - started))
+
+            def progress(cases: dict, name: str = phase.name) -> None:  # a run cut short keeps every case
+                results["phases"][name]["cases"] = cases
+                _write(out, results)
+
+            seconds = min(phase.budget, deadline - started)
+            record = _run_phase(phase, device, args.quick, isolate, seconds, progress)
         record["seconds"] = round(time.monotonic() - started, 2)
         results["phases"][phase.name] = {"title": phase.title, "prediction": phase.prediction, **record}
-        _print(phase, record)
+        _print(say, phase, record)
         results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         _write(out, results)
-    ok = results["phases"]["P11"]["status"] == "ok"
-    print(f"\nresults written to {out}\ngpu_check: {'ok' if ok else 'FAILED'}")
-    return 0 if ok else 1
+    final = results["phases"][LAST]
+    say(f"\nresults written to {out} (log: {say.path})")
+    say(f"gpu_check: {final['final']}")
+    return 0 if final["status"] == "ok" else 1
+
+
+def _default_out() -> Path:
+    folder = os.environ.get("OUT")
+    return Path(folder) / "gpu_check.json" if folder else Path("gpu_check.json")
 
 
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
-    parser.add_argument("--out", default="gpu_check.json", help="JSON results, rewritten after every phase")
-    parser.add_argument("--deadline", type=float, default=450.0, help="seconds for the whole run (default 450)")
+    parser.add_argument(
+        "--out",
+        help="JSON results, rewritten after every case (default $OUT/gpu_check.json, else gpu_check.json); "
+        "the log goes beside it (.log)",
+    )
+    parser.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE, help="seconds for the whole run (360)")
     parser.add_argument("--quick", action="store_true", help="small schedules and few steps (a smoke run)")
-    parser.add_argument("--only", help="comma-separated phases to run (P0 and P11 always run), e.g. P3,P4")
+    parser.add_argument("--only", help=f"comma-separated phases to run ({FIRST} and {LAST} always run), e.g. P10,P11")
     parser.add_argument("--isolate", choices=("auto", "always", "never"), default="auto", help="a subprocess per case")
     parser.add_argument("--list", action="store_true", help="print the phases and their predictions, run nothing")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, write its JSON
@@ -198,7 +280,7 @@ def _device(requested: str, torch) -> str:
     return str(device)
 
 
-def _run_phase(phase: Phase, device: str, quick: bool, isolate: bool, seconds: float) -> dict:
+def _run_phase(phase: Phase, device: str, quick: bool, isolate: bool, seconds: float, progress) -> dict:
     cases, ends = {}, time.monotonic() + seconds
     for name in phase.cases:
         left = ends - time.monotonic()
@@ -208,6 +290,7 @@ def _run_phase(phase: Phase, device: str, quick: bool, isolate: bool, seconds: f
             cases[name] = _case_in_subprocess(name, device, quick, left)
         else:
             cases[name] = _case_here(name, device, quick)
+        progress(cases)
     ok = all(c.get("ok") for c in cases.values())
     observed = "; ".join(str(c.get("observed", "")) for c in cases.values())
     return {"status": "ok" if ok else "failed", "observed": observed, "cases": cases}
@@ -222,7 +305,7 @@ def _case_here(name: str, device: str, quick: bool) -> dict:
             torch.cuda.synchronize(device)  # an asynchronous error of the case shows here, in its case
         return result
     except Exception as exc:  # a case that breaks reports it; the run goes on
-        lines = traceback.format_exception(exc)
+        lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
         return {
             "ok": False,
             "observed": f"error: {type(exc).__name__}: {str(exc).strip()[:300]}",
@@ -231,28 +314,49 @@ def _case_here(name: str, device: str, quick: bool) -> dict:
 
 
 def _case_in_subprocess(name: str, device: str, quick: bool, timeout: float) -> dict:
+    """Run one case in a fresh process group; past `timeout` the whole group is killed (pytest's too)."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "case.json"
-        command = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--case",
-            name,
-            "--device",
-            device,
-            "--result",
-            str(result),
-        ]
-        command += ["--quick"] if quick else []
+        command = [sys.executable, str(Path(__file__).resolve()), "--case", name, "--device", device]
+        command += ["--result", str(result)] + (["--quick"] if quick else [])
+        partial = Path(tmp) / "partial.json"
+        child = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, PARTIAL: str(partial)},
+            start_new_session=True,
+        )
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=os.environ)
-        except subprocess.TimeoutExpired as exc:
-            tail = (exc.stderr or b"")[-400:]
-            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-            return {"ok": False, "observed": f"timeout after {timeout:.0f} s", "stderr": tail}
+            _, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(child)
+            try:  # a process outside the group (a compile worker of its own session) may hold the pipes
+                _, stderr = child.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                stderr = "(the case's pipes stayed open after it was killed)"
+            return _timed_out(timeout, stderr, partial)
         if result.exists():
             return json.loads(result.read_text())
-        return {"ok": False, "observed": f"crashed (exit {done.returncode})", "stderr": done.stderr[-1500:]}
+        return {"ok": False, "observed": f"crashed (exit {child.returncode})", "stderr": (stderr or "")[-1500:]}
+
+
+def _timed_out(timeout: float, stderr: str | None, partial: Path) -> dict:
+    """The record of a case stopped at its timeout, with what it checkpointed (`_gpu_report.checkpoint`)."""
+    record = {"ok": False, "observed": f"timeout after {timeout:.0f} s", "stderr": (stderr or "")[-400:]}
+    if partial.exists():
+        record["partial"] = json.loads(partial.read_text())
+        record["observed"] += f"; it had checkpointed: {', '.join(record['partial'])}"
+    return record
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        child.kill()
 
 
 def _run_case_here(args: argparse.Namespace) -> int:
@@ -262,68 +366,22 @@ def _run_case_here(args: argparse.Namespace) -> int:
 
 
 def _case_function(name: str):
+    import _gpu_cases
+    import _gpu_llama
     import _gpu_probes
     import _gpu_steps
 
-    for module in (_gpu_steps, _gpu_probes):
+    for module in (_gpu_cases, _gpu_llama, _gpu_steps, _gpu_probes):
         if name in module.CASES:
             return module.CASES[name]
     raise KeyError(f"no case {name!r}")
 
 
-def _environment(device: str, torch) -> dict:
-    import platform
-
-    env = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine()}
-    if device.startswith("cuda"):
-        props = torch.cuda.get_device_properties(device)
-        env.update(
-            gpu=props.name,
-            gpu_memory_gib=round(props.total_memory / 2**30, 1),
-            capability=f"{props.major}.{props.minor}",
-            cuda=torch.version.cuda,
-            nccl=_nccl_version(torch),
-            driver=_driver_version(),
-        )
-    return env
-
-
-def _nccl_version(torch) -> str | None:
-    import torch.distributed as dist
-
-    if not dist.is_nccl_available():
-        return None
-    version = torch.cuda.nccl.version()
-    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-
-
-def _driver_version() -> str | None:
-    try:
-        done = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
-
-
-def _verdict(phases: dict) -> dict:
-    bad = [f"{name} {r['status']}" for name, r in phases.items() if r["status"] not in ("ok", "skipped")]
-    ran = sum(r["status"] != "skipped" for r in phases.values())
-    observed = f"{ran} phases ran, {len(phases) - ran} skipped; " + (
-        "all as predicted" if not bad else "not as predicted: " + ", ".join(bad)
-    )
-    return {"status": "ok" if not bad else "failed", "observed": observed}
-
-
-def _print(phase: Phase, record: dict) -> None:
-    print(f"{phase.name:<4} {phase.title}  [{record['status']}, {record['seconds']:.1f} s]", flush=True)
+def _print(say: Log, phase: Phase, record: dict) -> None:
+    say(f"{phase.name:<4} {phase.title}  [{record['status']}, {record['seconds']:.1f} s]")
     if phase.prediction != "-":
-        print(f"     predicted: {phase.prediction}")
-    print(f"     saw:       {record['observed']}", flush=True)
+        say(f"     predicted: {phase.prediction}")
+    say(f"     saw:       {record['observed']}")
 
 
 def _write(path: Path, results: dict) -> None:

@@ -61,8 +61,8 @@ def get_backend(
     never step at the same time: then a replay of either invalidates the other's last
     output. `sync_debug` (cuda only) also runs the plain warmups under
     `torch.cuda.set_sync_debug_mode("error")` (the preflight always does).
-    `check_input_liveness` (cuda only, debug): replays raise if a tensor the capture read
-    was freed since; compiled forwards are then captured uncompiled.
+    `check_input_liveness` (cuda only, debug, torch 2.13 and later): replays raise if a tensor
+    the capture read was freed since; compiled forwards are then captured uncompiled.
     """
     if name not in BACKEND_NAMES:
         valid = ", ".join(BACKEND_NAMES)

@@ -153,7 +153,11 @@ class GraphBackend:
 
     @contextlib.contextmanager
     def _capturing(self, what: str) -> Iterator[None]:
-        """One capture at a time, under inference mode; a failure rotates the pool (C1, C2)."""
+        """One capture at a time, under inference mode; a failure rotates the pool.
+
+        A failed forward's tensors may still pin blocks of the old pool, and CUDA may have left
+        the allocator recording to it: later captures must not go there.
+        """
         self._check_not_capturing(what)
         self._is_capturing = True
         try:
@@ -166,7 +170,8 @@ class GraphBackend:
             self._is_capturing = False
 
     def _register(self, graph: CapturedGraph, static_inputs: Mapping[str, torch.Tensor], name: str) -> CapturedGraph:
-        """Check the inputs' addresses again, warn about uncompiled code, keep the graph."""
+        """Count the graph live in the pool, check the inputs' addresses again, warn about uncompiled code."""
+        graph.hold()  # before anything can release it: the last release of a handle rotates the pool
         try:
             # fn may have resized or `set_()` a buffer while it ran; the graph would then
             # hold an address the caller no longer uses.

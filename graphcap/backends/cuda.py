@@ -3,17 +3,22 @@
 Every graph of a backend is captured into its pool (`graphcap.backends.pool.GraphPool`,
 shared with another backend only on request) on the pool's side stream, so graphs
 captured largest first reuse one another's memory; they are replayed one at a time under
-the pool's lock. Outputs are not kept alive after capture (S3): `output` is an unowned
-alias of the memory the graph writes, valid until any graph of the pool replays.
+the pool's lock. Outputs are not kept alive after capture (owning them would keep every
+graph's output out of the pool): `output` is an unowned alias of the memory the graph
+writes, valid until any graph of the pool replays.
 
 Warmups run on the side stream: first the preflight (the unsafe-op checker with
 torch.compile off, under `set_sync_debug_mode("error")`), then `num_warmups >= 1` plain
 runs (compiled, as captured; under sync-debug too with `sync_debug=True`). Capture runs
-with no Python mode active, so a torch.compile'd forward is captured compiled (S2).
+with no Python mode active, so a torch.compile'd forward is captured compiled.
 
-A failed capture leaves nothing behind: the allocator stops recording to the pool even
-when CUDA invalidated the capture and `capture_end` threw before doing so (C2), and later
-captures go to a fresh pool (C1: a failed forward's tensors may still pin the old one).
+A failed capture leaves nothing behind, whichever order the running torch ends a failed
+capture in (`graphcap.backends.pool.discard_capture`): the allocator stops recording to the
+pool, the capture's use of it is released once, and later captures go to a fresh pool (a
+failed forward's tensors may still pin the old one).
+
+Version-dependent: `check_input_liveness` needs a torch whose `CUDAGraph.capture_begin`
+takes it (2.13 and later); asking for it on an older torch is refused when the backend is made.
 
 Not done here: `gc` freezing around the capture pass (the manager does it once for all
 graphs) and deciding what to capture.
@@ -22,6 +27,7 @@ graphs) and deciding what to capture.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,13 +36,13 @@ import torch
 
 from graphcap.backends.base import Forward, GraphBackend
 from graphcap.backends.compiled import eager_only
+from graphcap.backends.cuda_pieces import CUDAPieceSession
 from graphcap.backends.graph import CapturedGraph
-from graphcap.backends.pieces import CUDAPieceSession
 from graphcap.backends.pool import GraphPool, discard_capture, unowned_alias
 from graphcap.errors import CaptureError
 from graphcap.outputs import flatten_output
 
-__all__ = ["CUDACapturedGraph", "CUDAGraphBackend"]
+__all__ = ["CUDACapturedGraph", "CUDAGraphBackend", "supports_input_liveness"]
 
 # Texts of the CUDA errors a capture-illegal call raises (900: unsupported, 901: invalidated).
 _INVALIDATED = ("operation not permitted when stream is capturing", "operation failed due to a previous error")
@@ -69,11 +75,12 @@ class CUDAGraphBackend(GraphBackend):
     `memory_bytes` of a graph is what the capture took from the device: the larger of the
     growth of `torch.cuda.memory_reserved()` and the drop of free device memory (which
     also sees the driver's graph objects; other processes on the GPU add noise to it).
-    The cache is emptied once per pass (`empty_cache`), not per graph (S4).
+    The cache is emptied once per pass (`empty_cache`), not per graph: emptying it per graph
+    would return the pool's free blocks that later (smaller) graphs reuse.
 
-    `check_input_liveness=True` (debug) has torch track every tensor the capture reads and
-    raise at replay if one was freed since; it runs a dispatch mode during capture, so a
-    compiled forward is then captured uncompiled (with a warning).
+    `check_input_liveness=True` (debug; torch 2.13 and later) has torch track every tensor the
+    capture reads and raise at replay if one was freed since; it runs a dispatch mode during
+    capture, so a compiled forward is then captured uncompiled (with a warning).
     """
 
     name = "cuda"
@@ -93,6 +100,11 @@ class CUDAGraphBackend(GraphBackend):
                 "graph backend 'cuda' needs CUDA, but torch.cuda.is_available() is False "
                 f"(torch {torch.__version__}); use backend 'emulated', the CPU backend"
             )
+        if check_input_liveness and not supports_input_liveness():
+            raise CaptureError(
+                f"check_input_liveness=True needs torch 2.13 or later (CUDAGraph.capture_begin has no "
+                f"check_input_liveness parameter in torch {torch.__version__}); leave it off, or upgrade torch"
+            )
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(
@@ -106,7 +118,8 @@ class CUDAGraphBackend(GraphBackend):
         super().__init__(device, pool)
 
     def _new_pool(self) -> GraphPool:
-        return GraphPool(self.device, torch.cuda.graph_pool_handle, torch.cuda.Stream(device=self.device))
+        stream = torch.cuda.Stream(device=self.device)
+        return GraphPool(self.device, torch.cuda.graph_pool_handle, stream, empty_cache=self.empty_cache)
 
     @contextlib.contextmanager
     def _warmup_context(self) -> Iterator[None]:
@@ -126,17 +139,18 @@ class CUDAGraphBackend(GraphBackend):
         free_before = torch.cuda.mem_get_info(self.device)[0]
         graph = torch.cuda.CUDAGraph()
         uncompiled: list[str] = []
+        began = [False]  # set once capture_begin returned: what the cleanup must release
         try:
             with torch.cuda.device(self.device):
                 if self.check_input_liveness:  # a dispatch mode runs during capture: no compile
                     with eager_only() as uncompiled:
-                        output = self._record(graph, fn, handle)
+                        output = self._record(graph, fn, handle, began)
                 else:
-                    output = self._record(graph, fn, handle)
+                    output = self._record(graph, fn, handle, began)
             leaves, rebuild = flatten_output(output, name)
             self.synchronize()
         except BaseException as error:
-            discard_capture(graph, self.device, handle)
+            discard_capture(graph, self.device, handle, began=began[0])
             if any(text in str(error) for text in _INVALIDATED):
                 raise CaptureError(
                     f"CUDA invalidated the capture of {name}: the forward called something a CUDA graph cannot "
@@ -159,14 +173,18 @@ class CUDAGraphBackend(GraphBackend):
             pool_handle=handle,
         )
 
-    def _record(self, graph: torch.cuda.CUDAGraph, fn: Forward, handle: Any) -> torch.Tensor:
-        """Capture fn on the pool's stream; on failure fn's own error wins over capture_end's."""
+    def _record(self, graph: torch.cuda.CUDAGraph, fn: Forward, handle: Any, began: list[bool]) -> torch.Tensor:
+        """Capture fn on the pool's stream; on failure fn's own error wins over capture_end's.
+
+        Sets `began[0]` once `capture_begin` returned.
+        """
         stream = self.pool.stream
         caller = torch.cuda.current_stream(self.device)
         stream.wait_stream(caller)
         liveness = {"check_input_liveness": True} if self.check_input_liveness else {}
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=handle, capture_error_mode="global", **liveness)
+            began[0] = True
             try:
                 output = fn()
             except BaseException:
@@ -195,3 +213,12 @@ class CUDAGraphBackend(GraphBackend):
 
     def free_memory(self) -> int | None:
         return torch.cuda.mem_get_info(self.device)[0]
+
+
+def supports_input_liveness() -> bool:
+    """Whether this torch's `CUDAGraph.capture_begin` takes `check_input_liveness` (torch 2.13 and later)."""
+    try:
+        parameters = inspect.signature(torch.cuda.CUDAGraph.capture_begin).parameters
+    except (TypeError, ValueError):  # a C method without a signature: the older binding
+        return False
+    return "check_input_liveness" in parameters

@@ -16,7 +16,7 @@ import torch
 from graphcap.backends.pool import GraphPool
 from graphcap.errors import CaptureError, StaticInputMovedError
 
-__all__ = ["CapturedGraph", "is_sticky_cuda_error", "record_input_ptrs"]
+__all__ = ["CapturedGraph", "is_sticky_cuda_error", "record_input_ptrs", "storage_ptr"]
 
 _MOVED_FIX = (
     "a persistent buffer was replaced by a new tensor after capture; "
@@ -57,8 +57,28 @@ def record_input_ptrs(static_inputs: Mapping[str, torch.Tensor]) -> dict[str, in
         if not isinstance(tensor, torch.Tensor):
             kind = type(tensor).__name__
             raise TypeError(f"static input {name!r} must be a torch.Tensor; got {kind}")
-        ptrs[name] = tensor.data_ptr()
+        ptrs[name] = storage_ptr(tensor, name)
     return ptrs
+
+
+def storage_ptr(tensor: torch.Tensor, name: str) -> int:
+    """`tensor.data_ptr()`, or a `CaptureError` naming `name` when the tensor has no storage of its own.
+
+    Tensor subclasses that wrap others (FP8 or torchao quantized weights, DTensor) have no
+    storage: a graph reads their inner tensors, and those are what must be address-checked.
+    """
+    try:
+        ptr = tensor.data_ptr()
+        if ptr == 0 and tensor.numel() > 0 and tensor.device.type != "meta":
+            raise RuntimeError("data_ptr() is 0: no storage is allocated for it")
+        return ptr
+    except (RuntimeError, NotImplementedError) as exc:
+        raise CaptureError(
+            f"static input {name!r} is a {type(tensor).__name__} without storage of its own ({exc}); a graph "
+            "reads the plain tensors inside it (the quantized data and scales of an FP8 or torchao weight, "
+            "a DTensor's local shard): register those instead (CaptureManager.register_static(name, tensor), "
+            "or pass them as static inputs), and keep the wrapper out of the static inputs"
+        ) from exc
 
 
 @dataclass(eq=False, repr=False, kw_only=True)
@@ -88,6 +108,12 @@ class CapturedGraph:
     """torch.compile'd functions that ran uncompiled during capture (the replay runs them so)."""
     num_replays: int = field(default=0, init=False)
     _is_released: bool = field(default=False, init=False)
+    _held: tuple[Any, ...] = field(default=(), init=False, repr=False)  # (pool handle,) once counted live
+
+    def hold(self) -> None:
+        """Count this graph as live in its pool's current handle (the backend does, once, at capture)."""
+        if self.graph_pool is not None and not self._held:
+            self._held = (self.graph_pool.hold(),)
 
     @property
     def is_released(self) -> bool:
@@ -152,8 +178,13 @@ class CapturedGraph:
         if self._is_released:
             return
         self._is_released = True
-        self._release()
-        self.output = None
+        try:
+            self._release()
+        finally:
+            self.output = None
+            if self._held:
+                (handle,), self._held = self._held, ()
+                self.graph_pool.drop(handle)
 
     def _replay(self) -> None:
         raise NotImplementedError

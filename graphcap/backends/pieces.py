@@ -8,7 +8,8 @@ again with its captured arguments (tensors are static; non-tensor arguments froz
 writes into its static result (in place when it takes `out=`, else by one copy per call).
 
 Each backend records a piece its own way (`EmulatedPieceSession`: one aten tape per piece;
-`CUDAPieceSession`: one `torch.cuda.CUDAGraph` per piece, all in the backend's pool). The
+`graphcap.backends.cuda_pieces.CUDAPieceSession`: one `torch.cuda.CUDAGraph` per piece, all in
+the backend's pool). The
 rules the manager relies on are the same: tensors one piece makes that a later piece, an op
 or the forward's result reads are rewritten in place by every replay; request metadata (whose
 shape changes from step to step) is read only by the ops, through `current_inputs()`.
@@ -26,15 +27,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphcap.backends.compiled import eager_only
 from graphcap.backends.graph import CapturedGraph
-from graphcap.backends.pool import discard_capture, invalidate, unowned_alias
-from graphcap.backends.preflight import _user_location, unsafe_op_checker
+from graphcap.backends.pool import invalidate
+from graphcap.backends.preflight import _user_location, in_preflight, unsafe_op_checker
 from graphcap.backends.tape import TapeRecorder, compile_tape
 from graphcap.errors import CaptureError
 from graphcap.outputs import flatten_output
 from graphcap.piecewise import current_inputs
 
 __all__ = [
-    "CUDAPieceSession",
     "EagerCall",
     "EmulatedPieceSession",
     "PieceSession",
@@ -84,6 +84,9 @@ class PiecewiseGraph(CapturedGraph):
     leaves: list[torch.Tensor] = field(default_factory=list, repr=False)
     owned: list[bool] = field(default_factory=list, repr=False)
     """Per output tensor: whether pool replays may overwrite it (not a view of a persistent tensor)."""
+    invalidates: bool = True
+    """Whether another graph's replay fills the owned outputs with NaN (the emulation of a shared pool;
+    on CUDA the pool itself reuses the memory, and a fill would cost a kernel per switch of graph)."""
 
     @property
     def num_pieces(self) -> int:
@@ -107,6 +110,8 @@ class PiecewiseGraph(CapturedGraph):
         self.pieces, self.calls, self.leaves = [], [], []
 
     def _invalidate_output(self) -> None:
+        if not self.invalidates:
+            return
         for leaf, owned in zip(self.leaves, self.owned):
             if owned:
                 invalidate(leaf)
@@ -134,8 +139,13 @@ class PieceSession:
         with torch.inference_mode():
             result = op.fn(*args, **kwargs)
         _check_result(op, result)
-        self.calls.append(EagerCall(op, args, dict(kwargs), result))
         self.begin_piece()
+        static = self._static_result(result)
+        self.calls.append(EagerCall(op, args, dict(kwargs), static))
+        return static
+
+    def _static_result(self, result: torch.Tensor) -> torch.Tensor:
+        """The tensor that holds the op's result for the pieces after it (called with the next piece begun)."""
         return result
 
     def begin_piece(self) -> None:
@@ -231,84 +241,6 @@ class _TapePiece:
         self.tape, self.exports = None, []
 
 
-class CUDAPieceSession(PieceSession):
-    """One `torch.cuda.CUDAGraph` per piece, all in the backend's pool, on its side stream."""
-
-    def __init__(self, backend: Any, name: str) -> None:
-        super().__init__(backend, name)
-        self.graphs: list[torch.cuda.CUDAGraph] = []
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._stream_context: Any = None
-        self._caller = torch.cuda.current_stream(backend.device)
-        self._reserved = torch.cuda.memory_reserved(backend.device)
-
-    def begin_piece(self) -> None:
-        stream = self.backend.pool.stream
-        stream.wait_stream(torch.cuda.current_stream(self.backend.device))
-        self._stream_context = torch.cuda.stream(stream)
-        self._stream_context.__enter__()
-        graph = torch.cuda.CUDAGraph()
-        self._graph = graph
-        graph.capture_begin(pool=self.backend.pool.handle, capture_error_mode="global")
-
-    def end_piece(self) -> None:
-        graph, self._graph = self._graph, None
-        if graph is None:
-            return
-        try:
-            graph.capture_end()
-            self.graphs.append(graph)
-        finally:
-            self._stream_context.__exit__(None, None, None)
-            self._stream_context = None
-            self._caller.wait_stream(self.backend.pool.stream)
-
-    def finish(self, output: Any, input_ptrs: dict[str, int]) -> PiecewiseGraph:
-        self.end_piece()
-        leaves, rebuild = flatten_output(output, self.name)
-        self.backend.synchronize()
-        aliases = [unowned_alias(t) for t in leaves]  # the pool keeps the memory; nothing else needs to
-        delta = torch.cuda.memory_reserved(self.backend.device) - self._reserved
-        return PiecewiseGraph(
-            name=self.name,
-            output=rebuild(aliases),
-            input_ptrs=input_ptrs,
-            memory_bytes=max(0, delta),
-            graph_pool=self.backend.pool,
-            pieces=[_CUDAPiece(g) for g in self.graphs],
-            calls=self.calls,
-            leaves=aliases,
-            owned=[True] * len(aliases),
-        )
-
-    def abort(self) -> None:
-        graph, self._graph = self._graph, None
-        if graph is not None:
-            with contextlib.suppress(Exception):
-                graph.capture_end()
-            discard_capture(graph, self.backend.device, self.backend.pool.handle)
-            if self._stream_context is not None:
-                with contextlib.suppress(Exception):
-                    self._stream_context.__exit__(None, None, None)
-        for done in self.graphs:
-            with contextlib.suppress(Exception):
-                done.reset()
-        self.graphs = []
-
-
-class _CUDAPiece:
-    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
-        self.graph = graph
-
-    def replay(self) -> None:
-        self.graph.replay()
-
-    def release(self) -> None:
-        graph, self.graph = self.graph, None
-        if graph is not None:
-            graph.reset()
-
-
 def _check_result(op: Any, result: Any, like: torch.Tensor | None = None) -> None:
     if not isinstance(result, torch.Tensor):
         raise CaptureError(
@@ -377,6 +309,15 @@ class _ForbiddenReads(TorchDispatchMode):
 @contextlib.contextmanager
 def forbidden_reads(inputs: Any) -> Iterator[None]:
     """Refuse (`CaptureError` naming the field, op and line) any op outside an eager op that reads
-    the step's request metadata (`request_views`). Eager ops run with it popped."""
+    the step's request metadata (`request_views`). Eager ops run with it popped.
+
+    The check is a dispatch mode, so it runs only inside the preflight (the checked first warmup,
+    where torch.compile is off): elsewhere it does nothing. A compiled function whose first call
+    meets a dispatch mode never compiles (a `fullgraph=True` one raises on every later call), so
+    the plain warmups of a piecewise key, which must compile it before capture, run with no mode.
+    """
+    if not in_preflight():
+        yield
+        return
     with _ForbiddenReads(request_views(inputs)):
         yield

@@ -2,7 +2,7 @@
 
 Graphs captured into one pool reuse one another's memory: captured largest first, each
 later graph carves its intermediates, and its output, out of blocks the earlier graphs
-freed, and an output is not kept alive after capture (S3: an 8B model's 86 graphs would
+freed, and an output is not kept alive after capture (an 8B model's 86 graphs would
 otherwise pin 7 GiB of logits). So replaying one graph may overwrite any other graph's
 output. The contract every backend keeps: **a returned output is valid until any graph
 of the same pool replays** (its own next replay included) or is released. The CUDA
@@ -13,11 +13,19 @@ One pool per backend instance; `get_backend(..., share_pool_with=other)` puts tw
 backends (a target and a draft model) in one pool to share memory, and then one's step
 invalidates the other's output. Replays of one pool are serialized by `lock` and must
 run on one stream.
+
+The CUDA allocator counts the graphs of each pool handle (`use_count`) and keeps a handle
+whose count fell to zero until `empty_cache()` frees it; capturing into it again before that
+fails with `use_count > 0` (an INTERNAL ASSERT). So a `GraphPool` counts its live graphs per
+handle too, and moves later captures to a fresh handle when the last graph of the current one
+is released (after a failed verification, a data-parallel peer's failure, a second capture
+pass on one backend).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import weakref
 from collections.abc import Callable
@@ -35,10 +43,12 @@ class GraphPool:
     """One memory pool: its handle (CUDA), its capture stream (CUDA), and who replayed last.
 
     `new_handle` makes a fresh allocator pool (`torch.cuda.graph_pool_handle` on CUDA;
-    None on the emulated backend, whose graphs own private memory). `rotate()` moves later
+    None on the emulated backend, whose graphs own private memory); `empty_cache` returns
+    the memory of a pool whose last graph was released. `rotate()` moves later
     captures to a fresh handle: after a failed capture (whose leftovers may pin the old
-    pool, C1/C2) and when a backend is reset. Graphs already captured keep the pool they
-    were captured into until they are released.
+    pool, or leave the allocator recording to it), when a backend is reset, and when the
+    last live graph of the current handle is released (`hold` / `drop` count them). Graphs
+    already captured keep the pool they were captured into until they are released.
     """
 
     def __init__(
@@ -46,8 +56,10 @@ class GraphPool:
         device: torch.device,
         new_handle: Callable[[], Any] | None = None,
         stream: Any = None,
+        empty_cache: Callable[[], None] | None = None,
     ) -> None:
         self.device = device
+        self._empty_cache = empty_cache  # returns a rotated-away pool's free memory (CUDA)
         self.stream = stream
         """The side stream every capture into this pool runs on (CUDA), or None."""
         self._new_handle = new_handle
@@ -57,12 +69,42 @@ class GraphPool:
         self.lock = threading.RLock()
         """Held around every replay of the pool's graphs (replays must not overlap)."""
         self._last: weakref.ref[CapturedGraph] | None = None
+        self._live: dict[Any, int] = {}  # live graphs per handle (handles are hashable ids)
 
     def rotate(self) -> None:
         """Send later captures to a fresh pool; the old one is freed when its graphs are."""
         if self._new_handle is not None:
             self.handle = self._new_handle()
         self.num_rotations += 1
+
+    def hold(self) -> Any:
+        """Count one more live graph in the current handle; returns the handle to give to `drop`."""
+        handle = self.handle
+        self._live[handle] = self._live.get(handle, 0) + 1
+        return handle
+
+    def drop(self, handle: Any) -> None:
+        """A graph of `handle` was released; the last one of the current handle rotates the pool.
+
+        The allocator would refuse a later capture into a handle whose graphs are all gone
+        (its use count is zero until `empty_cache()` frees the pool), so later captures go to
+        a fresh handle. Pools without allocator handles (the emulated backend) have nothing
+        to rotate.
+        """
+        left = self._live.get(handle, 0) - 1
+        if left > 0:
+            self._live[handle] = left
+            return
+        self._live.pop(handle, None)
+        if self._new_handle is not None and handle == self.handle:
+            self.rotate()
+            if self._empty_cache is not None:  # the old pool is all free now: give it back at once
+                with contextlib.suppress(Exception):
+                    self._empty_cache()
+
+    def num_live(self, handle: Any = None) -> int:
+        """Live graphs counted in `handle` (default: the current one)."""
+        return self._live.get(self.handle if handle is None else handle, 0)
 
     def before_replay(self, graph: CapturedGraph) -> None:
         """Record that `graph` replays next; the previous graph's output stops being valid."""
@@ -105,31 +147,63 @@ def unowned_alias(tensor: torch.Tensor) -> torch.Tensor:
     return alias
 
 
-def discard_capture(graph: torch.cuda.CUDAGraph, device: torch.device, handle: Any) -> None:
-    """Drop a failed capture so nothing of it stays registered or recording (C2).
+def discard_capture(graph: torch.cuda.CUDAGraph, device: torch.device, handle: Any, *, began: bool = True) -> None:
+    """Drop a failed capture: nothing of it stays recording, its use of the pool is released exactly once.
 
-    `capture_end` throws at `cudaStreamEndCapture` for a capture CUDA invalidated, before
-    it stops the allocator recording to the pool, and `reset()` releases the pool only
-    after a completed capture: end the recording and release the pool's use here. The
-    release happens only when ending succeeded (so this capture's use was still counted):
-    a wrong release could free the memory of graphs still alive in the pool.
+    `began`: whether `capture_begin` returned (the caller tracks it). What is left to undo
+    depends on where the capture failed and on the torch version, and is read from the
+    allocator rather than assumed:
+
+    - `capture_end` completed (`graph.pool()` works; the forward raised after the capture
+      ended cleanly): the graph's own `reset()` releases the pool; nothing else may.
+    - the allocator is still recording to the pool (`_cuda_endAllocateToPool` succeeds): torch
+      2.11 and earlier throw at `cudaStreamEndCapture` before they stop the recording, or
+      `capture_begin` failed after starting it. Ending it here, then releasing the pool's use
+      once, is the whole cleanup (`reset()` releases only after a completed capture).
+    - the recording already ended (ending it raises) after `capture_begin` returned: torch 2.12
+      and 2.13 end the recording inside `capture_end`, then raise, and their `reset()` does not
+      release, so it is released here once. Later versions release in `reset()` (PyTorch PR
+      190348); for them, and any version not known to need it, nothing more is released: a second
+      release could free the memory of graphs still alive in the pool, a missing one only keeps
+      the (already rotated-away) pool's memory reserved.
+
+    torch has no Python binding for the pinned host allocator's side of the recording; it stops
+    matching allocations once the stream no longer captures.
     """
     try:
         graph.pool()  # raises unless capture_end completed
-        ended = True
+        completed = True
     except Exception:
-        ended = False
+        completed = False
     with contextlib.suppress(Exception):
         graph.reset()
-    if not ended:
+    if not completed:
         try:
             torch._C._cuda_endAllocateToPool(device.index, handle)
+            still_recording = True
         except Exception:
-            pass  # never began recording, or capture_end ended it before failing
-        else:
+            still_recording = False  # never began recording, or capture_end ended it before failing
+        if still_recording or (began and _reset_keeps_failed_capture()):
             with contextlib.suppress(Exception):
                 torch._C._cuda_releasePool(device.index, handle)
     with contextlib.suppress(Exception):  # raises again for a sticky error: the manager reports it
         torch.cuda.synchronize(device)
     with contextlib.suppress(Exception):
         torch.cuda.empty_cache()  # what the failed capture held (an OOM's retry needs it)
+
+
+def _torch_release() -> tuple[int, int]:
+    """(major, minor) of the running torch."""
+    found = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
+_TORCH_RELEASE = _torch_release()
+_ENDS_BEFORE_RAISING = ((2, 12), (2, 13))
+"""torch releases whose `capture_end` ends the allocator's recording, then raises, and whose
+`reset()` does not release a failed capture's pool (PyTorch PRs 180395 and 190348)."""
+
+
+def _reset_keeps_failed_capture() -> bool:
+    """Whether this torch leaves the use of a capture that `capture_end` ended but failed to its caller."""
+    return _TORCH_RELEASE in _ENDS_BEFORE_RAISING

@@ -31,13 +31,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphcap.backends.compiled import eager_only
-from graphcap.backends.unsafe import SYNC_FUNCTIONS, UNSAFE_OPS, UnsafeOp
+from graphcap.backends.unsafe import PYTHON_UPLOADS, SYNC_FUNCTIONS, UNSAFE_OPS, UnsafeOp, python_upload_row
 from graphcap.errors import CaptureUnsafeError
 
 __all__ = [
     "UnsafeOpMode",
     "check_capture_safe",
     "check_op",
+    "in_preflight",
     "outside_checks",
     "preflight",
     "sync_debug_errors",
@@ -139,6 +140,10 @@ class _HostReadMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in PYTHON_UPLOADS and self._device.type != "cpu":
+            row = python_upload_row(func, args, kwargs, self._device)
+            if row is not None:
+                _raise(row, row.name)
         row = _FUNCTIONS.get(func)
         if row is not None and (row.applies is None or row.applies(func, args, kwargs, self._device)):
             is_method = row.name.startswith("Tensor.")
@@ -273,8 +278,20 @@ def preflight(device: torch.device | str, *, sync_debug: bool = False) -> Iterat
 
     Yields the compiled functions the forward entered (they ran uncompiled, by design).
     """
-    with eager_only() as uncompiled, unsafe_op_checker(device), sync_debug_errors(sync_debug):
-        yield uncompiled
+    _preflights.depth = getattr(_preflights, "depth", 0) + 1
+    try:
+        with eager_only() as uncompiled, unsafe_op_checker(device), sync_debug_errors(sync_debug):
+            yield uncompiled
+    finally:
+        _preflights.depth -= 1
+
+
+_preflights = threading.local()
+
+
+def in_preflight() -> bool:
+    """Whether this thread runs inside `preflight()` (torch.compile off, the checker on)."""
+    return getattr(_preflights, "depth", 0) > 0
 
 
 def check_capture_safe(fn: Callable[[], Any], device: torch.device | str) -> Any:
@@ -305,8 +322,9 @@ def outside_checks() -> Iterator[None]:
     """Run the enclosed code with every Python mode popped and this thread's sync guard off.
 
     What an `eager_op`'s body runs under while its forward is checked or recorded: the body is
-    allowed what a graph cannot hold (it runs eagerly between graph pieces). The modes are
-    pushed back, in order, on every exit path.
+    allowed what a graph cannot hold (it runs eagerly between graph pieces), host syncs included,
+    so CUDA's process-wide `set_sync_debug_mode` is off inside (the preflight turns it on). The
+    modes, and the sync-debug mode, are restored on every exit path.
     """
     local = _sync_guard._local
     depth = getattr(local, "depth", 0)
@@ -315,9 +333,29 @@ def outside_checks() -> Iterator[None]:
     while torch._C._len_torch_function_stack() > 0:
         functions.append(torch._C._pop_torch_function_stack())
     try:
-        with torch.utils._python_dispatch._disable_current_modes():
+        with torch.utils._python_dispatch._disable_current_modes(), _sync_debug_off():
             yield
     finally:
         for mode in reversed(functions):
             torch._C._push_on_torch_function_stack(mode)
         local.depth = depth
+
+
+@contextlib.contextmanager
+def _sync_debug_off() -> Iterator[None]:
+    """CUDA's sync-debug mode off (0) for the enclosed code; the previous mode back on every exit path.
+
+    Nothing to do while CUDA is not initialised: then no mode was set.
+    """
+    if not torch.cuda.is_initialized():
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    if previous == 0:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)

@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SYNC_FUNCTIONS", "UNSAFE_OPS", "UnsafeOp"]
+__all__ = ["PYTHON_UPLOADS", "SYNC_FUNCTIONS", "UNSAFE_OPS", "UnsafeOp", "python_upload_row"]
 
 _Applies = Callable[[Any, tuple, dict, torch.device], bool]
 
@@ -147,6 +147,14 @@ def _is_host_target(func: Any, args: tuple, kwargs: dict, device: torch.device) 
     return False
 
 
+def _is_pinned(host: torch.Tensor) -> bool:
+    """Whether a host tensor is in pinned memory; a build without CUDA pins nothing (and may raise)."""
+    try:
+        return bool(host.is_pinned())
+    except RuntimeError:
+        return False
+
+
 def _crosses(source: Any, target_type: str, device: torch.device, non_blocking: bool) -> bool:
     """A copy between host memory and the (non-CPU) graph device that capture cannot hold."""
     if device.type == "cpu" or not isinstance(source, torch.Tensor):
@@ -154,7 +162,7 @@ def _crosses(source: Any, target_type: str, device: torch.device, non_blocking: 
     source_type = source.device.type
     if {source_type, target_type} != {"cpu", device.type}:
         return False
-    host_is_pinned = source_type != "cpu" or source.is_pinned()
+    host_is_pinned = source_type != "cpu" or _is_pinned(source)
     # Device -> host always lands in fresh pageable memory (_to_copy allocates it).
     return not (non_blocking and host_is_pinned and source_type == "cpu")
 
@@ -175,7 +183,7 @@ def _is_blocking_copy(func: Any, args: tuple, kwargs: dict, device: torch.device
     if types != {"cpu", device.type}:
         return False
     host = dst if dst.device.type == "cpu" else src
-    return not (non_blocking and host.is_pinned())
+    return not (non_blocking and _is_pinned(host))
 
 
 def _fill_value_on_device(position: int) -> _Applies:
@@ -255,10 +263,41 @@ UNSAFE_OPS: Mapping[str, UnsafeOp] = MappingProxyType({row.name: row for row in 
 """The table: op name -> row. Read-only; extend `_rows` (and the test) instead."""
 
 
-def __getattr__(name: str) -> Any:
-    # The checker moved to graphcap.backends.preflight; its names still resolve here.
-    if name in ("unsafe_op_checker", "UnsafeOpMode", "check_op"):
-        from graphcap.backends import preflight
+def _to_target(args: tuple, kwargs: dict) -> tuple[Any, bool]:
+    """(target device or None, non_blocking) of a `Tensor.to` call, parsed as torch parses it."""
+    try:
+        device, _, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+    except (TypeError, RuntimeError):
+        return None, False
+    return device, bool(non_blocking)
 
-        return getattr(preflight, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def _cuda_target(args: tuple, kwargs: dict) -> tuple[Any, bool]:
+    """(target device, non_blocking) of a `Tensor.cuda(device=None, non_blocking=False)` call."""
+    non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    return torch.device("cuda"), bool(non_blocking)
+
+
+def python_upload_row(func: Any, args: tuple, kwargs: dict, device: torch.device) -> UnsafeOp | None:
+    """The row of a Python-level copy between host and device memory, classified by its arguments.
+
+    `Tensor.copy_`, `Tensor.to` and `Tensor.cuda` enter the device (a device guard, a current-device
+    lookup) before the dispatcher sees them: on a CPU-only build under `FakeTensorMode` they raise
+    inside torch. Classified here, before they run, as the aten op each becomes, they are named the
+    same way on every build.
+    """
+    if func is torch.Tensor.copy_:
+        row = UNSAFE_OPS["aten.copy_"]
+        return row if len(args) > 1 and row.applies(func, args, kwargs, device) else None
+    target, non_blocking = _TARGETS[func](args, kwargs)
+    source = args[0] if args else None
+    if not isinstance(target, torch.device) or not isinstance(source, torch.Tensor) or source.device.type != "cpu":
+        return None  # a device tensor to the host is the `Tensor.to` / `Tensor.cpu` row's
+    row = UNSAFE_OPS["aten._to_copy"]
+    to_copy = {"device": target, "non_blocking": non_blocking}
+    return row if row.applies(func, (args[0],), to_copy, device) else None
+
+
+_TARGETS = {torch.Tensor.to: _to_target, torch.Tensor.cuda: _cuda_target}
+PYTHON_UPLOADS = (torch.Tensor.copy_, *_TARGETS)
+"""Python methods that copy host data to the device, classified by `python_upload_row` before they run."""

@@ -1,4 +1,4 @@
-"""torch.compile and capture (S2): the checked preflight never poisons compilation, and a backend
+"""torch.compile and capture: the checked preflight never poisons compilation, and a backend
 that captures compiled code uncompiled (the emulated one always does) says so, never silently."""
 
 from __future__ import annotations
@@ -92,3 +92,28 @@ def test_the_capture_report_says_compiled_code_was_captured_uncompiled():
     assert "torch.compile was off while the emulated backend captured: _CompiledModel._logits" in warning
     assert report.to_dict()["warnings"] == [warning] and f"warning: {warning}" in report.summary()
     assert backend.compiled >= 1 and backend.runs >= 2  # warmups and verification ran compiled
+
+
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks-allowed", "fullgraph"])
+def test_a_compiled_submodule_still_compiles_after_a_piecewise_capture(fullgraph):
+    # The plain warmups of a piecewise key must run with no dispatch mode: a compiled function
+    # first called under one never compiles (fullgraph=True: it raises on every later call).
+    from graphcap.testing import Workload
+
+    config = make_config({"capture.sizes": [2, 4], "capture.mode": "piecewise", "model.attention": "per_request"})
+    from graphcap.models import build_model
+
+    model = build_model(config)
+    counting = CountingBackend()
+    layer = model.layers[0]
+    layer.project_qkv = torch.compile(layer.project_qkv, backend=counting, fullgraph=fullgraph)
+    manager = CaptureManager(model, config, backend="emulated", progress=False)
+    with pytest.warns(UserWarning, match="without torch.compile"):  # the emulated tape holds aten ops
+        report = manager.capture()
+    assert [r.status for r in report.records] == ["captured", "captured"]
+    assert counting.compiled >= 1  # the plain warmups compiled it
+    runs = counting.runs
+    workload = Workload(config, seed=0)
+    workload.add_random(8)
+    manager.eager(workload.next_batch())
+    assert counting.runs > runs  # an eager step runs the compiled code

@@ -1,7 +1,8 @@
 """The CUDA backend on a real GPU: replay == eager, a pool per backend, outputs not kept alive,
 address checks, the preflight (table, sync-debug, compile), and clean failure: a failed first
-capture (C1) and a capture CUDA invalidated (C2) leave later captures working. Skipped without
-CUDA; `tools/gpu_check.py` (phase P1) runs this file."""
+capture (its tensors still pinning the pool) and a capture CUDA invalidated leave later captures
+working, and a pool whose graphs were all released takes new captures. Skipped without CUDA;
+`tools/gpu_check.py` runs this file."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from graphcap.backends import (
     check_capture_safe,
     get_backend,
 )
+from graphcap.backends.cuda import supports_input_liveness
 from tests.backends.conftest import marked_line
 
 pytestmark = [
@@ -148,7 +150,7 @@ def _end_capture_left(handle) -> bool:
 
 @pytest.mark.parametrize("forward", [_upload_forward, _nonzero_forward], ids=["upload", "nonzero"])
 def test_a_capture_cuda_invalidates_leaves_nothing_recording_and_later_captures_work(cuda_backend, forward):
-    """C2: capture runs without the checker (S2), so CUDA itself refuses the op (error 900)."""
+    """Capture runs without the checker (so compiled code stays compiled): CUDA itself refuses the op (error 900)."""
     t = _persistent()
     stream_before = torch.cuda.current_stream()
     handle = cuda_backend.pool.handle
@@ -166,7 +168,7 @@ def test_a_capture_cuda_invalidates_leaves_nothing_recording_and_later_captures_
 
 
 def test_a_failed_first_capture_does_not_break_the_next_one_while_its_tensors_live(cuda_backend):
-    """C1: the failed forward's tensors (in the pool) stay alive through the error we keep."""
+    """The failed forward's tensors (in the pool) stay alive through the error we keep; the next capture still works."""
     t = _persistent()
 
     def failing():
@@ -251,6 +253,7 @@ def test_a_compiled_forward_is_captured_compiled(cuda_backend):
     torch.testing.assert_close(graph.replay(), torch.relu(x) * 2 + 1)
 
 
+@pytest.mark.skipif(not supports_input_liveness(), reason="CUDAGraph.capture_begin has no check_input_liveness")
 def test_input_liveness_catches_a_freed_closure_tensor():
     backend = get_backend("cuda", "cuda", check_input_liveness=True)
     held = {"w": torch.randn(64, device="cuda")}
@@ -288,3 +291,76 @@ def test_piecewise_capture_replays_pieces_on_one_pool_with_eager_attention_betwe
         torch.testing.assert_close(replayed, expected, **config.checks.tolerance)
         workload.advance(expected)
     assert manager.stats.piecewise_replays > 0
+
+
+def test_releasing_every_graph_then_capturing_again_on_one_backend_works(cuda_backend):
+    """The allocator refuses a capture into a pool whose graphs were all released (use_count > 0)."""
+    x = torch.randn(256, device="cuda")
+    cuda_backend.warmup(lambda: x * 2, num_warmups=1)
+    cuda_backend.capture(lambda: x * 2, {}, name="first").release()
+    graph = cuda_backend.capture(lambda: x * 3, {}, name="second")
+    torch.testing.assert_close(graph.replay(), x * 3, rtol=0, atol=0)
+
+
+def test_two_capture_passes_with_a_passed_in_backend_capture_every_key():
+    from graphcap import CaptureManager
+    from graphcap.models import build_model
+    from graphcap.testing import make_config
+
+    config = make_config({"device": "cuda", "capture.sizes": [1, 2, 4]})
+    manager = CaptureManager(build_model(config), config, backend=get_backend("cuda", "cuda"), progress=False)
+    for _ in range(2):
+        report = manager.capture()
+        assert all(r.status == "captured" and r.verified for r in report.records)
+
+
+def test_an_invalidated_capture_leaves_no_memory_behind_once_its_pool_is_released():
+    """Whatever order this torch ends a failed capture in, its use of the pool is released exactly once."""
+    backend = get_backend("cuda", "cuda")
+    x = torch.randn(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    backend.warmup(lambda: x * 2, num_warmups=1)
+    backend.capture(lambda: x * 2, {}, name="good")  # the pool holds memory now
+    with pytest.raises(CaptureError, match="CUDA invalidated"):
+        backend.capture(lambda: _upload_forward({"x": x}), {}, name="bad")
+    backend.reset()
+    gc.collect()  # nothing of the failed forward's frames may hold a block of the pool
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() == reserved  # a use left counted would keep the pool reserved
+
+
+PINNING_CONFIG = {
+    "device": "cuda",
+    "model.attention": "per_request",
+    "model.hidden_size": 256,
+    "model.num_heads": 8,
+    "model.num_kv_heads": 2,
+    "model.num_layers": 2,
+    "batching.max_num_tokens": 256,
+    "batching.max_num_seqs": 64,
+    "kv_cache.num_blocks": 512,
+    "kv_cache.max_model_len": 64,
+    "capture.sizes": [64, 128, 256],
+}
+
+
+def test_a_piecewise_graph_pins_no_memory_outside_its_pool():
+    """Eager ops' arguments and results live in the pool as unowned aliases: allocated memory after the
+    pass is about what the graphs' outputs need, not every key's attention tensors."""
+    from graphcap.testing import make_config, make_manager
+
+    config = make_config(PINNING_CONFIG, capture__mode="piecewise")
+    manager = make_manager(config)
+    manager.capture()  # the first pass creates what lives on (library workspaces of the capture stream)
+    manager.reset()
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    manager.capture()
+    torch.cuda.synchronize()
+    pinned = torch.cuda.memory_allocated() - allocated
+    m = config.model
+    attention_bytes = 256 * m.num_heads * m.head_dim * 4 * m.num_layers  # one key's attention outputs
+    assert pinned < attention_bytes, f"{pinned} bytes allocated after capture"

@@ -277,7 +277,6 @@ GUARDED_BINDINGS = {
     "aten.index": lambda t: torch.ops.aten.index.Tensor(t.x, [t.mask]),  # unsafe
     "aten.nonzero": lambda t: torch.ops.aten.nonzero.default(t.x),  # unsafe
     "aten.nonzero_numpy": lambda t: torch.ops.aten.nonzero_numpy.default(t.x),  # unsafe
-    "aten.copy_": lambda t: torch.ops.aten.copy_.default(t.x.clone(), t.host),  # unsafe
 }
 # FakeTensor overrides tolist() with a loop of .item() calls; the C method is the one to check.
 FAKE_FORMS = {"Tensor.tolist": lambda t: torch.Tensor.tolist(t.x)}  # unsafe
@@ -462,3 +461,24 @@ def test_python_level_waits_are_refused_only_inside_the_checker_and_only_in_its_
             torch.cuda.empty_cache()
     assert seen == [None] and torch.cuda.empty_cache is original
     assert torch.cuda.Stream.synchronize is vars(torch.cuda.Stream)["synchronize"]
+
+
+@pytest.mark.parametrize(
+    "upload",
+    [
+        lambda t: t.x.clone().copy_(t.host, non_blocking=True),  # pageable source: a sync after all
+        lambda t: t.host.to("cuda"),
+        lambda t: t.host.to(device="cuda", dtype=torch.float16),
+        lambda t: t.host.cuda(),
+    ],
+    ids=["copy_-non-blocking-pageable", "to-string", "to-keywords", "cuda"],
+)
+def test_uploads_are_classified_by_their_arguments_before_they_run(upload):
+    # Python's copy_/to/cuda enter the device before the dispatcher sees them: on a CPU-only build
+    # they would raise inside torch ("not linked with support for cuda devices") instead of being named.
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        t = _tensors("cuda")
+        with pytest.raises(CaptureUnsafeError, match=r"^aten\.(_to_copy|copy_) at .*test_unsafe\.py:\d+: it copies"):
+            check_capture_safe(lambda: upload(t), "cuda")
+        x = t.x
+        assert check_capture_safe(lambda: x.to(torch.float16), "cuda").dtype == torch.float16  # no crossing

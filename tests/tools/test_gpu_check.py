@@ -1,6 +1,7 @@
 """`tools/gpu_check.py` runs end to end on the CPU (emulated backend, fake CUDA tensors, gloo), so the
-GPU plan never rots: every phase prints its prediction next to what it saw, the JSON is complete,
-phases that need CUDA say so, cases run in subprocesses with a timeout, and the deadline holds."""
+GPU plan never rots: every phase prints its prediction next to what it saw, the JSON and the log are
+complete and land under $OUT, phases that need CUDA say so and the verdict lists what did not run (never
+"all as predicted" then), cases run in subprocesses with a timeout, and the deadline holds."""
 
 import importlib.util
 import json
@@ -8,22 +9,29 @@ import sys
 
 from tests.tools import TOOLS, run_tool
 
-PHASES = [f"P{i}" for i in range(12)]
+PHASES = [f"P{i}" for i in range(18)]
+NEEDS_CUDA = ["P1", "P3", "P5", "P10", "P16"]
 
 
-def test_gpu_check_quick_on_cpu_runs_every_phase_it_can_and_passes(tmp_path):
-    out = tmp_path / "gpu_check.json"
-    result = run_tool("gpu_check.py", "--device", "cpu", "--quick", "--out", str(out), OMP_NUM_THREADS="1")
+def test_gpu_check_quick_on_cpu_runs_every_phase_it_can_and_says_what_did_not_run(tmp_path):
+    result = run_tool("gpu_check.py", "--device", "cpu", "--quick", OMP_NUM_THREADS="1", OUT=str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.rstrip().endswith("gpu_check: ok")
-    phases = json.loads(out.read_text())["phases"]
+    phases = json.loads((tmp_path / "gpu_check.json").read_text())["phases"]
+    assert (tmp_path / "gpu_check.log").read_text() == result.stdout  # the log is the whole of stdout
     assert list(phases) == PHASES
-    for name in ("P1", "P9"):
+    for name in NEEDS_CUDA:
         assert phases[name]["status"] == "skipped" and phases[name]["observed"] == "skipped: no CUDA"
     for name, phase in phases.items():
         assert f"{name:<4} {phase['title']}  [{phase['status']}," in result.stdout
         assert phase["status"] in ("ok", "skipped"), (name, phase)
-    assert result.stdout.count("     predicted: ") == 10 and result.stdout.count("     saw:       ") == 12
+    assert result.stdout.count("     predicted: ") == 16 and result.stdout.count("     saw:       ") == 18
+    verdict = phases["P17"]["observed"]
+    assert "all as predicted" not in verdict and "as predicted where run" in verdict
+    assert "not run: P1 (no CUDA), P3 (no CUDA), P5 (no CUDA), P10 (no CUDA), P16 (no CUDA)" in verdict
+    assert "cases not run: invalidated_capture (no CUDA), sticky_assert (no CUDA)" in verdict
+    assert result.stdout.rstrip().endswith(
+        "gpu_check: ok where run; 5 phases and 2 cases did not run (see the verdict)"
+    )
     cases = {name: case for phase in phases.values() for name, case in phase.get("cases", {}).items()}
     assert cases["pipelined"]["mismatches"] == 0
     assert cases["clobber"]["same_pool_intact"] is False  # the emulated pool invalidates a kept view
@@ -31,7 +39,9 @@ def test_gpu_check_quick_on_cpu_runs_every_phase_it_can_and_passes(tmp_path):
     assert cases["preflight_table"]["verdicts"]["host.to(cuda)"] == "aten._to_copy"
     assert cases["compiled"]["observed"] == "emulated: 0 compiled run(s) during capture, warning given"
     assert cases["oom_first_key"]["observed"].startswith("first key OOM: 7 of 8 keys captured after it")
-    assert cases["invalidated_capture"]["observed"] == "skipped: no CUDA"
+    assert "a stale tail is refused: query_start_loc[3]" in cases["founding_bug_execute"]["observed"]
+    assert "query_start_loc [0, 3, 5, 0, 0" in cases["founding_bug_raw"]["observed"]
+    assert cases["release_recapture"]["ok"] and cases["compiled_model"]["ok"] and cases["bf16_tolerance"]["ok"]
     assert "agreement on gloo" in cases["agreement"]["observed"]
 
 
@@ -41,41 +51,48 @@ def test_list_prints_each_phase_with_its_prediction_and_runs_nothing():
     lines = result.stdout.splitlines()
     assert [line.split()[0] for line in lines[::2]] == PHASES
     assert all(line.startswith("     predicted: ") for line in lines[1::2])
-    assert "P9   Llama-3-8B-shaped capture, memory and timing (needs CUDA), 200 s" in result.stdout
+    assert "P1   NCCL all-reduce captured in a CUDA graph (one GPU, world size 1) (needs CUDA), 45 s" in result.stdout
+    assert "103 keys captured and verified" in result.stdout
 
 
 def test_cases_run_in_subprocesses_and_the_deadline_skips_what_no_longer_fits(tmp_path):
     out = tmp_path / "gpu_check.json"
-    args = (
-        "--device",
-        "cpu",
-        "--quick",
-        "--out",
-        str(out),
-        "--only",
-        "P4,P7",
-        "--isolate",
-        "always",
-        "--deadline",
-        "60",
-    )
-    result = run_tool("gpu_check.py", *args, OMP_NUM_THREADS="1")
+    args = ("--device", "cpu", "--quick", "--out", str(out), "--only", "P6,P12", "--isolate", "always")
+    result = run_tool("gpu_check.py", *args, "--deadline", "120", OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stdout + result.stderr
     phases = json.loads(out.read_text())["phases"]
-    assert list(phases) == ["P0", "P4", "P7", "P11"]
-    assert phases["P4"]["cases"]["clobber"]["ok"] and phases["P7"]["cases"]["compiled"]["ok"]
+    assert list(phases) == ["P0", "P6", "P12", "P17"]
+    assert phases["P12"]["cases"]["clobber"]["ok"] and phases["P6"]["cases"]["founding_bug_raw"]["ok"]
+    assert result.stdout.rstrip().endswith("gpu_check: ok, every selected phase ran as predicted")
 
-    result = run_tool("gpu_check.py", "--device", "cpu", "--out", str(out), "--only", "P2", "--deadline", "5")
+    result = run_tool("gpu_check.py", "--device", "cpu", "--out", str(out), "--only", "P2,P4", "--deadline", "5")
     phases = json.loads(out.read_text())["phases"]
     assert phases["P2"]["observed"].startswith("skipped:") and "left of the deadline" in phases["P2"]["observed"]
-    assert phases["P11"]["status"] == "ok"
+    assert phases["P17"]["status"] == "ok" and "rerun: python3 tools/gpu_check.py --only P2,P4" in result.stdout
 
 
-def test_a_case_past_its_timeout_is_reported_not_waited_for(monkeypatch):
+def _load_gpu_check(monkeypatch):
     spec = importlib.util.spec_from_file_location("gpu_check", TOOLS / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # dataclasses look their module up
     monkeypatch.setattr(sys, "path", list(sys.path))  # the tool prepends its folders
     spec.loader.exec_module(gpu_check)
+    return gpu_check
+
+
+def test_a_case_past_its_timeout_is_reported_not_waited_for(monkeypatch):
+    gpu_check = _load_gpu_check(monkeypatch)
     record = gpu_check._case_in_subprocess("tiny", "cpu", True, timeout=0.2)  # cannot even import torch
     assert record["ok"] is False and record["observed"] == "timeout after 0 s"
+
+
+def test_a_timed_out_case_reports_what_it_checkpointed(monkeypatch, tmp_path):
+    gpu_check = _load_gpu_check(monkeypatch)
+    import _gpu_report
+
+    partial = tmp_path / "partial.json"
+    monkeypatch.setenv(_gpu_report.PARTIAL, str(partial))
+    _gpu_report.checkpoint({"seconds_per_key": {"uniform(tokens=512, reqs=512)": {"capture": 0.4}}})
+    record = gpu_check._timed_out(150.0, "", partial)
+    assert record["observed"] == "timeout after 150 s; it had checkpointed: seconds_per_key"
+    assert record["partial"]["seconds_per_key"]["uniform(tokens=512, reqs=512)"] == {"capture": 0.4}
