@@ -144,3 +144,25 @@ def test_probe_batch_is_partly_filled_and_fits_its_key(T, R, uniform, seed):
     if writes:
         assert len(set(slots)) == len(slots) and set(written) <= set(scratch)
     assert np.all(batch.input_ids < limits.vocab_size)
+
+
+def test_16_bit_outputs_are_compared_by_norm_relative_error_unless_tolerances_are_given():
+    """A replay at the padded shape runs other GEMM kernels than the eager run at the real shape: for
+    16-bit logits one element off by a few ulps must not fail a correct graph; a wrong one still fails."""
+    from graphcap.verification import _difference
+
+    torch.manual_seed(0)
+    eager = torch.randn(64, 512).to(torch.bfloat16)
+    near = eager.clone()
+    near[3, 7] = near[3, 7] * 1.08  # one element 8% off: elementwise assert_close refuses it
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(near, eager)
+    assert _difference(near, eager, {}) is None
+    assert _difference((near, eager.float()), (eager, eager.float()), {}) is None  # mixed outputs
+    wrong = eager.clone()
+    wrong[:8] = 0  # a wrong graph: an eighth of the rows missing
+    assert "norm-relative error" in _difference(wrong, eager, {})
+    nan = near.clone()
+    nan[0, 0] = float("nan")
+    assert "non-finite" in _difference(nan, eager, {})
+    assert _difference(near, eager, {"atol": 1e-5, "rtol": 1e-5}) is not None  # explicit: elementwise

@@ -73,7 +73,7 @@ def founding_bug_raw(device: str, quick: bool) -> dict:
     Query lengths go negative and `repeat_interleave(..., output_size=T)` asserts on the device
     (a sticky error: this case runs in its own subprocess on CUDA)."""
     manager, key, batch = _founding_setup(device, quick)
-    inputs = manager.buffers.stage(batch, manager.registry.staging_key(key, batch.num_reqs))
+    inputs = manager.buffers.stage(batch, key)
     inputs.query_start_loc[batch.num_reqs + 1 :] = 0  # the dummy run's stale tail, bypassing every check
     tail = inputs.query_start_loc.tolist()
     try:
@@ -97,7 +97,7 @@ def founding_bug_execute(device: str, quick: bool) -> dict:
     expected = manager.eager(batch)
     diff = float((replayed - expected).abs().max())
     torch.testing.assert_close(replayed, expected, **manager.config.checks.tolerance)
-    inputs = manager.buffers.stage(batch, manager.registry.staging_key(key, batch.num_reqs), upload=False)
+    inputs = manager.buffers.stage(batch, key, upload=False)
     tail = inputs.host.query_start_loc
     staged = tail.tolist()
     tail[batch.num_reqs + 1 :] = 0  # corrupt the host rows before they are uploaded

@@ -53,7 +53,7 @@ class KeyTimes:
     def installed(self):
         import graphcap.backends.base as base
 
-        manager, backend = self.manager, self.manager.backend
+        backend = self.manager.backend
         original_preflight = base.preflight
 
         @contextlib.contextmanager
@@ -61,20 +61,20 @@ class KeyTimes:
             with self._timed("preflight"), original_preflight(device, sync_debug=sync_debug) as uncompiled:
                 yield uncompiled
 
-        # Private hooks of the manager, wrapped only where they exist (a renamed one loses its column, never the case).
-        hooks = {
-            "_capture_key": (None, True),
-            "_verify": ("verification", False),
-            "_verify_probe": ("verification", False),
-        }
+        # Private methods of the capture pass, wrapped only where they exist (a renamed one loses its
+        # column, never the case): `capture(key)` per key, then the two verifications per key.
+        from graphcap.capture import CapturePass
+
+        hooks = {"capture": None, "_verify_dummy": "verification", "_verify_probe": "verification"}
         patched = {
-            name: self._around(getattr(manager, name), step, key_from_arg=by_key)
-            for name, (step, by_key) in hooks.items()
-            if callable(getattr(manager, name, None))
+            name: self._around(getattr(CapturePass, name), step, key_from_arg=True)
+            for name, step in hooks.items()
+            if callable(getattr(CapturePass, name, None))
         }
+        originals = {name: getattr(CapturePass, name) for name in patched}
         base.preflight = preflight
         for name, fn in patched.items():
-            setattr(manager, name, fn)
+            setattr(CapturePass, name, fn)
         backend.warmup = self._around(backend.warmup, "warmups")
         backend.capture = self._around(backend.capture, "capture")
         backend.capture_pieces = self._around(backend.capture_pieces, "capture")
@@ -82,9 +82,10 @@ class KeyTimes:
             yield self
         finally:
             base.preflight = original_preflight
-            for name in (*patched, "warmup", "capture", "capture_pieces"):
-                owner = manager if name in patched else backend
-                vars(owner).pop(name, None)
+            for name, fn in originals.items():
+                setattr(CapturePass, name, fn)
+            for name in ("warmup", "capture", "capture_pieces"):
+                vars(backend).pop(name, None)
 
     @contextlib.contextmanager
     def _timed(self, step: str):
@@ -97,9 +98,10 @@ class KeyTimes:
 
     def _around(self, fn, step: str | None, key_from_arg: bool = False):
         def timed(*args, **kwargs):
-            if key_from_arg:
-                self._key = str(args[0])
+            if key_from_arg:  # a CapturePass method: (self, key, ...)
+                self._key = str(args[1])
                 checkpoint({"seconds_per_key": self.table()})  # a pass cut short keeps the keys it did
+            if step is None:
                 return fn(*args, **kwargs)
             with self._timed(step):
                 return fn(*args, **kwargs)
@@ -209,7 +211,7 @@ def llama8b_piecewise(device: str, quick: bool) -> dict:
     torch.cuda.synchronize()
     left_allocated = torch.cuda.memory_allocated(device) - allocated
     for key in manager.graphs:
-        rows[key.shape(full.batching.max_num_seqs).num_tokens].update(_step_ms(manager, key, "piecewise"))
+        rows[key.num_tokens].update(_step_ms(manager, key, "piecewise"))
     pool = pool_segments(_handles(manager))
     before_fix = sum(DECODE_SIZES) * _pinned_per_token(full)
     shown = {t: {k: round(v, 3) for k, v in r.items()} for t, r in sorted(rows.items())}

@@ -5,7 +5,7 @@ values (tokens, cannot use a graph, not uniform, requests) on a CPU group to eve
 then dispatches again on the reduced values. This spawns a gloo world on the CPU (file
 store in a temporary directory) and times, on every rank, in lockstep:
 
-- `KeyRegistry.key_for` and `CaptureManager.dispatch` without a group: a step without DP;
+- `KeyRegistry.dispatch` and `CaptureManager.dispatch` without a group: a step without DP;
 - `dist.all_reduce` of four int64 values: the transport floor;
 - `DataParallelSync.reduce_max`: the collective as graphcap calls it;
 - `CaptureManager.dispatch` with the group: what a data-parallel step pays.

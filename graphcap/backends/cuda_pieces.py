@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from graphcap.backends.base import flatten_output
 from graphcap.backends.pieces import EagerCall, PieceSession, PiecewiseGraph
 from graphcap.backends.pool import discard_capture, unowned_alias
+from graphcap.outputs import flatten_output
 
 __all__ = ["CUDAPieceSession", "pool_membership", "release_pool_tensors"]
 

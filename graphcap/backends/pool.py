@@ -29,12 +29,19 @@ import re
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from graphcap.backends.graph import CapturedGraph
+
+class _Replayed(Protocol):
+    """What the pool needs of a graph that replayed last (a `CapturedGraph`; the pool sits below it)."""
+
+    @property
+    def is_released(self) -> bool: ...
+
+    def _invalidate_output(self) -> None: ...
+
 
 __all__ = ["GraphPool", "discard_capture", "invalidate", "unowned_alias"]
 
@@ -68,7 +75,7 @@ class GraphPool:
         self.num_rotations = 0
         self.lock = threading.RLock()
         """Held around every replay of the pool's graphs (replays must not overlap)."""
-        self._last: weakref.ref[CapturedGraph] | None = None
+        self._last: weakref.ref[_Replayed] | None = None
         self._live: dict[Any, int] = {}  # live graphs per handle (handles are hashable ids)
 
     def rotate(self) -> None:
@@ -106,7 +113,7 @@ class GraphPool:
         """Live graphs counted in `handle` (default: the current one)."""
         return self._live.get(self.handle if handle is None else handle, 0)
 
-    def before_replay(self, graph: CapturedGraph) -> None:
+    def before_replay(self, graph: _Replayed) -> None:
         """Record that `graph` replays next; the previous graph's output stops being valid."""
         last = self._last() if self._last is not None else None
         if last is not None and last is not graph and not last.is_released:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from graphcap.config import sections
+import graphcap.config.sections as sections
 from graphcap.config._schema import Section, problem
 from graphcap.config.buffers import BufferConfig
 from graphcap.config.model import ModelConfig
