@@ -113,6 +113,24 @@ def test_bad_engine_rows_are_refused_before_any_write(name, value, match):
     assert buffers.packed_host.tobytes() == before.tobytes()
 
 
+@pytest.mark.parametrize("value", [1e6, 70000.0, 65520.0, 100000])
+def test_a_value_float16_stores_as_inf_is_refused_naming_buffer_index_and_value(value):
+    buffers = PersistentBuffers(4, 16, 3, block_size=4, extras=[BufferSpec("scale", "reqs", dtype="float16", pad=1.0)])
+    buffers.stage(StepBatch([1, 1], [2, 2]), GraphKey(4, 4, False))
+    before = buffers.packed_host.copy()
+    given = np.array([0.5, value])
+    with pytest.raises(BatchError, match=rf"extras\['scale'\]\[1\] is {given[1]}, which float16 stores as inf"):
+        buffers.stage(StepBatch([1, 1], [2, 2], extras={"scale": given}), GraphKey(4, 4, False))
+    assert buffers.packed_host.tobytes() == before.tobytes()  # nothing half-written
+
+
+def test_the_largest_finite_float16_value_stages_as_itself():
+    buffers = PersistentBuffers(4, 16, 3, block_size=4, extras=[BufferSpec("scale", "reqs", dtype="float16", pad=1.0)])
+    # 65519 rounds down to 65504, the largest finite float16: finite as stored, so it stages.
+    inputs = buffers.stage(StepBatch([1, 1], [2, 2], extras={"scale": [65504.0, 65519.0]}), GraphKey(4, 4, False))
+    assert inputs.extras["scale"][:2].tolist() == [65504.0, 65504.0]
+
+
 def test_poison_reaches_engine_buffers_and_staging_clears_it():
     buffers = make_buffers(poison=True)
     inputs = buffers.stage(StepBatch([1], [1]), GraphKey(2, 2, False))
