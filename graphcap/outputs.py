@@ -108,10 +108,12 @@ class OutputRows:
             else:
                 want, real = (T, n) if kind == "tokens" else (R, r)
                 if size != want:
+                    other = {T: "tokens", R: "reqs"}.get(size) if T != R else None
+                    fix = f"declare {_declaration(name, other)}" if other else "fix the declaration"
                     raise CaptureError(
                         f"{_label(name)} is declared {kind!r} (model.output_rows) but has shape {tuple(t.shape)}; "
                         f"a {kind!r} output has a row per {kind[:-1]}, padded ones included: {want} rows here ({T} "
-                        f"tokens, {R} requests). Fix the declaration, or return the rows it declares"
+                        f"tokens, {R} requests). {fix[0].upper() + fix[1:]}, or return the rows it declares"
                     )
                 out.append(t[:real])
         return rebuild(out)
@@ -139,16 +141,29 @@ class OutputRows:
         if R is None or R <= 1 or (T == R and key.uniform):
             return None
         leaves, _ = flatten_output(output, str(key))
-        for t, kind, name in zip(leaves, self.kinds(output), _names(output)):
-            if kind is None and t.dim() and t.shape[0] == R:
-                could, kinds = ("per token or per request", "tokens") if T == R else ("per request or whole", "none")
-                return (
-                    f"{_label(name)} of {key} has shape {tuple(t.shape)}: {R} rows, the key's padded request count"
-                    f"{' and token count' if T == R else ''}, so it could be {could}, and with checks.verify_replay "
-                    f"off no verification proves which. Declare it: {_declaration(name, 'reqs')} (or "
-                    f"{kinds!r}), or turn checks.verify_replay on"
-                )
-        return None
+        names = _names(output)
+        found = [
+            (name, t)
+            for t, kind, name in zip(leaves, self.kinds(output), names)
+            if kind is None and t.shape[:1] == (R,)
+        ]
+        if not found:
+            return None
+        could, kinds = (
+            ("per token or per request", "'tokens' | 'reqs'") if T == R else ("per request or whole", "'reqs' | 'none'")
+        )
+        one = len(found) == 1
+        shapes = ", ".join(f"{_label(name)} {tuple(t.shape)}" for name, t in found)
+        choices = (
+            f"output_rows = {kinds}"
+            if names == (None,)
+            else "output_rows = {" + ", ".join(f"{name!r}: {kinds}" for name, _ in found) + "}"
+        )
+        return (
+            f"{shapes} of {key}: {R} rows, the key's padded request count{' and token count' if T == R else ''}, so "
+            f"{'it' if one else 'each'} could be {could}, and with checks.verify_replay off no verification proves "
+            f"which. Declare {'it' if one else 'them'}, {choices}, or turn checks.verify_replay on"
+        )
 
     def mismatch(self, output: Any, expected: Any, inputs: ForwardInputs) -> str | None:
         """Why the real rows of a replay's `output` and of an eager run (`expected`) have different shapes, or None."""
