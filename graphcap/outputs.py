@@ -96,27 +96,11 @@ class OutputRows:
         `CaptureError` when a declared tensor does not have the rows it is declared with, or the
         declaration names an output the result does not have.
         """
+        rows = _rows(inputs)
+        if isinstance(output, torch.Tensor) and not isinstance(self.declared, dict):  # the common case
+            return _cut(output, self.declared, None, rows)
         leaves, rebuild = flatten_output(output, "this step", what)
-        T, R, n, r = _rows(inputs)
-        out = []
-        for t, kind, name in zip(leaves, self.kinds(output), _names(output)):
-            size = t.shape[0] if t.dim() else None
-            if kind is None:
-                out.append(t[:n] if size == T else t)
-            elif kind == "none":
-                out.append(t)
-            else:
-                want, real = (T, n) if kind == "tokens" else (R, r)
-                if size != want:
-                    other = {T: "tokens", R: "reqs"}.get(size) if T != R else None
-                    fix = f"declare {_declaration(name, other)}" if other else "fix the declaration"
-                    raise CaptureError(
-                        f"{_label(name)} is declared {kind!r} (model.output_rows) but has shape {tuple(t.shape)}; "
-                        f"a {kind!r} output has a row per {kind[:-1]}, padded ones included: {want} rows here ({T} "
-                        f"tokens, {R} requests). {fix[0].upper() + fix[1:]}, or return the rows it declares"
-                    )
-                out.append(t[:real])
-        return rebuild(out)
+        return rebuild([_cut(t, kind, name, rows) for t, kind, name in zip(leaves, self.kinds(output), _names(output))])
 
     def kinds(self, output: Any) -> tuple[str | None, ...]:
         """The declared kind of each tensor of `output` (None: undeclared), in `flatten_output` order."""
@@ -205,6 +189,26 @@ class OutputRows:
                 f"have: it returned {has}. {_USAGE}"
             )
         return tuple(declared.get(p) for p in names)
+
+
+def _cut(t: torch.Tensor, kind: str | None, name: Any, rows: tuple[int, int, int, int]) -> torch.Tensor:
+    """Tensor `t` (output `name`, declared `kind` or None) cut to its real rows."""
+    T, R, n, r = rows
+    size = t.shape[0] if t.dim() else None
+    if kind is None:
+        return t[:n] if size == T else t
+    if kind == "none":
+        return t
+    want, real = (T, n) if kind == "tokens" else (R, r)
+    if size != want:
+        other = {T: "tokens", R: "reqs"}.get(size) if T != R else None
+        fix = f"declare {_declaration(name, other)}" if other else "fix the declaration"
+        raise CaptureError(
+            f"{_label(name)} is declared {kind!r} (model.output_rows) but has shape {tuple(t.shape)}; a {kind!r} "
+            f"output has a row per {kind[:-1]}, padded ones included: {want} rows here ({T} tokens, {R} requests). "
+            f"{fix[0].upper() + fix[1:]}, or return the rows it declares"
+        )
+    return t[:real]
 
 
 def _rows(inputs: ForwardInputs) -> tuple[int, int, int, int]:
