@@ -253,8 +253,8 @@ class CaptureManager:
         (`graphcap.outputs`: per token to `[:batch.num_tokens]`, per request to
         `[:batch.num_reqs]`; undeclared, a tensor with a row per padded token is cut to the real
         tokens): views valid until any graph of the backend's pool replays (the next step), so
-        read or clone them first. `None` is an idle data-parallel
-        rank: it joins the agreed key with no real rows.
+        read or clone them first. `None` is an idle data-parallel rank: it joins the agreed key
+        with no real rows.
         """
         batch = _or_empty(batch)
         with self._lock, self._step("execute"):
