@@ -7,6 +7,8 @@ a 2-request 5-token prefill came back as 5 rows from `execute` and 2 from `eager
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -190,3 +192,23 @@ def test_undeclared_outputs_are_cut_only_where_their_shape_says_so():
     assert rows.ambiguity({"t": torch.zeros(8)}, GraphKey(8, 4, False)) is None
     assert rows.ambiguity(torch.zeros(4), GraphKey(4, 4, True)) is None  # decode: as many tokens as requests
     assert rows.ambiguity(torch.zeros(4), GraphKey(4, None, False)) is None  # piecewise: no padded requests
+
+
+@given(
+    T=st.integers(1, 16),
+    R=st.integers(1, 16),
+    data=st.data(),
+    kinds=st.lists(st.sampled_from(["tokens", "reqs", "none"]), min_size=1, max_size=4),
+)
+@settings(max_examples=200, deadline=None)
+def test_declared_tensors_are_cut_to_their_real_rows_whatever_the_counts(T, R, data, kinds):
+    n, r = data.draw(st.integers(0, T)), data.draw(st.integers(0, R))
+    whole = [data.draw(st.integers(1, 20)) for _ in kinds]
+    inputs = SimpleNamespace(input_ids=torch.zeros(T), seq_lens=torch.zeros(R), num_tokens=n, num_reqs=r)
+    rows = {"tokens": T, "reqs": R}
+    result = tuple(torch.zeros(rows.get(kind, k), 2) for kind, k in zip(kinds, whole))
+    cut = OutputRows(dict(enumerate(kinds))).real(result, inputs)
+    assert [t.shape[0] for t in cut] == [{"tokens": n, "reqs": r}.get(kind, k) for kind, k in zip(kinds, whole)]
+    assert all(c.data_ptr() == t.data_ptr() for c, t in zip(cut, result) if c.numel())  # views, no copy
+    undeclared = OutputRows().real(result, inputs)  # by shape: T rows are tokens, anything else whole
+    assert [t.shape[0] for t in undeclared] == [n if t.shape[0] == T else t.shape[0] for t in result]
