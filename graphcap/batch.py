@@ -199,11 +199,11 @@ def probe_batch(
 ) -> Probe:
     """A second verification batch for `key`: partly filled, unlike the dummy batch in every value.
 
-    Fewer real requests than `R` (and fewer tokens than `T`, for mixed keys) wherever the key
-    allows, so padded rows exist; random token ids, context lengths and block tables. A graph
-    that froze a host value at capture (a Python count, a value read from the host metadata)
-    or lets padded rows leak into real ones gives different real rows than an eager run of
-    this batch.
+    Fewer real requests than `R` wherever the key allows, so padded rows exist, and for mixed keys
+    fewer tokens than `T` (from `T = 3`) over fewer requests than tokens (an output with a row per
+    request cut as per token shows); random token ids, context lengths and block tables. A graph
+    that froze a host value at capture (a Python count, a value read from the host metadata) or
+    lets padded rows leak into real ones gives different real rows than an eager run of this batch.
 
     The probe never writes a KV block that may hold a live request's keys: its context reads
     random blocks (from 1 up, never the null block), and the blocks its tokens are computed in
@@ -217,8 +217,8 @@ def probe_batch(
         q_len = T // R
         q = np.full(max(1, R - 1), q_len, dtype=np.int64)
     else:
-        num_tokens = T - max(1, T // 4) if T > 1 else 1
-        num_reqs = min(max(1, R - max(1, R // 3)), num_tokens) if R > 1 else 1
+        num_tokens = T - max(1, T // 4) if T > 2 else T
+        num_reqs = min(max(1, R - max(1, R // 3)), max(1, num_tokens // 2)) if R > 1 else 1
         num_reqs = max(num_reqs, -(-num_tokens // max_model_len))
         num_tokens = min(num_tokens, num_reqs * max_model_len)
         q = np.ones(num_reqs, dtype=np.int64)

@@ -246,9 +246,14 @@ class BlockTable:
             )
         limit = INT32_MAX + 1 if self._num_blocks is None else self._num_blocks
         if blocks.size:
-            bad = np.flatnonzero((blocks < 0) | (blocks >= limit))
+            bad = np.flatnonzero((blocks < 1) | (blocks >= limit))
             if bad.size:
                 j = int(bad[0])
+                if blocks[j] == 0:
+                    raise BatchError(
+                        f"block_table.{what}: block id 0 at index {j} is the null block, which padded requests "
+                        "and capture's dummy runs share (capture writes it); a request's blocks are 1 and up"
+                    )
                 raise BatchError(
                     f"block_table.{what}: block id {int(blocks[j])} at index {j} is outside the KV cache "
                     f"[0, {limit}) (kv_cache.num_blocks)"

@@ -32,7 +32,7 @@ from graphcap.errors import CaptureError
 from graphcap.failures import FailurePolicy
 from graphcap.inputs import BufferSpec, ForwardInputs
 from graphcap.keys import GraphKey, KeyRegistry, Mode
-from graphcap.outputs import real_rows
+from graphcap.outputs import OutputRows
 from graphcap.piecewise import running
 from graphcap.report import GraphRecord, format_bytes
 from graphcap.staging.extras import sampled
@@ -48,7 +48,9 @@ class CapturePass:
     `stage(batch, key, phase=, dummy=, kv_writes=)`: the manager's staging path (stage, the
     model's `prepare`, the invariants, the upload). `forward`: the model's forward.
     `static_inputs(inputs)`: every tensor the graph reads, by name. `scratch_blocks`: KV blocks
-    the verification batch may write (see `probe_batch`).
+    the verification batch may write (see `probe_batch`). `outputs`: the model's `output_rows`, which
+    cut every result compared; with verification off, a key whose undeclared outputs' cut no shape
+    settles is refused (`OutputRows.ambiguity`).
     """
 
     backend: GraphBackend
@@ -59,6 +61,7 @@ class CapturePass:
     static_inputs: Callable[[ForwardInputs], dict]
     extras: tuple[BufferSpec, ...]
     failures: FailurePolicy
+    outputs: OutputRows
     scratch_blocks: tuple[int, ...] = ()
 
     def run(
@@ -113,6 +116,7 @@ class CapturePass:
                 graph = self.backend.capture_pieces(run_pieces, statics, name=str(key))
             else:
                 graph = self.backend.capture(self._reference_run(inputs, mode), statics, name=str(key))
+            self._check_outputs(key, graph, inputs)
         except (KeyboardInterrupt, SystemExit):
             if graph is not None:
                 graph.release()
@@ -159,6 +163,14 @@ class CapturePass:
         eager_seconds += record.eager_seconds
         return dataclasses.replace(record, verified=True, capture_seconds=seconds, eager_seconds=eager_seconds)
 
+    def _check_outputs(self, key: GraphKey, graph: CapturedGraph, inputs: ForwardInputs) -> None:
+        """The graph's output has the rows `model.output_rows` declares, and (with verification off) no
+        undeclared output whose cut its shape leaves open."""
+        self.outputs.real(graph.output, inputs)
+        why = None if self.config.checks.verify_replay else self.outputs.ambiguity(graph.output, key)
+        if why is not None:
+            raise CaptureError(why)
+
     def capture_batch(self, key: GraphKey) -> StepBatch:
         """The dummy batch that captures (and first verifies) `key`, with sampled engine-buffer rows."""
         shape = self.registry.capture_shape(key)
@@ -170,10 +182,11 @@ class CapturePass:
         return compare_replay(
             graph,
             inputs,
-            lambda: real_rows(run(), inputs.num_tokens, key.num_tokens),
+            lambda: self.outputs.real(run(), inputs),
             tolerance=self.config.checks.tolerance,
             backend=self.backend,
             message=DUMMY_MISMATCH,
+            outputs=self.outputs,
         )
 
     def _verify_probe(self, key: GraphKey, graph: CapturedGraph) -> float:
@@ -194,11 +207,12 @@ class CapturePass:
             eager_key = self.registry.eager_key(batch.num_tokens, batch.num_reqs)
             eager_inputs = self.stage(batch, eager_key, phase="eager", dummy=True, kv_writes=writes)
             with running(eager_inputs, phase):  # the graph's code path: full graphs ran capturable stand-ins
-                return real_rows(self.forward(eager_inputs), batch.num_tokens, batch.num_tokens)
+                return self.outputs.real(self.forward(eager_inputs), eager_inputs)
 
         message = probe_mismatch(batch.num_tokens, batch.num_reqs, key.num_tokens, shape.num_reqs, writes)
+        tolerance = self.config.checks.tolerance
         return compare_replay(
-            graph, inputs, eager, tolerance=self.config.checks.tolerance, backend=self.backend, message=message
+            graph, inputs, eager, tolerance=tolerance, backend=self.backend, message=message, outputs=self.outputs
         )
 
     def _reference_run(self, inputs: ForwardInputs, mode: Mode) -> Callable[[], Any]:

@@ -18,6 +18,7 @@ for every production step; `full` adds the O(tokens) checks on real rows.
 | real `positions == seq_len - query_len + offset` | full | rotary and cache slots come from them |
 | padded `positions`, `input_ids` per rule; ids in vocab | full | embedding and rotary lookups stay in range |
 | `block_table` in `[0, num_blocks)`; padded rows per rule | full | an out-of-range block is an illegal access |
+| real tokens write their own blocks, no slot twice; real requests never use block 0 | full | block 0 holds pad writes |
 
 Address checks (a static input replaced after capture) live with the graphs (`backends`).
 """
@@ -327,8 +328,8 @@ def _check_full(inputs: ForwardInputs, lens: np.ndarray, kv_writes: bool = True)
 
 
 def _check_kv_writes(inputs: ForwardInputs, lens: np.ndarray, dummy: bool) -> None:
-    """Where real tokens write the KV cache: within max_model_len, in their own request's blocks,
-    never in the null block, never two tokens into one slot (O(tokens), vectorized)."""
+    """Where real tokens write the KV cache: within max_model_len, in their own request's blocks, never
+    two tokens into one slot; no real request reads or writes the null block (O(tokens + R*B), vectorized)."""
     host, key, lim = inputs.host, inputs.key, inputs.limits
     n, r = inputs.num_tokens, inputs.num_reqs
     if not n:
@@ -363,12 +364,14 @@ def _check_kv_writes(inputs: ForwardInputs, lens: np.ndarray, dummy: bool) -> No
         )  # fmt: skip
     if dummy:
         return
-    null = np.flatnonzero(blocks == 0)
+    used = np.arange(host.block_table.shape[1]) < -(-host.seq_lens[:r].astype(np.int64) // bs)[:, None]  # [r, B]
+    null = np.argwhere(used & (host.block_table[:r] == 0))  # a column a real request reads or writes
     if null.size:
-        t = int(null[0])
+        i, j = (int(v) for v in null[0])
+        verb = "writes this step's keys into" if j >= (int(host.seq_lens[i]) - int(lens[i])) // bs else "reads"
         _fail(
-            "slot_mapping", t, f"outside block 0 (slots >= {bs})", int(slots[t]),
-            f"request {int(req[t])} writes the null block 0, which padded rows and dummy runs share; "
+            "block_table", f"{i}, {j}", "a block of the request's own", 0,
+            f"request {i} {verb} the null block 0, which padded rows and dummy runs share (capture writes it); "
             "an engine never hands block 0 to a live request", key,
         )  # fmt: skip
     order = np.argsort(slots, kind="stable")

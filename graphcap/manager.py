@@ -34,7 +34,7 @@ from graphcap.guard import StaticGuard
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
 from graphcap.invariants import check_invariants
 from graphcap.keys import GraphKey, KeyRegistry, Mode, StepStats
-from graphcap.outputs import real_rows
+from graphcap.outputs import OutputRows
 from graphcap.piecewise import running
 from graphcap.report import CaptureReport, GraphRecord, check_report_path, format_bytes
 from graphcap.staging import PersistentBuffers
@@ -93,6 +93,7 @@ class CaptureManager:
         self._level = config.checks.invariants
         self._forward: Callable[[ForwardInputs], Any] = model.forward
         self._prepare = prepare_of(model)
+        self._outputs = OutputRows.of(model)  # which output tensors are per token, per request or whole
         self._lock = threading.RLock()
         self._sync = DataParallelSync(group, timeout=dp_timeout) if group is not None else None
         if self._sync is not None:  # ranks with different configs would plan different keys: refuse now
@@ -204,6 +205,7 @@ class CaptureManager:
             extras=self.buffers.extras,
             failures=self._failures,
             scratch_blocks=scratch_blocks,
+            outputs=self._outputs,
         )
 
     def _install(self, records: list[GraphRecord], graphs: dict[GraphKey, CapturedGraph]) -> None:
@@ -247,10 +249,12 @@ class CaptureManager:
 
         Before every replay the static inputs are checked (`StaticInputMovedError` when one
         moved since capture). Returns what the forward returns (a tensor, or a tuple, list or
-        dict of tensors) with every tensor whose leading dim is the padded token count cut to
-        the real rows `[:batch.num_tokens]`: views valid until any graph of the backend's pool
-        replays (the next step), so read or clone them first. `None` is an idle data-parallel
-        rank: it joins the agreed key with no real rows.
+        dict of tensors) with each tensor cut to its real rows as `model.output_rows` declares
+        (`graphcap.outputs`: per token to `[:batch.num_tokens]`, per request to
+        `[:batch.num_reqs]`; undeclared, a tensor with a row per padded token is cut to the real
+        tokens): views valid until any graph of the backend's pool replays (the next step), so
+        read or clone them first. `None` is an idle data-parallel rank: it joins the agreed key
+        with no real rows.
         """
         batch = _or_empty(batch)
         with self._lock, self._step("execute"):
@@ -277,7 +281,7 @@ class CaptureManager:
                 if mode is Mode.PIECEWISE:
                     stats.eager_op_calls += len(graph.calls)
                     stats.eager_op_copies += graph.copies_per_replay
-            return real_rows(output, batch.num_tokens, key.num_tokens)
+            return self._outputs.real(output, inputs)
 
     def eager(self, batch: StepBatch) -> Any:
         """The reference: the model on the same staging path, unpadded, with no graph."""
@@ -291,7 +295,7 @@ class CaptureManager:
         inputs = self._stage(batch, key, phase="eager")
         with torch.inference_mode(), running(inputs):
             output = self._forward(inputs)
-        return real_rows(output, batch.num_tokens, batch.num_tokens, what="model.forward (eager) of")
+        return self._outputs.real(output, inputs, what="model.forward (eager) of")
 
     def _stage(
         self, batch: StepBatch, key: GraphKey, *, phase: PreparePhase, dummy: bool = False, kv_writes: bool = True

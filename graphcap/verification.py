@@ -19,7 +19,7 @@ import torch
 from graphcap.backends import CapturedGraph, GraphBackend
 from graphcap.errors import CaptureError
 from graphcap.inputs import ForwardInputs
-from graphcap.outputs import cloned, flatten_output, real_rows
+from graphcap.outputs import OutputRows, cloned, flatten_output
 from graphcap.piecewise import running
 
 __all__ = ["DUMMY_MISMATCH", "NORM_TOLERANCE", "compare_replay", "probe_mismatch"]
@@ -59,21 +59,28 @@ def compare_replay(
     tolerance: Mapping[str, float],
     backend: GraphBackend,
     message: Callable[[str], str] | str,
+    outputs: OutputRows,
 ) -> float:
     """Replay `graph` on the staged `inputs`, then run `eager()` (the expected real rows) and compare.
 
     Returns the seconds `eager()` took (capture time that is not graph work). Raises
     `CaptureError(message(first lines of the difference))` when the real rows differ beyond
     `tolerance` (`torch.testing.assert_close` keywords); a str `message` is formatted with `diff`.
+    `outputs` cuts both to their real rows; a replay whose real rows have another shape than the
+    eager run's (a wrong cut) raises `CaptureError` naming the output and its declaration.
     """
     with running(inputs):  # eager ops between pieces read the step through current_inputs()
-        replayed = cloned(real_rows(graph.replay(), inputs.num_tokens, inputs.key.num_tokens))
+        output = cloned(graph.replay())
+    replayed = outputs.real(output, inputs)
     backend.synchronize()
     t0 = time.perf_counter()
     with torch.inference_mode():
         expected = eager()
     backend.synchronize()  # time the GPU work, not the launches
     seconds = time.perf_counter() - t0
+    wrong_cut = outputs.mismatch(output, expected, inputs)
+    if wrong_cut is not None:
+        raise CaptureError(wrong_cut)
     diff = _difference(replayed, expected, tolerance)
     if diff is not None:
         raise CaptureError(message.format(diff=diff) if isinstance(message, str) else message(diff))

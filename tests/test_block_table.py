@@ -74,6 +74,8 @@ def test_a_write_changes_only_the_blocks_it_writes():
         (lambda t: t.clear(1.0), r"clear: row must be an integer; got 1\.0"),
         (lambda t: t.set_row(0, [1, -2]), rf"set_row\(row 0\): block id -2 at index 1 is outside the KV cache \[0, {NUM_BLOCKS}\)"),
         (lambda t: t.append(1, [NUM_BLOCKS]), rf"append\(row 1\): block id {NUM_BLOCKS} at index 0 is outside"),
+        (lambda t: t.set_row(0, [0]), r"set_row\(row 0\): block id 0 at index 0 is the null block, which padded"),
+        (lambda t: t.append(1, [3, 0]), r"append\(row 1\): block id 0 at index 1 is the null block"),
         (lambda t: t.set_row(0, [[1, 2]]), r"block ids must be 1-D; got shape \(1, 2\)"),
         (lambda t: t.set_row(0, [1.5]), r"block ids must be integers; got dtype float64"),
         (lambda t: t.set_row(0, [[1], [2, 3]]), r"block ids must be a 1-D array of integers"),

@@ -13,7 +13,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphcap import PAD_SLOT_ID, BatchError, BufferSpec, CaptureManager, GraphKey, InvariantViolation, StepBatch
+from graphcap import (
+    PAD_SLOT_ID,
+    BatchError,
+    BufferSpec,
+    CaptureError,
+    CaptureManager,
+    GraphKey,
+    InvariantViolation,
+    StepBatch,
+)
 from graphcap.config import ConfigError, config_from_text
 from graphcap.invariants import check_invariants
 from graphcap.models import build_model
@@ -111,6 +120,24 @@ def test_bad_engine_rows_are_refused_before_any_write(name, value, match):
     with pytest.raises(BatchError, match=match):
         buffers.stage(StepBatch([2, 1], [3, 4], extras=extras), GraphKey(8, 4, False))
     assert buffers.packed_host.tobytes() == before.tobytes()
+
+
+@pytest.mark.parametrize("value", [1e6, 70000.0, 65520.0, 100000])
+def test_a_value_float16_stores_as_inf_is_refused_naming_buffer_index_and_value(value):
+    buffers = PersistentBuffers(4, 16, 3, block_size=4, extras=[BufferSpec("scale", "reqs", dtype="float16", pad=1.0)])
+    buffers.stage(StepBatch([1, 1], [2, 2]), GraphKey(4, 4, False))
+    before = buffers.packed_host.copy()
+    given = np.array([0.5, value])
+    with pytest.raises(BatchError, match=rf"extras\['scale'\]\[1\] is {given[1]}, which float16 stores as inf"):
+        buffers.stage(StepBatch([1, 1], [2, 2], extras={"scale": given}), GraphKey(4, 4, False))
+    assert buffers.packed_host.tobytes() == before.tobytes()  # nothing half-written
+
+
+def test_the_largest_finite_float16_value_stages_as_itself():
+    buffers = PersistentBuffers(4, 16, 3, block_size=4, extras=[BufferSpec("scale", "reqs", dtype="float16", pad=1.0)])
+    # 65519 rounds down to 65504, the largest finite float16: finite as stored, so it stages.
+    inputs = buffers.stage(StepBatch([1, 1], [2, 2], extras={"scale": [65504.0, 65519.0]}), GraphKey(4, 4, False))
+    assert inputs.extras["scale"][:2].tolist() == [65504.0, 65504.0]
 
 
 def test_poison_reaches_engine_buffers_and_staging_clears_it():
@@ -238,3 +265,49 @@ def test_yaml_buffers_reach_the_manager():
     assert [s.name for s in manager.buffers.extras] == ["temperature", "lora_index"]
     with pytest.raises(ValueError, match="'temperature' is declared twice"):
         CaptureManager(build_model(config), config, progress=False, buffers=[BufferSpec("temperature", "reqs")])
+
+
+class WholeBufferModel(torch.nn.Module):
+    """The reference model scaled by a `none` engine buffer: a scalar, or a (6,) vector read whole."""
+
+    def __init__(self, config, shape: tuple[int, ...], frozen: bool = False) -> None:
+        super().__init__()
+        self.inner, self.frozen, self.seen = build_model(config), frozen, set()
+        self.mix = torch.nn.Parameter(torch.randn(*shape, config.model.vocab_size), requires_grad=False)
+
+    def forward(self, inputs) -> torch.Tensor:
+        scale = inputs.extras["scale"]  # [] or [6]: the whole tensor every step
+        self.seen.add(tuple(scale.shape))
+        if self.frozen:  # a host value read as a Python number: the graph keeps the capture's
+            scale = torch.tensor(inputs.host.extras["scale"].tolist(), dtype=scale.dtype)
+        return self.inner(inputs) * (scale.unsqueeze(-1) * self.mix).reshape(-1, self.mix.shape[-1]).sum(0)
+
+
+def _whole_spec(shape: tuple[int, ...]) -> BufferSpec:
+    return BufferSpec(
+        "scale", "none", shape=shape, dtype="float32", pad=1.0, sample=lambda rng, rows: rng.uniform(0.5, 2, shape)
+    )
+
+
+@pytest.mark.parametrize("shape", [(), (6,)])
+def test_a_none_buffer_reaches_every_key_and_step_whole(shape):
+    config = make_config(capture__sizes=[2, 4])  # keys of 2 and 4 request rows: neither may slice a (6,) buffer
+    model = WholeBufferModel(config, shape)
+    manager = CaptureManager(model, config, progress=False, buffers=[_whole_spec(shape)])
+    report = manager.capture()  # a scalar buffer once crashed every capture with an IndexError
+    assert report.records and all(r.verified for r in report.records)  # verified with sampled values
+    assert model.seen == {shape}
+    value = np.linspace(0.5, 1.5, 6)[: int(np.prod(shape))].reshape(shape).astype(np.float32)
+    batch = StepBatch([2, 1], [3, 4], [5, 6, 7], [[1], [2]], extras={"scale": value})  # key (4 tokens, 4 reqs)
+    got = manager.execute(batch).clone()
+    assert manager.last_key.num_reqs < 6 and model.seen == {shape}
+    torch.testing.assert_close(got, manager.eager(batch))
+    assert manager.buffers.host["scale"].tolist() == value.tolist()
+
+
+def test_verification_runs_a_none_buffer_with_sampled_values_and_names_a_frozen_read():
+    config = make_config(capture__sizes=[4])
+    model = WholeBufferModel(config, (6,), frozen=True)
+    manager = CaptureManager(model, config, progress=False, buffers=[_whole_spec((6,))])
+    with pytest.raises(CaptureError, match=r"replay differs from eager .*froze a host value at capture"):
+        manager.capture()

@@ -289,16 +289,29 @@ def test_slot_in_another_requests_block_is_caught():
 
 def test_real_token_in_the_null_block_is_caught_for_real_steps_only():
     # Request 0 writes position 2 (column 0: block 7), request 1 position 4 (column 1: block 9);
-    # the zero entries are never written, so they are fine.
-    batch = StepBatch([1, 1], [3, 5], [1, 2], block_table=[[7, 0], [0, 9]])
+    # request 0 never uses column 1, so its zero there is the pad, not a block it holds.
+    batch = StepBatch([1, 1], [3, 5], [1, 2], block_table=[[7, 0], [8, 9]])
     inputs = make_buffers().stage(batch, GraphKey(2, 2, False))
     check_invariants(inputs, "full")
     bad = StepBatch([1, 1], [3, 5], [1, 2], block_table=[[7, 0], [9, 0]])  # request 1 writes column 1 = 0
     inputs = make_buffers().stage(bad, GraphKey(2, 2, False))
-    with pytest.raises(InvariantViolation, match=r"slot_mapping\[1\] is 0, .*request 1 writes the null block 0"):
+    with pytest.raises(
+        InvariantViolation, match=r"block_table\[1, 1\] is 0, .*request 1 writes this step's keys into the null"
+    ):
         check_invariants(inputs, "full")
     check_invariants(inputs, "full", dummy=True)  # capture's own batches share the null block by design
     check_invariants(inputs, "basic")  # O(tokens) rules are full-level only
+
+
+def test_a_context_block_that_is_the_null_block_is_caught_for_real_steps_only():
+    # Request 1 (5 tokens, block size 4) reads its first 4 keys from column 0, which names the null
+    # block: it would attend to whatever padded rows and dummy runs last wrote there.
+    batch = StepBatch([1, 1], [3, 5], [1, 2], block_table=[[7, 0], [0, 9]])
+    inputs = make_buffers().stage(batch, GraphKey(2, 2, False))
+    with pytest.raises(InvariantViolation, match=r"block_table\[1, 0\] is 0, .*request 1 reads the null block 0"):
+        check_invariants(inputs, "full")
+    check_invariants(inputs, "full", dummy=True)  # capture's own batches share the null block by design
+    check_invariants(inputs, "basic")
 
 
 def test_two_tokens_writing_one_slot_are_caught():

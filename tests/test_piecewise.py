@@ -17,7 +17,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphcap import CaptureError, CaptureUnsafeError, InvariantViolation, StaticInputMovedError, StepBatch
+from graphcap import (
+    CaptureError,
+    CaptureManager,
+    CaptureUnsafeError,
+    InvariantViolation,
+    StaticInputMovedError,
+    StepBatch,
+)
 from graphcap.keys import GraphKey, KeyRegistry, Mode, StepStats
 from graphcap.models import build_model
 from graphcap.piecewise import current_inputs, eager_op, running
@@ -41,9 +48,8 @@ class Forward(torch.nn.Module):
 
 def with_model(config, model):
     """A manager of `config` that captures `model` instead of the reference model."""
-    manager = make_manager(config)
-    manager.model, manager._forward = model, model.forward
-    return manager
+    torch.set_num_threads(1)
+    return CaptureManager(model, config, progress=False)
 
 
 @pytest.fixture(scope="module", params=MODES)

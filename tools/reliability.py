@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import yaml
 
-from graphcap import CaptureError, StaticInputMovedError, StepBatch
+from graphcap import CaptureError, CaptureManager, StaticInputMovedError, StepBatch
 from graphcap.config import (
     BatchingConfig,
     CaptureSectionConfig,
@@ -50,6 +50,7 @@ from graphcap.config import (
     config_from_text,
     load_config,
 )
+from graphcap.keys import KeyRegistry
 from graphcap.report import atomic_write
 from graphcap.testing import (
     FAULT_SIZES,
@@ -65,6 +66,7 @@ from graphcap.testing import (
     assert_unchanged,
     check_plan,
     expected_outputs,
+    fill_batch,
     hostile_batches,
     leftover_temp_files,
     make_config,
@@ -78,6 +80,19 @@ from graphcap.testing import (
 )
 from graphcap.testing.cli_cases import CLI_CASES, check_case, interrupt_after, interrupted_cleanly
 from graphcap.testing.dp_agreement import mismatched_world
+from graphcap.testing.outputs import (
+    DECLARED,
+    INF_WHEN_STORED,
+    NULL_BLOCK_STEPS,
+    LastTokenLogits,
+    WholeBuffer,
+    check_inf_refused,
+    check_null_block_refused,
+    check_output_rows,
+    check_whole_buffer,
+    check_wrong_cut_refused,
+    whole_spec,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "tests" / "assets"
@@ -451,6 +466,81 @@ def step_rows(scale: Scale, rng: np.random.Generator) -> list[Row]:
         )
     )
     return rows
+
+
+# -- silent wrong output or shape: per-request outputs, whole buffers, stored values, the null block --
+
+
+def _mixed_batches(config, count: int, rng: np.random.Generator) -> Iterator[StepBatch]:
+    """`count` real batches of random mixed keys of `config`, each with fewer requests than the key's rows."""
+    keys = [key for key in KeyRegistry.from_config(config).planned if not key.uniform and key.num_reqs > 1]
+    for i in range(count):
+        key = keys[i % len(keys)]
+        yield fill_batch(key, config, rng, int(rng.integers(1, key.num_reqs)))
+
+
+def shape_rows(scale: Scale, rng: np.random.Generator) -> list[Row]:
+    config = make_config()
+    count = max(20, scale.plans // 10)
+    steps = Tally()
+    manager = CaptureManager(LastTokenLogits(config, DECLARED["dict"]), config, progress=False)
+    manager.capture()
+    for i, batch in enumerate(_mixed_batches(config, count, rng)):
+        with steps.trial(f"step {i} ({batch.num_tokens} tokens, {batch.num_reqs} requests)"):
+            check_output_rows(manager, batch)
+    refused = Tally()
+    for result in ("tensor", "tuple", "dict"):
+        for wrong, verify in ((False, True), (True, True), (False, False)):
+            with refused.trial(f"{result}, {'declared per token' if wrong else 'undeclared'}, verify {verify}"):
+                check_wrong_cut_refused(make_config(capture__sizes=[8], checks__verify_replay=verify), result, wrong)
+    whole = Tally()
+    for shape in ((), (6,), (2, 3)):
+        buffered = make_config(capture__sizes=[2, 4, 8])
+        manager = CaptureManager(WholeBuffer(buffered, shape), buffered, progress=False, buffers=[whole_spec(shape)])
+        with whole.trial(f"capture with a {shape} buffer"):
+            if not all(record.verified for record in manager.capture().records):
+                raise AssertionError("a key was not verified")
+        for i, batch in enumerate(_mixed_batches(buffered, count // 3, rng)):
+            with whole.trial(f"{shape} buffer, step {i}"):
+                check_whole_buffer(manager, batch, rng)
+    stored = Tally()
+    for dtype, value in INF_WHEN_STORED:
+        with stored.trial(f"{value!r} into {dtype}"):
+            check_inf_refused(dtype, value)
+    null = Tally()
+    manager = make_manager(config)
+    manager.capture()  # capture's own batches use the null block by design: they still verify
+    for case in NULL_BLOCK_STEPS:
+        with null.trial(case.name):
+            check_null_block_refused(manager, case)
+    return [
+        steps.row(
+            "outputs",
+            "per-request outputs (`output_rows`: each request's last-token logits) over random steps at mixed keys, "
+            "most with as many request rows as tokens",
+            "execute == eager, num_reqs logits rows and num_tokens hidden rows",
+        ),
+        refused.row(
+            "outputs",
+            "per-request outputs undeclared or declared per token (tensor, tuple, dict) x verification on/off",
+            "capture refused naming the output and the declaration to write, no graph left",
+        ),
+        whole.row(
+            "engine buffers",
+            "`none` buffers (scalar, (6,), (2, 3)): capture, then random steps with their own values",
+            "verified with sampled values, the whole tensor at every key, execute == eager",
+        ),
+        stored.row(
+            "engine buffers",
+            "values a float buffer stores as inf (1e6, 70000.0, 65520.0, -1e5, 100000 in float16; 1e39 in float32)",
+            "refused naming buffer, index and value, nothing written",
+        ),
+        null.row(
+            "steps",
+            "real steps reading or writing the null block (execute, eager); `block_table.set_row`/`append` of block 0",
+            "refused naming the block-table entry, KV cache and stats unchanged",
+        ),
+    ]
 
 
 # -- static inputs moved after capture, host values frozen at capture ---------------------
@@ -863,6 +953,9 @@ def render(rows: list[Row], command: str, seconds: float) -> str:
         "  `tests/cli/test_hostile.py`), each with its files, flags, expected exit code and message;",
         "  a case also fails on any traceback or on more than one error line. Ctrl-C is sent to a real",
         "  process at evenly spaced moments from start-up to capture.",
+        "- outputs, engine buffers, null block: the checks of `graphcap/testing/outputs.py` (also run by",
+        "  `tests/reliability/test_outputs_and_buffers.py`). A per-request output is a forward's",
+        "  `logits[query_start_loc[1:] - 1]`, the rows engines sample.",
     ]
     failed = [r for r in rows if not r.ok]
     if failed:
@@ -898,6 +991,7 @@ def main(argv: list[str] | None = None) -> int:
             ("threads", lambda: thread_rows(scale)),
             ("moved inputs", lambda: moved_rows(scale)),
             ("command line", lambda: cli_rows(scale, Path(workdir))),
+            ("outputs and engine buffers", lambda: shape_rows(scale, rng)),
         ]
         for name, run in sections:
             t0 = time.perf_counter()

@@ -120,6 +120,9 @@ class TinyLlama(nn.Module):
     `prepare`); the forward reads nothing on the host and is capturable as is.
     """
 
+    output_rows = "tokens"
+    """Every row of the logits is a token's (`graphcap.outputs`): steps cut them to the real tokens."""
+
     def __init__(self, config: CaptureConfig, device: torch.device | str = "cpu") -> None:
         super().__init__()
         cfg, kv = config.model, config.kv_cache

@@ -122,9 +122,7 @@ def _check_extra_values(spec: BufferSpec, value: np.ndarray) -> None:
         want = "numbers" if dtype.kind == "f" else "integers"
         raise BatchError(f"extras[{spec.name!r}] must hold {want} for dtype {spec.dtype}; got dtype {value.dtype}")
     if dtype.kind == "f":
-        if value.dtype.kind == "f" and not np.isfinite(value).all():
-            index = tuple(int(i) for i in np.argwhere(~np.isfinite(value))[0])
-            raise BatchError(f"extras[{spec.name!r}]{list(index)} is {value[index]}; values must be finite")
+        _check_finite_stored(spec, value)
         return
     info = np.iinfo(dtype)
     low, high = int(value.min()), int(value.max())
@@ -135,3 +133,22 @@ def _check_extra_values(spec: BufferSpec, value: np.ndarray) -> None:
             f"extras[{spec.name!r}]{list(index)} is {int(value[index])}, outside the range of {spec.dtype} "
             f"[{info.min}, {info.max}]"
         )
+
+
+def _check_finite_stored(spec: BufferSpec, value: np.ndarray) -> None:
+    """Every value stays finite as the buffer stores it: the check runs after the cast to its dtype
+    (1e6 or 70000.0 is finite as given but inf in float16)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        stored = value.astype(spec.np_dtype, copy=False)
+    if np.isfinite(stored).all():
+        return
+    index = tuple(int(i) for i in np.argwhere(~np.isfinite(stored))[0])
+    given = value[index]
+    where = f"extras[{spec.name!r}]{list(index)}"
+    if value.dtype.kind == "f" and not np.isfinite(given):
+        raise BatchError(f"{where} is {given}; values must be finite")
+    largest = float(np.finfo(spec.np_dtype).max)
+    raise BatchError(
+        f"{where} is {given}, which {spec.dtype} stores as {stored[index]} (its largest finite value is "
+        f"{largest:g}); values must be finite as stored: scale them, or declare the buffer with a wider dtype"
+    )

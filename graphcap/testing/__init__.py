@@ -10,6 +10,7 @@
 | `threads.py` | several threads on one manager, and the interleaving detector |
 | `cli_cases.py` | hostile and careless uses of the `graphcap` command, as data (not imported here) |
 | `dp_agreement.py` | data-parallel ranks with different configs (not imported here) |
+| `outputs.py` | per-request outputs, whole engine buffers, values stored as inf, the null block (not imported here) |
 
 `TINY` is the small configuration the test suite and `tools/reliability.py` share, and
 `make_config` / `make_manager` build on it. Importing this package imports torch.

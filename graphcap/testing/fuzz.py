@@ -136,7 +136,7 @@ class Limits:
     max_num_tokens: int
     max_blocks_per_req: int
     full: bool = False
-    """`checks.invariants: full`: the KV-write rules (null block, one slot per token) apply."""
+    """`checks.invariants: full`: the KV rules (no null block in a real request, one slot per token) apply."""
 
     @classmethod
     def of(cls, config: CaptureConfig) -> Limits:
@@ -193,13 +193,14 @@ def violations(plan: BatchPlan, lim: Limits) -> set[str]:
     if s and max(s) > lim.max_model_len:
         bad |= {"seq_lens", "max_model_len"}
     if lim.full and bt is not None and not bad:
-        # Where this step's tokens write the KV cache: never the null block, never one slot twice.
+        # A real request never reads or writes the null block; no two tokens write one slot.
         written = set()
         for row, query_len, seq_len in zip(bt, q, s):
+            if 0 in row[: -(-seq_len // lim.block_size)]:
+                bad.add("block_table")
             for position in range(seq_len - query_len, seq_len):
-                block = row[position // lim.block_size]
-                slot = block * lim.block_size + position % lim.block_size
-                if block == 0 or slot in written:
+                slot = row[position // lim.block_size] * lim.block_size + position % lim.block_size
+                if slot in written:
                     bad.add("slot_mapping")
                 written.add(slot)
     return bad
