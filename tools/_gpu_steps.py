@@ -22,7 +22,7 @@ from graphcap.report import format_bytes
 from graphcap.testing import fill_batch, time_key
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA_8B = ROOT / "capture_configs" / "llama3-8b-h200.yaml"
+LLAMA_8B = ROOT / "graphcap" / "configs" / "llama3-8b-h200.yaml"
 LLAMA_8B_MIN_FREE = 60 * 2**30  # weights 16 GiB + KV 16 GiB + activations and graph pool
 
 

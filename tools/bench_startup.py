@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = str(REPO / "capture_configs" / "tiny-cpu-ci.yaml")
+CONFIG = str(REPO / "graphcap" / "configs" / "tiny-cpu-ci.yaml")
 COMMANDS = {
     "--help": ["--help"],
     "--version": ["--version"],

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import logging
 import os
 import sys
 from typing import Any, TextIO
@@ -28,11 +27,22 @@ def build_parser() -> argparse.ArgumentParser:
         description="Capture and replay CUDA graphs for LLM inference, with the padded tail proven right.",
         epilog="Run `graphcap COMMAND --help` for a command's options and an example.",
     )
-    parser.add_argument("--version", action="version", version=f"graphcap {_common.version()}")
+    parser.add_argument("--version", action=_Version, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in COMMANDS:
         module.register(sub)
     return parser
+
+
+class _Version(argparse.Action):
+    """`--version`: the installed version, read from the package metadata only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(f"graphcap {_common.version()}")
+        parser.exit()
 
 
 class OutputError(Exception):
@@ -45,22 +55,31 @@ class OutputError(Exception):
 
 class _GuardedStream:
     """`sys.stdout` while a command runs: an `OSError` of a write or flush becomes `OutputError`,
-    so a full disk is told apart from a failure of the command itself."""
+    so a full disk is told apart from a failure of the command itself. A closed stdout
+    (`graphcap sizes >&-`: Python sets `sys.stdout` to None) fails the first write the same way,
+    instead of `print` dropping the result without a word."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO | None) -> None:
         self._stream = stream
 
     def write(self, text: str) -> int:
         try:
-            return self._stream.write(text)
+            return self._open().write(text)
         except OSError as exc:
             raise OutputError(exc) from exc
 
     def flush(self) -> None:
+        if self._stream is None:
+            return  # nothing was written: nothing is lost
         try:
             self._stream.flush()
         except OSError as exc:
             raise OutputError(exc) from exc
+
+    def _open(self) -> TextIO:
+        if self._stream is None:
+            raise OSError(errno.EBADF, "stdout is closed")
+        return self._stream
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
@@ -75,6 +94,7 @@ _FAILURES = (_common.CommandFailed, CaptureError, InvariantViolation, BatchError
 def run_command(args: argparse.Namespace) -> int:
     """Run the parsed subcommand; map its errors to one line on stderr and an exit code."""
     _common.setup_logging(args)
+    _common.stage(f"{args.command} started")
     stdout = sys.stdout
     sys.stdout = guarded = _GuardedStream(stdout)  # type: ignore[assignment]
     try:
@@ -93,6 +113,8 @@ def run_command(args: argparse.Namespace) -> int:
             return 0
         return _report(args, "failed", exc, 1)
     finally:
+        import logging  # loaded by setup_logging above
+
         sys.stdout = stdout
         logging.getLogger("graphcap").setLevel(logging.NOTSET)  # a library user's settings apply again
         logging.shutdown()

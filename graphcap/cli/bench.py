@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import io
-from pathlib import Path
 
 from graphcap.cli._common import (
     CommandFailed,
@@ -14,6 +11,7 @@ from graphcap.cli._common import (
     add_report,
     config_from_args,
     report_target,
+    stage,
     write_report,
 )
 from graphcap.cli._setup import build_manager
@@ -21,7 +19,7 @@ from graphcap.cli.capture import check_something_captured, command_line
 
 EPILOG = """examples:
   graphcap bench --steps 50
-  graphcap bench --config capture_configs/llama3-8b-h200.yaml --plot bench.png --report bench.json
+  graphcap bench --config llama3-8b-h200 --plot bench.png --report bench.json
 
 Each key runs --steps timed steps per side through the real step path (staging, invariants,
 then the model eagerly or the graph replay) on a batch that fills it, eager and replay
@@ -53,9 +51,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from graphcap.report import format_bytes
-    from graphcap.testing.timing import time_key
-    from graphcap.testing.workload import fill_batch
+    from graphcap.timing import time_key
+    from graphcap.workload import fill_batch
 
     if args.steps < 1:
         raise UserError(f"--steps must be >= 1; got {args.steps}")
@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args, report__path=args.report)
     report_path = report_target(args, config)
     manager = build_manager(args, dataclasses.replace(config, report=dataclasses.replace(config.report, path=None)))
+    stage("capturing")
     report = manager.capture()
     check_something_captured(report)
     timed = {r.key: time_key(manager, r.key, steps=args.steps) for r in report.captured}
@@ -114,6 +115,8 @@ def _range(spread) -> str:
 
 def _check_plot_path(path: str) -> None:
     """Refuse, before any capture, a plot that matplotlib cannot write in the format its suffix names."""
+    from pathlib import Path
+
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -134,6 +137,8 @@ def _check_plot_path(path: str) -> None:
 
 
 def _write_plot(report, timings, path: str) -> None:
+    from pathlib import Path
+
     from graphcap.report import atomic_write
 
     data = plot_capture(report, timings, Path(path).suffix.lower().lstrip("."))
@@ -150,6 +155,8 @@ def plot_capture(report, timings, image_format: str = "png") -> bytes:
     Speedups are medians with the p10-p90 range as error bars, on a log axis so that one
     outlier cannot flatten the rest; noisy keys are drawn hollow.
     """
+    import io
+
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
     fig = Figure(figsize=(15, 4.2))

@@ -10,7 +10,7 @@ from graphcap.sizes import CaptureSizes, default_capture_sizes
 
 EPILOG = """examples:
   graphcap sizes                                   # the embedded default config
-  graphcap sizes --config capture_configs/spec-decode.yaml
+  graphcap sizes --config spec-decode
   graphcap sizes --max-size 512 --uniform-query-len 4
   graphcap sizes --config my.yaml --histogram batch_sizes.txt
 

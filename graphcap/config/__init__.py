@@ -5,7 +5,7 @@
 | `sections.py` | the section dataclasses and the root `CaptureConfig` (with their checks) |
 | `_load.py` | `load_config`, `config_from_text`: reading, overrides, unknown keys, `file:line` |
 | `_schema.py` | the validation machinery every section shares (types, ranges, problems) |
-| `_yaml.py` | strict YAML 1.2 reading with a line for every key |
+| `_yaml.py` | strict YAML 1.2 reading with a line for every key; `parse_scalar` (one `--set` value) |
 | `fingerprint.py` | the config's fingerprint (what data-parallel ranks must share), key by key |
 
 Importing this package does not import torch (the CLI's `validate` and `sizes` stay fast).
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphcap.config._load import DEFAULT_CONFIG, MAX_CONFIG_BYTES, config_from_text, load_config
+from graphcap.config._load import DEFAULT_CONFIG, MAX_CONFIG_BYTES, bundled_configs, config_from_text, load_config
+from graphcap.config._yaml import YamlSyntaxError, parse_scalar
 from graphcap.config.sections import (
     BACKEND_NAMES,
     BUILTIN_MODELS,
@@ -51,8 +52,11 @@ __all__ = [
     "ModelConfig",
     "PadRules",
     "ReportConfig",
+    "YamlSyntaxError",
+    "bundled_configs",
     "config_from_text",
     "load_config",
+    "parse_scalar",
     "resolve_device",
 ]
 

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Literal
 
 from graphcap.config._schema import INT32_MAX, INT32_MIN, ConfigProblem, Section, problem, spec
 from graphcap.config.buffers import BufferConfig
+from graphcap.devices import BACKEND_NAMES, device_problem
 from graphcap.sizes import CaptureSizes, default_capture_sizes
 
 __all__ = [
@@ -46,11 +47,6 @@ PAD_SLOT_ID = -1
 
 BUILTIN_MODELS = ("tiny-llama",)
 """Names accepted by `model.name` (built by `graphcap.models.build_model`)."""
-
-BACKEND_NAMES = ("auto", "cuda", "emulated")
-"""Names `graphcap.backends.get_backend` and `graphcap --backend` accept. Defined here, beside the
-device choices, so the command line reads them without importing torch; `graphcap.backends`
-re-exports this tuple."""
 
 DEFAULT_MAX_SIZE = 64
 """`capture.max_size` when neither it nor an explicit `capture.sizes` list is given."""
@@ -400,8 +396,6 @@ SECTIONS: dict[str, type[Section]] = {
 }
 """The sections of a config file, by key."""
 
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CaptureConfig(Section):
@@ -429,15 +423,19 @@ class CaptureConfig(Section):
     """Pad rules of the persistent buffers."""
     buffers: tuple[BufferConfig, ...] = ()
     """The engine's own persistent buffers (the `buffers:` list), staged like the built-ins."""
+    source: str | None = field(default=None, compare=False, repr=False, metadata={"key": False})
+    """The file `load_config` read (None: a config shipped with graphcap, text, or built in
+    code); not a config key. A factory module is also looked up beside it (`graphcap.models.load_factory`)."""
     capture_sizes: CaptureSizes = field(init=False, repr=False, compare=False, default=None)  # type: ignore[assignment]
     """The validated schedule (`capture.sizes`, with `auto` expanded), built on construction."""
 
     def _check(self) -> list[ConfigProblem]:
         out: list[ConfigProblem] = []
-        if not _DEVICE.fullmatch(self.device):
-            out.append(problem("device", f"must be auto, cpu, cuda or cuda:N; got {self.device!r}"))
+        bad_device = device_problem(self.device)
+        if bad_device:
+            out.append(problem("device", bad_device))
         cap, bat, kv, pad = self.capture, self.batching, self.kv_cache, self.padding
-        on_cuda = self.device.startswith("cuda") and _DEVICE.fullmatch(self.device)
+        on_cuda = self.device.startswith("cuda") and not bad_device
         if on_cuda and cap.num_warmups == 0 and cap.mode != "none":
             out.append(
                 problem(
@@ -539,7 +537,7 @@ class CaptureConfig(Section):
         """Plain nested dict (YAML/JSON-ready); `load_config` of it gives an equal config."""
         out: dict[str, Any] = {}
         for f in fields(self):
-            if not f.init:
+            if not f.init or not f.metadata.get("key", True):
                 continue
             value = getattr(self, f.name)
             if isinstance(value, Section):

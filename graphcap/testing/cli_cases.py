@@ -26,7 +26,7 @@ import yaml
 
 from graphcap.config import MAX_CONFIG_BYTES
 
-__all__ = ["CLI_CASES", "CliCase", "CliResult", "check_case", "interrupt_after", "interrupted_cleanly", "run_case"]
+__all__ = ["CLI_CASES", "CliCase", "CliResult", "check_case", "run_case"]
 
 _TINY = {
     "device": "cpu",
@@ -114,41 +114,6 @@ def check_case(case: CliCase, tmp: Path) -> CliResult:
 
 
 _LOG_LEVELS = ("DEBUG ", "INFO ", "WARNING ", "ERROR ")
-
-
-def interrupt_after(delay: float, workdir: Path) -> tuple[int, str]:
-    """Start `python -m graphcap verify` (long enough to outlast `delay`), send SIGINT after
-    `delay` seconds; (return code, stderr). Interrupted right, it ends by SIGINT (-2) with one
-    line on stderr and no traceback."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "tiny.yaml").write_text(yaml.safe_dump(_TINY, sort_keys=False))
-    argv = ["verify", "--config", str(workdir / "tiny.yaml"), "--batches", "100000", "--no-progress"]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "graphcap", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    time.sleep(delay)
-    process.send_signal(signal.SIGINT)
-    _, err = process.communicate(timeout=120)
-    return process.returncode, err
-
-
-def interrupted_cleanly(code: int, err: str) -> bool:
-    """What `interrupt_after` must see: death by SIGINT, one "interrupted" line, no traceback."""
-    import signal
-
-    lines = err.splitlines()
-    return (
-        code == -signal.SIGINT
-        and "Traceback" not in err
-        and "Exception ignored" not in err
-        and bool(lines)
-        and lines[-1] in ("graphcap: interrupted", "graphcap verify: interrupted")
-    )
 
 
 # -- factories the cases point model.factory at -------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 from graphcap.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = str(ROOT / "capture_configs" / "tiny-cpu-ci.yaml")
+TINY = str(ROOT / "graphcap" / "configs" / "tiny-cpu-ci.yaml")
 
 
 def run_cli(capsys, *argv):
@@ -142,7 +142,7 @@ def test_bench_prints_medians_and_spread_per_key(capsys):
 
 
 def test_bench_flags_noisy_keys(capsys, monkeypatch):
-    from graphcap.testing import timing
+    from graphcap import timing
 
     calls = iter(range(10**6))
 

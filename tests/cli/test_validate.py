@@ -12,7 +12,7 @@ from graphcap.cli import main
 from tests.conftest import ASSETS
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT = str(REPO / "capture_configs" / "default.yaml")
+DEFAULT = str(REPO / "graphcap" / "configs" / "default.yaml")
 
 
 def test_validate_good_file_prints_ok_and_exits_0(capsys):
