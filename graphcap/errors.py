@@ -70,6 +70,9 @@ class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
     """The config file does not exist: a `ConfigError` (key `<file>`) like every other unreadable
     file, and a `FileNotFoundError` for code that catches that."""
 
+    def __str__(self) -> str:
+        return str(self.args[0])  # the problems, not OSError's "[Errno 2] ..." form
+
 
 class BatchError(ValueError):
     """A step refused before any buffer or KV-cache slot was written.

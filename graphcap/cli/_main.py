@@ -91,6 +91,15 @@ _USER_ERRORS = (_common.UserError, ConfigError)
 _FAILURES = (_common.CommandFailed, CaptureError, InvariantViolation, BatchError)
 
 
+_DEPENDENCIES = {
+    "torch": "install the torch build for this machine first (README, Quick start), then graphcap",
+    "numpy": "pip install numpy (graphcap's dependencies: pip install graphcap)",
+    "yaml": "pip install pyyaml (graphcap's dependencies: pip install graphcap)",
+    "tqdm": "pip install tqdm (graphcap's dependencies: pip install graphcap)",
+}
+"""Packages a command imports when it runs, and how to install each."""
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Run the parsed subcommand; map its errors to one line on stderr and an exit code."""
     _common.setup_logging(args)
@@ -105,6 +114,11 @@ def run_command(args: argparse.Namespace) -> int:
         return _report(args, "error", exc, 2)
     except _FAILURES as exc:
         return _report(args, "failed", exc, 1)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in _DEPENDENCIES:
+            raise  # not a dependency: a bug in graphcap (or a factory's import, named by the config error)
+        return _report(args, "error", f"{missing} is not installed: {_DEPENDENCIES[missing]}", 2)
     except MemoryError as exc:
         return _report(args, "failed", f"out of host memory ({type(exc).__name__}: {exc or 'no detail'})", 1)
     except OutputError as exc:

@@ -37,8 +37,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.batches < 0 or args.steps < 1:
-        raise UserError(f"--batches must be >= 0 and --steps >= 1; got {args.batches} and {args.steps}")
+    if args.batches < 0 or args.steps < 1 or args.seed < 0:
+        raise UserError(
+            f"--batches and --seed must be >= 0 and --steps >= 1; got --batches {args.batches}, --steps {args.steps}, "
+            f"--seed {args.seed}"
+        )
     manager = build_manager(args)
     stage("capturing")
     report = manager.capture()

@@ -7,6 +7,8 @@
 | `stress.py` | the poisoned stress loop (graph == eager on every real row) |
 | `threads.py` | several threads on one manager, and the interleaving detector |
 | `cli_cases.py` | hostile and careless uses of the `graphcap` command, as data (not imported here) |
+| `cli_setups.py` | the files, factories, faults and checks those cases use (not imported here) |
+| `interrupts.py` | Ctrl-C at each stage of a running command (not imported here) |
 | `dp_agreement.py` | data-parallel ranks with different configs (not imported here) |
 
 `Workload`, `fill_batch` (`graphcap.workload`) and `time_key` (`graphcap.timing`) are product

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import yaml
 
+from graphcap.testing.cli_setups import TINY
+
 __all__ = ["STAGES", "interrupt_at", "interrupted_cleanly"]
 
 STAGES = (
@@ -31,14 +33,6 @@ STAGES = (
 )
 """The stages of `graphcap verify`, in order, as its `stage:` log lines name them."""
 
-_TINY = {
-    "device": "cpu",
-    "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "vocab_size": 128},
-    "batching": {"max_num_seqs": 4, "max_num_tokens": 16},
-    "kv_cache": {"block_size": 4, "num_blocks": 40, "max_model_len": 32},
-    "capture": {"sizes": [2, 4], "num_warmups": 1},
-}
-
 
 def interrupt_at(stage: str, workdir: Path, *, limit: float = 300.0) -> tuple[int, str]:
     """Run `python -m graphcap verify -v` (long enough to outlast every stage), send SIGINT once its
@@ -47,7 +41,7 @@ def interrupt_at(stage: str, workdir: Path, *, limit: float = 300.0) -> tuple[in
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "tiny.yaml").write_text(yaml.safe_dump(_TINY, sort_keys=False))
+    (workdir / "tiny.yaml").write_text(yaml.safe_dump(TINY, sort_keys=False))
     argv = ["verify", "--config", str(workdir / "tiny.yaml"), "--batches", "100000", "--no-progress", "-v"]
     process = subprocess.Popen(
         [sys.executable, "-m", "graphcap", *argv],

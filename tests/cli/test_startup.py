@@ -129,3 +129,22 @@ def test_a_reader_that_goes_away_is_not_an_error():
     process.stderr.close()
     assert process.wait(timeout=60) == 0
     assert err == ""
+
+
+def test_a_command_without_torch_installed_is_one_line_and_exit_2(tmp_path):
+    # `None` in sys.modules is how Python spells "not installed" for an import: ModuleNotFoundError.
+    probe = "import sys\nsys.modules['torch'] = None\nfrom graphcap.cli import main\nsys.exit(main(sys.argv[1:]))"
+    result = subprocess.run(
+        [sys.executable, "-c", probe, "capture", "--config", TINY], capture_output=True, text=True, env=ENV, timeout=120
+    )
+    assert result.returncode == 2
+    assert result.stderr == (
+        "graphcap capture: error: torch is not installed: install the torch build for this machine first "
+        "(README, Quick start), then graphcap\n"
+    )
+    assert (
+        subprocess.run(  # validate needs no torch
+            [sys.executable, "-c", probe, "validate", TINY], capture_output=True, text=True, env=ENV, timeout=120
+        ).returncode
+        == 0
+    )
