@@ -45,16 +45,18 @@ REPORT_FORMAT = 1
 
 MEMORY_MEANING = {
     "cuda": {
-        "pool_bytes": "growth of the shared CUDA graph memory pool over the pass (what the graphs hold together)",
-        "memory_bytes": "device memory the capture of this graph took from the shared pool (allocator delta)",
+        "pool_bytes": "graph pool: growth of the shared CUDA graph memory pool over the pass (what the graphs "
+        "hold together)",
+        "memory_bytes": "memory: device memory the capture of this graph took from the shared pool (allocator delta)",
     },
     "emulated": {
-        "pool_bytes": "sum over graphs of memory_bytes: an upper bound, not a process peak (emulated graphs "
-        "share no pool and replay one at a time: the process holds every output plus one replay's peak)",
-        "memory_bytes": "peak of live intermediates during one replay of this graph, plus its static output",
+        "pool_bytes": "replay peaks: sum over graphs of memory_bytes, an upper bound, not a process peak (emulated "
+        "graphs share no pool and replay one at a time: the process holds every output plus one replay's peak)",
+        "memory_bytes": "memory: peak of live intermediates during one replay of this graph, plus its static output",
     },
 }
-"""What the memory numbers of a report measure, per backend (written into every report)."""
+"""What the memory numbers of a report measure, per backend (written into every report); each
+starts with the name the summary and the README give it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,17 +198,17 @@ class CaptureReport:
     def summary(self) -> str:
         """Totals in a few lines: graphs, time, memory (labelled by what it measures), skipped sizes."""
         if self.backend == "cuda":
-            memory = f"graph memory: {format_bytes(self.pool_bytes)} (growth of the shared CUDA graph pool)"
+            memory = f"graph pool: {format_bytes(self.pool_bytes)} (growth of the shared CUDA graph pool)"
         else:
             memory = (
-                f"graph memory: {format_bytes(self.pool_bytes)} (sum of each graph's replay peak and output; "
+                f"replay peaks: {format_bytes(self.pool_bytes)} (each graph's replay peak and output, summed; "
                 "an upper bound: emulated graphs replay one at a time)"
             )
         lines = [
             f"graphs captured: {len(self.captured)} of {len(self.records)} keys "
             f"({self.backend} backend on {self.device})",
             f"total capture time: {self.total_seconds:.2f} s",
-            f"{memory}; largest single graph {format_bytes(self.largest_graph_bytes)}",
+            f"{memory}; largest graph {format_bytes(self.largest_graph_bytes)}",
         ]
         if self.skipped:
             skipped = ", ".join(f"{r.key}" for r in self.skipped)

@@ -64,9 +64,12 @@ def build_manager(args: argparse.Namespace, config: CaptureConfig | None = None)
         available, what = available_memory(device)
         if available is not None and estimate.total > available:
             part, size = estimate.largest_part()
+            named = estimate.name_of(part)
+            if part == "graphs" and estimate.capture_transient >= estimate.build_transient:
+                named += " with the capture transient"
             raise UserError(
                 f"the memory estimate {format_bytes(estimate.total)} does not fit in the {format_bytes(available)} "
-                f"{what}; the largest part is {part.replace('_', ' ')} {format_bytes(size)}, sized by "
+                f"{what}; the largest part is {named} {format_bytes(size)}, sized by "
                 f"{KEYS.get(part, part)}: lower them, or pass --skip-memory-check if you know better "
                 "(every part is in the log line above)"
             )

@@ -150,7 +150,7 @@ def _write_plot(report, timings, path: str) -> None:
 
 
 def plot_capture(report, timings, image_format: str = "png") -> bytes:
-    """Three panels over token count: capture ms, graph memory, replay speedup; the image's bytes.
+    """Three panels over token count: capture ms, memory per graph, replay speedup; the image's bytes.
 
     Speedups are medians with the p10-p90 range as error bars, on a log axis so that one
     outlier cannot flatten the rest; noisy keys are drawn hollow.
@@ -201,7 +201,7 @@ def plot_capture(report, timings, image_format: str = "png") -> bytes:
     axes[2].set_yscale("log")
     titles = (
         "capture time per graph (ms, log)",
-        "graph memory (MiB)",
+        "memory per graph (MiB)",
         "replay speedup over eager (x, log; bars p10-p90)",
     )
     for axis, title in zip(axes, titles):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 from graphcap.cli._common import UserError, add_common, config_from_args
 from graphcap.sizes import CaptureSizes, default_capture_sizes
@@ -86,8 +87,8 @@ def run(args: argparse.Namespace) -> int:
                     "min(size, max_num_seqs)"
                 )
         print()
-        for backend in _backends_of(config.device):
-            print(f"  {estimate_memory(config, backend=backend).describe()}")
+        backend = _backend_of(config.device)
+        print(f"  {estimate_memory(config, backend=backend).describe()}")
     print()
     what = (
         f"over the histogram in {args.histogram}"
@@ -102,11 +103,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _backends_of(device: str) -> tuple[str, ...]:
-    """The backends a config's device may use (without importing torch to resolve `auto`)."""
+def _backend_of(device: str) -> str:
+    """The backend a config's device uses; for `auto`, the one it picks here, told apart without
+    importing torch by whether an NVIDIA driver is loaded (`--set device=cpu` or `cuda` to choose)."""
     if device == "auto":
-        return ("cuda", "emulated")
-    return ("cuda",) if device.startswith("cuda") else ("emulated",)
+        return "cuda" if os.path.exists("/proc/driver/nvidia/version") else "emulated"
+    return "cuda" if device.startswith("cuda") else "emulated"
 
 
 def _check_schedule_flags(max_size: int, uniform_query_len: int) -> None:
