@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 
 from graphcap.cli._common import (
     CommandFailed,
@@ -23,7 +25,9 @@ EPILOG = """examples:
 
 Each key runs --steps timed steps per side through the real step path (staging, invariants,
 then the model eagerly or the graph replay) on a batch that fills it, eager and replay
-interleaved, timed with torch.utils.benchmark.Timer. The table gives the median and the
+interleaved, timed with torch.utils.benchmark.Timer, with torch pinned to --threads CPU
+threads (default 1: two threads on two busy cores made one run of the default config take 8
+minutes instead of 45 s). A bar on stderr shows the key being timed (--no-progress: none). The table gives the median and the
 10th-90th percentile range; '!' marks a noisy key (interquartile range above 10% of the
 median): rerun it on a quiet machine or with more --steps before trusting its speedup.
 In the modes piecewise and full_and_piecewise each piecewise key gets its own row (kind
@@ -44,6 +48,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_common(parser)
     parser.add_argument("--steps", type=int, default=20, metavar="N", help="timed steps per key and side (default 20)")
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="torch CPU threads while capturing and timing (default 1: more threads than free cores make every "
+        "timing noisy on a shared machine)",
+    )
+    parser.add_argument(
         "--plot", metavar="FILE", help="draw capture time, memory and speedup per size (needs matplotlib)"
     )
     add_report(parser)
@@ -54,20 +66,21 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
 
     from graphcap.report import format_bytes
-    from graphcap.timing import time_key
     from graphcap.workload import fill_batch
 
-    if args.steps < 1:
-        raise UserError(f"--steps must be >= 1; got {args.steps}")
+    if args.steps < 1 or args.threads < 1:
+        raise UserError(f"--steps and --threads must be >= 1; got --steps {args.steps}, --threads {args.threads}")
     if args.plot:
         _check_plot_path(args.plot)
     config = config_from_args(args, report__path=args.report)
     report_path = report_target(args, config)
     manager = build_manager(args, dataclasses.replace(config, report=dataclasses.replace(config.report, path=None)))
-    stage("capturing")
-    report = manager.capture()
-    check_something_captured(report)
-    timed = {r.key: time_key(manager, r.key, steps=args.steps) for r in report.captured}
+    with _torch_threads(args.threads):
+        stage("capturing")
+        report = manager.capture()
+        check_something_captured(report)
+        stage("timing")
+        timed = _time_keys(manager, [r.key for r in report.captured], args.steps, progress=not args.no_progress)
     timings = [t for t in timed.values() if t is not None]
     by_key = {r.key: r for r in report.records}
     print(
@@ -103,6 +116,33 @@ def run(args: argparse.Namespace) -> int:
     if report_path:
         write_report(report, report_path)
     return 0
+
+
+@contextlib.contextmanager
+def _torch_threads(num: int) -> Iterator[None]:
+    """torch's CPU thread count pinned to `num` for the duration (the caller's is put back)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(num)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _time_keys(manager, keys: list, steps: int, *, progress: bool) -> dict:
+    """`time_key` for every key, with a progress bar on stderr (a terminal only; none with --no-progress)."""
+    from tqdm import tqdm
+
+    from graphcap.timing import time_key
+
+    timed = {}
+    with tqdm(keys, desc="timing", unit="key", disable=None if progress else True, leave=False) as bar:
+        for key in bar:
+            bar.set_postfix_str(str(key), refresh=False)
+            timed[key] = time_key(manager, key, steps=steps)
+    return timed
 
 
 def _kind(key) -> str:
