@@ -13,7 +13,6 @@ import sys
 from typing import Any, TextIO
 
 from graphcap.cli import _common, bench, capture, sizes, validate, verify
-from graphcap.errors import BatchError, CaptureError, ConfigError, InvariantViolation
 
 __all__ = ["COMMANDS", "OutputError", "build_parser", "run_command"]
 
@@ -85,12 +84,6 @@ class _GuardedStream:
         return getattr(self._stream, name)
 
 
-# Exceptions that are the user's input (exit 2) or a failure of the command (exit 1); anything
-# else is a bug in graphcap and keeps its traceback.
-_USER_ERRORS = (_common.UserError, ConfigError)
-_FAILURES = (_common.CommandFailed, CaptureError, InvariantViolation, BatchError)
-
-
 _DEPENDENCIES = {
     "torch": "install the torch build for this machine first (README, Quick start), then graphcap",
     "numpy": "pip install numpy (graphcap's dependencies: pip install graphcap)",
@@ -102,6 +95,12 @@ _DEPENDENCIES = {
 
 def run_command(args: argparse.Namespace) -> int:
     """Run the parsed subcommand; map its errors to one line on stderr and an exit code."""
+    from graphcap.errors import BatchError, CaptureError, ConfigError, InvariantViolation
+
+    # Exceptions that are the user's input (exit 2) or a failure of the command (exit 1); anything
+    # else is a bug in graphcap and keeps its traceback.
+    user_errors = (_common.UserError, ConfigError)
+    failures = (_common.CommandFailed, CaptureError, InvariantViolation, BatchError)
     _common.setup_logging(args)
     _common.stage(f"{args.command} started")
     stdout = sys.stdout
@@ -110,9 +109,9 @@ def run_command(args: argparse.Namespace) -> int:
         code = int(args.run(args) or 0)
         guarded.flush()  # a full disk shows here, while the error can still be reported
         return code
-    except _USER_ERRORS as exc:
+    except user_errors as exc:
         return _report(args, "error", exc, 2)
-    except _FAILURES as exc:
+    except failures as exc:
         return _report(args, "failed", exc, 1)
     except ModuleNotFoundError as exc:
         missing = (exc.name or "").partition(".")[0]

@@ -16,7 +16,6 @@ from graphcap.cli._common import (
     stage,
     write_report,
 )
-from graphcap.cli._setup import build_manager
 from graphcap.cli.capture import check_something_captured, command_line
 
 EPILOG = """examples:
@@ -27,9 +26,10 @@ Each key runs --steps timed steps per side through the real step path (staging, 
 then the model eagerly or the graph replay) on a batch that fills it, eager and replay
 interleaved, timed with torch.utils.benchmark.Timer, with torch pinned to --threads CPU
 threads (default 1: two threads on two busy cores made one run of the default config take 8
-minutes instead of 45 s). A bar on stderr shows the key being timed (--no-progress: none). The table gives the median and the
-10th-90th percentile range; '!' marks a noisy key (interquartile range above 10% of the
-median): rerun it on a quiet machine or with more --steps before trusting its speedup.
+minutes instead of 45 s). A bar on stderr shows the key being timed (--no-progress: none).
+The table gives the median and the 10th-90th percentile range; '!' marks a noisy key
+(interquartile range above 10% of the median): rerun it on a quiet machine or with more
+--steps before trusting its speedup.
 In the modes piecewise and full_and_piecewise each piecewise key gets its own row (kind
 piecewise, timed on a mixed batch of its size): at one size it compares eager, piecewise and,
 where the mode captures one, full graphs. The plot's format follows the suffix of --plot
@@ -65,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from graphcap.cli._setup import build_manager
     from graphcap.report import format_bytes
     from graphcap.workload import fill_batch
 

@@ -14,7 +14,6 @@ from graphcap.cli._common import (
     stage,
     write_report,
 )
-from graphcap.cli._setup import build_manager
 
 EPILOG = """examples:
   graphcap capture                                  # embedded default: tiny model, best device
@@ -45,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import dataclasses
+
+    from graphcap.cli._setup import build_manager
 
     config = config_from_args(args, report__path=args.report)
     report_path = report_target(args, config)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 
 from graphcap.cli._common import UserError, add_common, stage
-from graphcap.cli._setup import build_manager
 from graphcap.cli.capture import check_something_captured
-from graphcap.errors import InvariantViolation
 
 EPILOG = """examples:
   graphcap verify                                  # embedded default, 8 random sequences
@@ -37,6 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from graphcap.cli._setup import build_manager
+
     if args.batches < 0 or args.steps < 1 or args.seed < 0:
         raise UserError(
             f"--batches and --seed must be >= 0 and --steps >= 1; got --batches {args.batches}, --steps {args.steps}, "
@@ -69,6 +69,7 @@ def sweep_keys(manager) -> int:
     key `min(tokens, max_num_seqs)`); raise on any violation."""
     import numpy as np
 
+    from graphcap.errors import InvariantViolation
     from graphcap.invariants import check_invariants
     from graphcap.workload import fill_batch
 
@@ -92,6 +93,7 @@ def replay_sequences(manager, num_sequences: int, num_steps: int, seed: int) -> 
     """Random step sequences through `execute` vs `eager`; returns (failures, steps compared)."""
     import torch
 
+    from graphcap.errors import InvariantViolation
     from graphcap.workload import Workload
 
     config = manager.config

@@ -40,6 +40,20 @@ def test_help_version_and_validate_never_import_torch(argv):
     assert _loaded_after(argv) == "[]"
 
 
+def test_help_loads_only_the_command_line_and_torch_free_leaves():
+    # `graphcap --help` within 2x a bare interpreter: the config package, numpy and the errors
+    # load when a command runs, not to print the help (tools/bench_startup.py measures it).
+    probe = (
+        "import sys\nfrom graphcap.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith('graphcap')), file=sys.stderr)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, timeout=60)
+    loaded = set(eval(result.stderr.strip().splitlines()[-1]))
+    others = {m for m in loaded if not m.startswith("graphcap.cli.")} - {"graphcap.cli", "graphcap"}
+    assert others <= {"graphcap.devices", "graphcap.sizes"}, others
+    assert "graphcap.cli._setup" not in loaded  # what builds a manager loads with the command that needs it
+
+
 def test_version_is_the_installed_metadata_version(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--version"])
