@@ -738,19 +738,25 @@ def thread_rows(scale: Scale) -> list[Row]:
 
 CLI_AREAS = {
     "files": (
-        "config files: unreadable (ELOOP, ENOTDIR, ENAMETOOLONG, EISDIR, EIO, EACCES), endless or huge "
-        "(`/dev/zero`, 3 MB, 20 MB, 350k nodes), not UTF-8, 5000-digit integers"
+        "config files: missing, unreadable (ELOOP, ENOTDIR, ENAMETOOLONG, EISDIR, EIO, EACCES), endless or huge "
+        "(`/dev/zero`, 3 MB, 20 MB, 350k nodes), not UTF-8, 5000-digit integers; a bundled config by name, a "
+        "factory module beside its config run from another directory"
     ),
     "flags": (
         "flags and values: `--set` long integers and quotes, sizes that cannot run, a failing model build or "
-        "factory, `sizes --max-size 10**9`, bad histograms, stdout on a full disk, `--backend cuda` without "
-        "CUDA, every key skipped"
+        "factory, `sizes --max-size 10**9`, bad histograms, stdout on a full disk or closed (`>&-`), "
+        "`verify --seed -1`, `--device cuda:<huge>`, `--backend cuda` without CUDA, every key skipped"
     ),
     "reports": (
         "reports and plots: `--report` onto the config, file modes, a failed write, what a report records, "
-        "`--plot` into a directory or with a suffix matplotlib cannot write, a PDF plot"
+        "a report path over a file graphcap did not write (a CI workflow), a config's report path outside its "
+        "directory and the working directory, a path too long, `--plot` into a directory or with a suffix "
+        "matplotlib cannot write, a PDF plot"
     ),
-    "memory": "memory: an 8B-shaped config with a huge cache on the CPU, the estimate in `capture` and `sizes`",
+    "memory": (
+        "memory: an 8B-shaped config with a huge cache on the CPU, a T x 2**40 float64 engine buffer, the "
+        "estimate in `capture` and `sizes`"
+    ),
     "packaging": "names: a factory override on the embedded default, vLLM mode spellings",
 }
 

@@ -160,6 +160,7 @@ CLI_CASES: tuple[CliCase, ...] = (
     CliCase("reports", "--plot x.pdf is a PDF", ("bench", "--config", "{tiny}", "--steps", "1", "--plot", "{tmp}/x.pdf"), 0, "", check=setups.magic("x.pdf", b"%PDF")),
     # -- memory, before it hurts
     CliCase("memory", "8B shapes, huge cache, on the CPU: refused", ("capture", "--config", "{tmp}/huge.yaml"), 2, r"memory estimate [\d.]+ GiB does not fit in the [\d.]+ .iB (host RAM|left under).*largest part is kv cache 256\.0 GiB, sized by kv_cache\.num_blocks", setups.huge_yaml, skip=setups.huge_fits),
+    CliCase("memory", "a T x 2**40 float64 engine buffer: refused by the estimate", ("capture", "--config", "{tmp}/hugebuf.yaml"), 2, r"does not fit .*the largest part is buffers 128\.0 TiB, sized by .*the buffers: list", setups.huge_buffer),
     CliCase("memory", "capture's first log line is the estimate", _CAP, 0, r"memory estimate", check=setups.first_log_line_has_estimate),
     CliCase("memory", "sizes shows the estimate", ("sizes", "--config", "{tiny}"), 0, r"^$", check=setups.out_has("memory estimate")),
     CliCase("memory", "a factory's own estimate is used", (*_CAP, "--set", f"model.factory={_FACTORY}:estimated_factory"), 0, r"memory estimate .*checkpoint 3\.0 MiB"),

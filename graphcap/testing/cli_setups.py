@@ -130,6 +130,12 @@ def factory_beside_config(tmp: Path) -> None:
     (tmp / "proj" / "factory.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
+def huge_buffer(tmp: Path) -> None:
+    """An engine buffer of 2**40 float64 values per token: no machine holds it."""
+    buffer = {"name": "huge", "rows": "tokens", "shape": [1 << 20, 1 << 20], "dtype": "float64"}
+    (tmp / "hugebuf.yaml").write_text(yaml.safe_dump({**TINY, "buffers": [buffer]}, sort_keys=False))
+
+
 def unchanged(name: str) -> Callable[[Path, str, str], None]:
     def check(tmp: Path, out: str, err: str) -> None:
         if yaml.safe_load((tmp / name).read_text()).get("model") != TINY["model"]:
