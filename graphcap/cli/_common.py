@@ -74,6 +74,14 @@ def setup_logging(args: argparse.Namespace) -> None:
     logging.getLogger("graphcap").setLevel(level)
 
 
+def check_at_least(**bounds: tuple[int, int]) -> None:
+    """`--flag` values against their minimum: `check_at_least(steps=(args.steps, 1))`; the first
+    one below its minimum is a `UserError` naming the flag, the bound and the value."""
+    for flag, (value, minimum) in bounds.items():
+        if value < minimum:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= {minimum}; got {value}")
+
+
 def stage(name: str) -> None:
     """Log the step the command starts now (a DEBUG line, `stage: NAME`, shown by `-v`): `-v`
     traces where a slow command is, and the interrupt tests signal the process at these lines."""

@@ -11,6 +11,7 @@ from graphcap.cli._common import (
     UserError,
     add_common,
     add_report,
+    check_at_least,
     config_from_args,
     report_target,
     stage,
@@ -69,8 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from graphcap.report import format_bytes
     from graphcap.workload import fill_batch
 
-    if args.steps < 1 or args.threads < 1:
-        raise UserError(f"--steps and --threads must be >= 1; got --steps {args.steps}, --threads {args.threads}")
+    check_at_least(steps=(args.steps, 1), threads=(args.threads, 1))
     if args.plot:
         _check_plot_path(args.plot)
     config = config_from_args(args, report__path=args.report)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from graphcap.cli._common import UserError, add_common, stage
+from graphcap.cli._common import add_common, check_at_least, stage
 from graphcap.cli.capture import check_something_captured
 
 EPILOG = """examples:
@@ -37,11 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from graphcap.cli._setup import build_manager
 
-    if args.batches < 0 or args.steps < 1 or args.seed < 0:
-        raise UserError(
-            f"--batches and --seed must be >= 0 and --steps >= 1; got --batches {args.batches}, --steps {args.steps}, "
-            f"--seed {args.seed}"
-        )
+    check_at_least(batches=(args.batches, 0), steps=(args.steps, 1), seed=(args.seed, 0))
     manager = build_manager(args)
     stage("capturing")
     report = manager.capture()
