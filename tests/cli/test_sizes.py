@@ -92,7 +92,11 @@ def test_missing_histogram_file_exits_2(capsys, tmp_path):
         (["--max-size", "1000000000"], "--max-size: must be <= 65536; got 1000000000"),
         (["--max-size", "8", "--uniform-query-len", "0"], "--uniform-query-len: must be >= 1; got 0"),
         (["--set", "capture.max_size"], "--set 'capture.max_size': expected KEY=VALUE, e.g. --set capture.max_size=16"),
-        (["--config", "/no/such/config.yaml"], "config file not found: /no/such/config.yaml"),
+        (
+            ["--config", "/no/such/config.yaml"],
+            "--config config file not found: /no/such/config.yaml (configs shipped with graphcap, loadable by name: "
+            "decode-only, default, llama3-8b-h200, spec-decode, tiny-cpu-ci)",
+        ),
     ],
 )  # fmt: skip
 def test_usage_errors_exit_2_with_a_one_line_message(capsys, argv, message):
