@@ -99,7 +99,7 @@ __all__ = [  # the same names as _EXPORTS (tests/test_packaging.py holds them eq
 
 def __getattr__(name: str) -> Any:
     if name == "__version__":
-        value: Any = _version()
+        value: Any = importlib.import_module("graphcap.version").version()
     elif name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
     else:
@@ -110,12 +110,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__, "__version__"})
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("graphcap")
-    except PackageNotFoundError:  # a source checkout on PYTHONPATH that was never installed
-        return "0+unknown"

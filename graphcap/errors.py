@@ -3,6 +3,7 @@
 | exception | base | raised when |
 |---|---|---|
 | `ConfigError` | `ValueError` | a config has problems; `.problems` lists every one (`ConfigProblem`) |
+| `ConfigFileNotFoundError` | `ConfigError`, `FileNotFoundError` | the config file does not exist |
 | `BatchError` | `ValueError` | a step is refused before anything is written (it does not fit the buffers or the key) |
 | `InvariantViolation` | `RuntimeError` | staged metadata breaks a rule; `.field`, `.index`, `.expected`, `.actual` |
 | `CaptureError` | `RuntimeError` | a graph could not be captured or replayed |
@@ -22,6 +23,7 @@ __all__ = [
     "CaptureError",
     "CaptureUnsafeError",
     "ConfigError",
+    "ConfigFileNotFoundError",
     "ConfigProblem",
     "DistributedTimeoutError",
     "InvariantViolation",
@@ -55,6 +57,14 @@ class ConfigError(ValueError):
         head = f"{len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}"
         head += f" in {source}" if source else " in the config"
         super().__init__(head + ":\n" + "\n".join(f"  {p}" for p in self.problems))
+
+
+class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
+    """The config file does not exist: a `ConfigError` (key `<file>`) like every other unreadable
+    file, and a `FileNotFoundError` for code that catches that."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])  # the problems, not OSError's "[Errno 2] ..." form
 
 
 class BatchError(ValueError):

@@ -27,6 +27,7 @@ This module does not import torch (`graphcap sizes` shows the estimate without i
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -37,13 +38,17 @@ from graphcap.report import format_bytes
 __all__ = ["GraphMemory", "MemoryEstimate", "available_memory", "estimate_memory"]
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_BUFFER_BYTES = {
+    **{"int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1, "bool": 1},
+    **{"float16": 2, "float32": 4, "float64": 8},
+}  # bytes per element of each engine-buffer dtype (`graphcap.config.buffers.BUFFER_DTYPES`)
 _DRAW_ON_DEVICE = 200_000_000  # parameters; as graphcap.models.llama draws its weights
 
 # Config keys that size each part, named when the estimate does not fit.
 KEYS = {
     "weights": "model.hidden_size, model.num_layers, model.vocab_size, model.dtype",
     "kv_cache": "kv_cache.num_blocks, kv_cache.block_size, model.num_layers, model.num_kv_heads",
-    "buffers": "batching.max_num_tokens, batching.max_num_seqs, kv_cache.max_model_len",
+    "buffers": "batching.max_num_tokens, batching.max_num_seqs, kv_cache.max_model_len and the buffers: list",
     "graphs": "capture.max_size, kv_cache.max_model_len (the reference attention gathers every key)",
     "model": "the factory's own estimate_memory",
 }
@@ -92,9 +97,16 @@ class MemoryEstimate:
         name = max(parts, key=lambda part: parts[part])
         return name, parts[name]
 
+    def name_of(self, part: str) -> str:
+        """What the README calls `part`: the `graphs` part is the `graph pool` on CUDA (what the shared
+        pool holds) and the `graph outputs` on the emulated backend (what stays between replays)."""
+        if part == "graphs":
+            return "graph pool" if self.backend == "cuda" else "graph outputs"
+        return part.replace("_", " ")
+
     def describe(self) -> str:
         """One line: the total, then each part (`graphcap sizes` and `capture`'s first log line)."""
-        shown = [f"{name.replace('_', ' ')} {format_bytes(size)}" for name, size in self.parts.items()]
+        shown = [f"{self.name_of(name)} {format_bytes(size)}" for name, size in self.parts.items()]
         if self.capture_transient:
             shown.append(f"capture transient {format_bytes(self.capture_transient)}")
         if self.build_transient:
@@ -118,11 +130,14 @@ def estimate_memory(
     *,
     backend: str = "emulated",
     model_estimate: Callable[[Any], int | Mapping[str, int]] | None = None,
+    buffers: Iterable[Any] = (),
 ) -> MemoryEstimate:
     """Estimate the memory of capturing `config` with `backend` (`cuda` or `emulated`).
 
     `model_estimate(config)` stands in for the model's own parts (a factory model's
     `estimate_memory`); without it a factory model's memory is unknown (noted, counted 0).
+    The `buffers` part holds graphcap's staging buffers and every engine buffer: the config's
+    `buffers:` list and `buffers` (`BufferSpec`s given to `CaptureManager(buffers=...)`).
     Bytes are exact for weights, KV cache and buffers, and for activations within the
     tolerance `tests/test_memory.py` checks; allocator rounding and library workspaces
     (cuBLAS, a CUDA context) are not included.
@@ -151,7 +166,7 @@ def estimate_memory(
         parts.update(own)
     else:
         notes.append(f"model {config.model.factory} not estimated (give the factory an estimate_memory attribute)")
-    parts["buffers"] = _buffers(config, backend)
+    parts["buffers"] = _buffers(config, backend, (*config.buffers, *buffers))
     if config.model.factory is None:  # a factory model's graphs are in its own estimate, or unknown
         parts["graphs"] = _held_by_graphs(graphs, backend)
     transient = max((g.transient if backend == "emulated" else 0 for g in graphs), default=0)
@@ -197,11 +212,15 @@ def _kv_cache(config: Any) -> int:
     return m.num_layers * 2 * m.num_kv_heads * (kv.num_blocks + 1) * kv.block_size * m.head_dim * _DTYPE_BYTES[m.dtype]
 
 
-def _buffers(config: Any, backend: str) -> int:
-    """The packed staging buffer (twice on CUDA: pinned host and device) and its scratch."""
+def _buffers(config: Any, backend: str, extras: Iterable[Any]) -> int:
+    """The packed staging buffer with the engine buffers `extras` (twice on CUDA: pinned host and
+    device) and its scratch; each field 64-byte aligned, as `PersistentBuffers` lays them out."""
     T, R = config.batching.max_num_tokens, config.batching.max_num_seqs
     B = config.kv_cache.max_blocks_per_req
     packed = sum(-(-n * 4 // 64) * 64 for n in (R + 1, R, T, T, T, R * B))
+    for spec in extras:  # a BufferConfig or a BufferSpec: name, rows, shape, dtype
+        rows = {"tokens": T, "reqs": R, "none": 1}[spec.rows]
+        packed += -(-rows * math.prod(spec.shape) * _BUFFER_BYTES[spec.dtype] // 64) * 64
     scratch = 4 * T + 8 * T + 4 * (max(T, R) + 1) + 8 * R + 8 * (T + R + 2)  # arrays and row caches
     return packed * (2 if backend == "cuda" else 1) + scratch
 

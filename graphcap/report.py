@@ -9,10 +9,13 @@ each memory number measures: the CUDA pool and the emulated backend count differ
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
 import platform
+import re
 import secrets
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,29 +25,39 @@ import yaml
 from graphcap.config.fingerprint import config_fingerprint
 from graphcap.errors import ConfigError, ConfigProblem
 from graphcap.keys import GraphKey
+from graphcap.version import version
 
 __all__ = [
     "MEMORY_MEANING",
     "CaptureReport",
+    "REPORT_MARKER",
     "GraphRecord",
     "atomic_write",
     "check_report_path",
     "environment",
     "format_bytes",
+    "may_overwrite",
 ]
+
+REPORT_MARKER = "graphcap_report"
+"""The first key of every report graphcap writes (its value is the report format's version,
+`REPORT_FORMAT`). graphcap replaces an existing file only when it starts with this key."""
+REPORT_FORMAT = 1
 
 MEMORY_MEANING = {
     "cuda": {
-        "pool_bytes": "growth of the shared CUDA graph memory pool over the pass (what the graphs hold together)",
-        "memory_bytes": "device memory the capture of this graph took from the shared pool (allocator delta)",
+        "pool_bytes": "graph pool: growth of the shared CUDA graph memory pool over the pass (what the graphs "
+        "hold together)",
+        "memory_bytes": "memory: device memory the capture of this graph took from the shared pool (allocator delta)",
     },
     "emulated": {
-        "pool_bytes": "sum over graphs of memory_bytes: an upper bound, not a process peak (emulated graphs "
-        "share no pool and replay one at a time: the process holds every output plus one replay's peak)",
-        "memory_bytes": "peak of live intermediates during one replay of this graph, plus its static output",
+        "pool_bytes": "replay peaks: sum over graphs of memory_bytes, an upper bound, not a process peak (emulated "
+        "graphs share no pool and replay one at a time: the process holds every output plus one replay's peak)",
+        "memory_bytes": "memory: peak of live intermediates during one replay of this graph, plus its static output",
     },
 }
-"""What the memory numbers of a report measure, per backend (written into every report)."""
+"""What the memory numbers of a report measure, per backend (written into every report); each
+starts with the name the summary and the README give it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +143,7 @@ class CaptureReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            REPORT_MARKER: REPORT_FORMAT,  # first: what `may_overwrite` looks for
             "created": self.created,
             "command": self.command,
             "environment": self.environment,
@@ -148,8 +162,14 @@ class CaptureReport:
         }
 
     def write(self, path: str | os.PathLike) -> Path:
-        """Write JSON (`.json`) or YAML (`.yaml`/`.yml`) atomically: complete or absent (see `atomic_write`)."""
+        """Write JSON (`.json`) or YAML (`.yaml`/`.yml`) atomically: complete or absent (see `atomic_write`).
+
+        Raises `FileExistsError` when `path` is a file graphcap did not write (see `may_overwrite`).
+        """
         path = Path(path)
+        if not may_overwrite(path):
+            why = f"exists and is not a graphcap report (no {REPORT_MARKER!r} key first); not replaced"
+            raise FileExistsError(errno.EEXIST, why, str(path))
         data = self.to_dict()
         if path.suffix == ".json":
             text = json.dumps(data, indent=2) + "\n"
@@ -179,17 +199,17 @@ class CaptureReport:
     def summary(self) -> str:
         """Totals in a few lines: graphs, time, memory (labelled by what it measures), skipped sizes."""
         if self.backend == "cuda":
-            memory = f"graph memory: {format_bytes(self.pool_bytes)} (growth of the shared CUDA graph pool)"
+            memory = f"graph pool: {format_bytes(self.pool_bytes)} (growth of the shared CUDA graph pool)"
         else:
             memory = (
-                f"graph memory: {format_bytes(self.pool_bytes)} (sum of each graph's replay peak and output; "
+                f"replay peaks: {format_bytes(self.pool_bytes)} (each graph's replay peak and output, summed; "
                 "an upper bound: emulated graphs replay one at a time)"
             )
         lines = [
             f"graphs captured: {len(self.captured)} of {len(self.records)} keys "
             f"({self.backend} backend on {self.device})",
             f"total capture time: {self.total_seconds:.2f} s",
-            f"{memory}; largest single graph {format_bytes(self.largest_graph_bytes)}",
+            f"{memory}; largest graph {format_bytes(self.largest_graph_bytes)}",
         ]
         if self.skipped:
             skipped = ", ".join(f"{r.key}" for r in self.skipped)
@@ -202,10 +222,8 @@ def environment(device: str) -> dict[str, Any]:
     """Versions and the device's name, for a report: what a bug report or a comparison needs."""
     import torch
 
-    from graphcap import __version__
-
     out: dict[str, Any] = {
-        "graphcap": __version__,
+        "graphcap": version(),
         "python": platform.python_version(),
         "torch": str(torch.__version__),
         "cuda_runtime": torch.version.cuda,
@@ -246,25 +264,63 @@ def check_report_path(path: str | os.PathLike, *, not_same_as: tuple[str | os.Pa
     """Refuse, before any work, a report path that cannot be written or must not be.
 
     Raises `ConfigError` (key `report.path`) when `path` is a directory, lies under a file, is
-    in a directory without write permission, or is the same file as one of `not_same_as` (the
-    config the report describes: writing it there would destroy the config).
+    in a directory without write permission, cannot be used at all (a name too long, a loop of
+    links), is the same file as one of `not_same_as` (the config the report describes), or is
+    an existing file that graphcap did not write (see `may_overwrite`).
     """
     target = Path(path)
-    problem = None
-    if target.is_dir():
-        problem = f"{path} is a directory; give a file name ending in .json, .yaml or .yml"
-    elif target.exists() and any(Path(o).exists() and os.path.samefile(target, o) for o in not_same_as):
-        problem = f"{path} is the config file itself; writing the report there would overwrite it: pick another path"
-    else:
-        parent = target.parent
-        while not parent.exists() and parent != parent.parent:  # the directories write() would create
-            parent = parent.parent
-        if not parent.is_dir():
-            problem = f"{path} cannot be created: {parent} is not a directory"
-        elif not os.access(parent, os.W_OK | os.X_OK):
-            problem = f"{path} cannot be written: no write permission in {parent}"
+    try:
+        problem = _path_problem(path, target, not_same_as)
+    except OSError as exc:  # ENAMETOOLONG, ELOOP, EACCES on a parent, ...
+        problem = f"{path} cannot be used: {_os_reason(exc)}"
     if problem:
         raise ConfigError([ConfigProblem("report.path", problem)])
+
+
+def _path_problem(path: str | os.PathLike, target: Path, not_same_as: tuple[str | os.PathLike, ...]) -> str | None:
+    if target.is_dir():
+        return f"{path} is a directory; give a file name ending in .json, .yaml or .yml"
+    if target.exists() and any(Path(o).exists() and os.path.samefile(target, o) for o in not_same_as):
+        return f"{path} is the config file itself; writing the report there would overwrite it: pick another path"
+    if (target.exists() or target.is_symlink()) and not may_overwrite(target):
+        return (
+            f"{path} exists and is not a graphcap report (graphcap overwrites only files that start with its "
+            f"{REPORT_MARKER!r} key, or empty ones): remove it or pick another path"
+        )
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:  # the directories write() would create
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{path} cannot be created: {parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{path} cannot be written: no write permission in {parent}"
+    return None
+
+
+def may_overwrite(path: str | os.PathLike) -> bool:
+    """Whether graphcap may replace the file at `path`: it does not exist, is empty, or is a report
+    graphcap wrote (a regular file whose first key is `REPORT_MARKER`). Anything else, a link, a
+    device or a file some other program wrote, is left alone."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    if not stat.S_ISREG(info.st_mode):
+        return False
+    if info.st_size == 0:
+        return True
+    with open(path, "rb") as handle:
+        head = handle.read(256)
+    return _MARKED.match(head) is not None
+
+
+_MARKED = re.compile(rb'\s*(\{\s*"' + REPORT_MARKER.encode() + rb'"\s*:|' + REPORT_MARKER.encode() + rb"\s*:)")
+
+
+def _os_reason(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0)
+    reason = exc.strerror or str(exc)
+    return f"{reason} ({name})" if name else reason
 
 
 def atomic_write(path: Path | str, data: str | bytes) -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import re
-from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -264,14 +262,3 @@ def test_each_step_uploads_its_prefix_once_and_host_writes_wait_for_the_previous
     buffers.stage(StepBatch(np.ones(2, np.int32), np.array([9, 3], np.int32), None, table), key)
     assert _Event.log == ["record", "wait", "record"]
     assert buffers.layout.device_tensor[:end].numpy().tobytes() == buffers.packed_host[:end].tobytes()
-
-
-def test_the_readme_example_runs():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Persistent block table", 1)[1].split("\n## ", 1)[0]
-    (example,) = re.findall(r"```py\n(.*?)```", section, flags=re.S)
-    namespace: dict = {}
-    exec(compile(example, "README.md", "exec"), namespace)
-    table = namespace["table"]
-    assert table.row(0).tolist() == [2, 3, 4] and table.top == 1
-    assert namespace["logits"].shape[0] == 1

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import errno
 import os
-import time
 from pathlib import Path
 
 import pytest
 
-from graphcap.config import MAX_CONFIG_BYTES, ConfigError, config_from_text, load_config
+from graphcap.config import MAX_CONFIG_BYTES, ConfigError, _load, _yaml, config_from_text, load_config
 from graphcap.config._yaml import MAX_NODES, YamlSyntaxError, parse_scalar
 from graphcap.errors import ConfigProblem
 
@@ -66,19 +65,48 @@ def test_permission_denied_is_a_config_error(tmp_path, monkeypatch):
         load_config(path)
 
 
-def test_missing_file_stays_file_not_found():
-    with pytest.raises(FileNotFoundError, match=r"config file not found: /no/such\.yaml"):
+def test_missing_file_is_a_config_error_and_stays_file_not_found():
+    with pytest.raises(FileNotFoundError, match=r"<file>: config file not found: /no/such\.yaml") as info:
         load_config("/no/such.yaml")
+    assert isinstance(info.value, ConfigError) and info.value.errno == errno.ENOENT
+    assert [p.key for p in info.value.problems] == ["<file>"]
 
 
 # -- files too big, endless, or not text -------------------------------------------------
 
 
-def test_endless_device_file_is_refused_after_reading_one_mebibyte():
-    start = time.perf_counter()
+def _counting_open(monkeypatch) -> list[int]:
+    """Record how many bytes `load_config` reads from any file (the loader's own `open`)."""
+    read: list[int] = []
+
+    def counting(path, mode="r", *args, **kwargs):
+        handle = open(path, mode, *args, **kwargs)  # noqa: SIM115 (the loader closes it)
+        real_read = handle.read
+
+        def counted(size=-1):
+            data = real_read(size)
+            read.append(len(data))
+            return data
+
+        handle.read = counted
+        return handle
+
+    monkeypatch.setattr(_load, "open", counting, raising=False)
+    return read
+
+
+def test_endless_device_file_is_refused_after_reading_one_mebibyte(monkeypatch):
+    read = _counting_open(monkeypatch)
     with pytest.raises(ConfigError, match=r"/dev/zero is larger than 1 MiB; a config is a few KiB"):
         load_config("/dev/zero")
-    assert time.perf_counter() - start < 5
+    assert sum(read) == MAX_CONFIG_BYTES + 1
+
+
+def _never_parsed(monkeypatch) -> None:
+    def parse(*args, **kwargs):
+        raise AssertionError("the text was parsed")
+
+    monkeypatch.setattr(_load, "read_yaml", parse)
 
 
 @pytest.mark.parametrize(
@@ -89,27 +117,36 @@ def test_endless_device_file_is_refused_after_reading_one_mebibyte():
     ],
     ids=["comments", "list"],
 )
-def test_file_above_the_size_cap_is_refused_before_parsing(tmp_path, text):
+def test_file_above_the_size_cap_is_refused_before_parsing(tmp_path, monkeypatch, text):
     path = tmp_path / "big.yaml"
     path.write_text(text * (MAX_CONFIG_BYTES // len(text) + 1))
-    start = time.perf_counter()
+    read = _counting_open(monkeypatch)
+    _never_parsed(monkeypatch)
     with pytest.raises(ConfigError, match="is larger than 1 MiB"):
         load_config(path)
-    assert time.perf_counter() - start < 1
+    assert sum(read) == MAX_CONFIG_BYTES + 1
 
 
-def test_text_in_memory_above_the_size_cap_is_refused():
+def test_text_in_memory_above_the_size_cap_is_refused(monkeypatch):
+    _never_parsed(monkeypatch)
     with pytest.raises(ConfigError, match=r"the text has \d+ characters, above 1048576"):
         config_from_text("#" * (MAX_CONFIG_BYTES + 1))
 
 
-def test_node_count_is_bounded_while_composing():
+def test_node_count_is_bounded_while_composing(monkeypatch):
     # Just under 1 MiB: a flow list of ~350,000 integers. Refused at MAX_NODES, not after composing.
     text = "capture: {sizes: [" + "1, " * ((MAX_CONFIG_BYTES - 40) // 3) + "1]}\n"
-    start = time.perf_counter()
+    composed = []
+    real = _yaml._Loader.compose_node
+
+    def counted(self, parent, index):
+        composed.append(1)
+        return real(self, parent, index)
+
+    monkeypatch.setattr(_yaml._Loader, "compose_node", counted)
     with pytest.raises(ConfigError, match=rf"more than {MAX_NODES} values; a config holds a few dozen"):
         config_from_text(text, "long.yaml")
-    assert time.perf_counter() - start < 2
+    assert len(composed) == MAX_NODES + 1  # the node past the bound is refused, not built
 
 
 def test_non_utf8_file_names_the_byte_and_line(tmp_path):

@@ -165,3 +165,67 @@ def test_available_memory_on_this_host_is_known():
     if not Path("/proc/meminfo").exists() and not hasattr(os, "sysconf"):
         pytest.skip("no way to ask this OS")
     assert available is not None and available > 0 and what
+
+
+ENGINE_BUFFERS = [
+    {"name": "mrope", "rows": "tokens", "shape": [3], "dtype": "int64", "row_dim": 1},
+    {"name": "temperature", "rows": "reqs", "dtype": "float32", "pad": 1.0},
+    {"name": "lora_table", "rows": "none", "shape": [5, 7], "dtype": "int16"},
+    {"name": "mask", "rows": "tokens", "dtype": "bool"},
+]
+
+
+def _with_buffers(buffers):
+    import yaml
+
+    from graphcap.config import config_from_text
+
+    return config_from_text(yaml.safe_dump({"device": "cpu", "buffers": buffers}))
+
+
+@pytest.mark.parametrize("backend", ["emulated", "cuda"])
+def test_engine_buffers_are_in_the_estimate_byte_for_byte(backend):
+    from graphcap.inputs import BufferSpec
+    from graphcap.staging import PersistentBuffers
+
+    plain = load_config(overrides={"device": "cpu"})
+    config = _with_buffers(ENGINE_BUFFERS)
+    added = (
+        estimate_memory(config, backend=backend).parts["buffers"]
+        - estimate_memory(plain, backend=backend).parts["buffers"]
+    )
+    staged = PersistentBuffers.from_config(config, extras=[BufferSpec.from_config(b) for b in config.buffers]).nbytes
+    staged_plain = PersistentBuffers.from_config(plain).nbytes
+    copies = 2 if backend == "cuda" else 1  # pinned host staging and its device copy
+    assert added == copies * (staged - staged_plain) > 0
+    # The same buffers given to CaptureManager(buffers=...) instead of the config: the same bytes.
+    specs = [BufferSpec(**{k: tuple(v) if k == "shape" else v for k, v in b.items()}) for b in ENGINE_BUFFERS]
+    assert (
+        estimate_memory(plain, backend=backend, buffers=specs).parts["buffers"]
+        == (estimate_memory(config, backend=backend).parts["buffers"])
+    )
+
+
+def test_a_buffer_no_machine_holds_is_refused_by_the_estimate_with_exit_2(tmp_path, capsys):
+    # T x 2**40 float64 (shape [2**20, 2**20] per token): 2 PiB, once shown as "buffers 1.6 KiB".
+    from graphcap.cli import main
+
+    huge = [{"name": "huge", "rows": "tokens", "shape": [1 << 20, 1 << 20], "dtype": "float64"}]
+    config = _with_buffers(huge)
+    assert estimate_memory(config).parts["buffers"] > config.batching.max_num_tokens * 8 << 40
+    path = tmp_path / "huge.yaml"
+    path.write_text(
+        "device: cpu\nbuffers:\n  - {name: huge, rows: tokens, shape: [1048576, 1048576], dtype: float64}\n"
+    )
+    assert main(["capture", "--config", str(path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "buffers 2048.0 TiB" in err.splitlines()[0]
+    assert err.splitlines()[-1].startswith("graphcap capture: error: the memory estimate 2048.0 TiB does not fit")
+    assert "the largest part is buffers 2048.0 TiB, sized by batching.max_num_tokens" in err
+    assert "and the buffers: list" in err
+
+
+@pytest.mark.parametrize(("backend", "name"), [("cuda", "graph pool"), ("emulated", "graph outputs")])
+def test_the_graphs_part_has_one_name_per_backend(backend, name):
+    line = estimate_memory(load_config(overrides={"device": "cpu"}), backend=backend).describe()
+    assert f", {name} " in line and "graphs " not in line

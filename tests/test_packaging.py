@@ -1,16 +1,20 @@
-"""Packaging: a non-editable install carries the default config, the license, `py.typed` and one version."""
+"""Packaging: a non-editable install carries the bundled configs, the license, `py.typed` and one version;
+the source distribution is the whole repository, the wheel the package alone."""
 
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from importlib.metadata import metadata, version
 from pathlib import Path
 
 import pytest
 
 import graphcap
+from graphcap.config import bundled_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +34,8 @@ def test_non_editable_install_finds_the_embedded_default_and_carries_license_and
         capture_output=True,
         timeout=300,
     )
-    assert (target / "graphcap" / "configs" / "default.yaml").is_file()
+    for name in bundled_configs():
+        assert (target / "graphcap" / "configs" / f"{name}.yaml").is_file()
     assert (target / "graphcap" / "py.typed").is_file()
     (dist_info,) = target.glob("graphcap-*.dist-info")
     meta = (dist_info / "METADATA").read_text()
@@ -38,8 +43,8 @@ def test_non_editable_install_finds_the_embedded_default_and_carries_license_and
     assert "Classifier: Typing :: Typed" in meta
     assert "Apache License" in next(dist_info.rglob("LICENSE")).read_text()
     probe = (
-        "import graphcap; c = graphcap.load_config(); "
-        "print(graphcap.__file__, c.capture.max_size, graphcap.__version__)"
+        "import graphcap; c = graphcap.load_config(); t = graphcap.load_config('tiny-cpu-ci'); "
+        "print(graphcap.__file__, c.capture.max_size, t.capture.max_size, graphcap.__version__)"
     )
     result = subprocess.run(
         [sys.executable, "-c", probe],
@@ -50,9 +55,61 @@ def test_non_editable_install_finds_the_embedded_default_and_carries_license_and
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    path, max_size, installed_version = result.stdout.split()
-    assert Path(path).is_relative_to(target) and max_size == "64"
+    path, max_size, tiny_max_size, installed_version = result.stdout.split()
+    assert Path(path).is_relative_to(target) and max_size == "64" and tiny_max_size == "8"
     assert installed_version == _pyproject_version()
+
+
+def _tracked_files() -> list[str]:
+    try:
+        listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: nothing to compare the archives with")
+    return [name for name in listed.stdout.splitlines() if (ROOT / name).is_file()]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The sdist's and the wheel's file lists, built from a copy of the tracked files (no network)."""
+    pytest.importorskip("setuptools")
+    tracked = _tracked_files()
+    source = tmp_path_factory.mktemp("source")
+    for name in tracked:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
+    build = (
+        "import sys; from setuptools import build_meta as b; out = sys.argv[1]; "  # build_meta rewrites sys.argv
+        "names = b.build_sdist(out), b.build_wheel(out); print('built', *names)"
+    )
+    dist = source / "dist"
+    done = subprocess.run(
+        [sys.executable, "-c", build, str(dist)], cwd=source, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (built_line,) = [line for line in done.stdout.splitlines() if line.startswith("built ")]
+    sdist_name, wheel_name = built_line.split()[1:]
+    with tarfile.open(dist / sdist_name) as sdist:
+        top = sdist_name.removesuffix(".tar.gz")
+        in_sdist = {m.name.removeprefix(f"{top}/") for m in sdist.getmembers() if m.isfile()}
+    with zipfile.ZipFile(dist / wheel_name) as wheel:
+        in_wheel = set(wheel.namelist())
+    return tracked, in_sdist, in_wheel
+
+
+def test_the_sdist_holds_every_tracked_file(built):
+    tracked, in_sdist, _ = built
+    missing = sorted(set(tracked) - in_sdist - {".gitignore"})
+    assert missing == [], f"the sdist lacks {missing[:10]} (MANIFEST.in)"
+    for needed in ("CHANGELOG.md", "docs/BENCHMARKS.md", "tools/reliability.py", "tests/assets/bad_yaml_syntax.yaml"):
+        assert needed in in_sdist
+
+
+def test_the_wheel_holds_the_package_and_every_bundled_config_and_no_tests(built):
+    _, _, in_wheel = built
+    configs = {n for n in in_wheel if n.startswith("graphcap/configs/")}
+    assert configs == {f"graphcap/configs/{name}.yaml" for name in bundled_configs()}
+    assert "graphcap/py.typed" in in_wheel
+    assert not [n for n in in_wheel if n.startswith(("tests/", "tools/", "docs/"))]
 
 
 def _pyproject_version() -> str:

@@ -29,7 +29,7 @@ from graphcap.keys import GraphKey, KeyRegistry, Mode, StepStats
 from graphcap.models import build_model
 from graphcap.piecewise import current_inputs, eager_op, running
 from graphcap.testing import MOVES, Workload, make_config, make_manager
-from graphcap.testing.workload import fill_batch
+from graphcap.workload import fill_batch
 
 PIECEWISE = {"model.attention": "per_request", "model.num_layers": 2}
 MODES = ("piecewise", "full_and_piecewise")

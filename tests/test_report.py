@@ -1,4 +1,5 @@
-"""`CaptureReport`: where it was made, what each memory number means; `atomic_write` file modes."""
+"""`CaptureReport`: where it was made, what each memory number means, the marker that lets graphcap
+replace only its own reports; `atomic_write` file modes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import yaml
 
 from graphcap import ConfigError, __version__
 from graphcap.config.fingerprint import config_fingerprint
-from graphcap.report import MEMORY_MEANING, atomic_write, check_report_path, format_bytes
+from graphcap.report import MEMORY_MEANING, REPORT_MARKER, atomic_write, check_report_path, format_bytes, may_overwrite
 from graphcap.testing import make_config, make_manager
 
 
@@ -111,3 +112,44 @@ def test_check_report_path_refuses_what_cannot_or_must_not_be_written(tmp_path):
 )
 def test_format_bytes(num, text):
     assert format_bytes(num) == text
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml", ".yml"])
+def test_every_report_starts_with_the_marker_key_and_may_be_replaced(report, tmp_path, suffix):
+    path = report.write(tmp_path / f"r{suffix}")
+    data = json.loads(path.read_text()) if suffix == ".json" else yaml.safe_load(path.read_text())
+    assert next(iter(data)) == REPORT_MARKER and data[REPORT_MARKER] == 1
+    assert may_overwrite(path)
+    report.write(path)  # graphcap's own report: replaced
+    check_report_path(path)
+
+
+def test_a_file_graphcap_did_not_write_is_never_replaced(report, tmp_path):
+    workflow = tmp_path / "ci.yml"
+    workflow.write_text("on: push\njobs: {}\n")
+    note = tmp_path / "notes.json"
+    note.write_text('{"note": "' + REPORT_MARKER + '"}\n')  # the word elsewhere is not the marker
+    for path in (workflow, note):
+        with pytest.raises(ConfigError, match=r"report\.path: .* exists and is not a graphcap report"):
+            check_report_path(path)
+        with pytest.raises(FileExistsError, match="exists and is not a graphcap report"):
+            report.write(path)
+    assert workflow.read_text() == "on: push\njobs: {}\n"
+    assert note.read_text() == '{"note": "' + REPORT_MARKER + '"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ci.yml", "notes.json"]  # no temporary left
+
+
+def test_an_empty_file_a_link_and_a_fifo(report, tmp_path):
+    empty = tmp_path / "empty.json"
+    empty.write_text("")
+    assert may_overwrite(empty)  # nothing to lose: `--report $(mktemp --suffix .json)` works
+    mine = report.write(tmp_path / "mine.json")
+    (tmp_path / "link.json").symlink_to(mine)
+    assert not may_overwrite(tmp_path / "link.json")  # replacing it would not write where it points
+    os.mkfifo(tmp_path / "pipe.json")
+    assert not may_overwrite(tmp_path / "pipe.json")  # refused without opening it (an open would block)
+
+
+def test_a_report_path_too_long_is_one_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"report\.path: .* cannot be used: File name too long \(ENAMETOOLONG\)"):
+        check_report_path(tmp_path / ("r" * 300 + ".json"))

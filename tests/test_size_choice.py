@@ -133,7 +133,7 @@ def test_uniform_query_len_rounds_sizes_to_whole_requests():
 
 
 def test_decode_only_steps_that_are_not_whole_requests_run_eagerly():
-    config = load_config("capture_configs/decode-only.yaml", {"capture.uniform_query_len": 2})
+    config = load_config("decode-only", {"capture.uniform_query_len": 2})
     constraints = SizeConstraints.from_config(config)
     assert constraints == SizeConstraints(64, 2, True)
     choice = choose_sizes({2: 5, 3: 4, 8: 2, 64: 1, 100: 1}, 4, constraints)
@@ -144,10 +144,10 @@ def test_decode_only_steps_that_are_not_whole_requests_run_eagerly():
 
 def test_constraints_from_configs():
     assert SizeConstraints.from_config(load_config()) == SizeConstraints(64, 1)
-    assert SizeConstraints.from_config(load_config("capture_configs/spec-decode.yaml")) == SizeConstraints(128, 4)
+    assert SizeConstraints.from_config(load_config("spec-decode")) == SizeConstraints(128, 4)
     piecewise = load_config(None, {"capture.mode": "piecewise", "model.attention": "per_request"})
     assert SizeConstraints.from_config(piecewise).multiple_of == 1
-    capped = load_config("capture_configs/decode-only.yaml", {"batching.max_num_seqs": 16})
+    capped = load_config("decode-only", {"batching.max_num_seqs": 16})
     assert SizeConstraints.from_config(capped).max_size == 16  # a uniform key holds at most 16 requests
     with pytest.raises(ValueError, match=r"capture\.mode is none: no graph is captured"):
         SizeConstraints.from_config(load_config(None, {"capture.mode": "none"}))
@@ -187,9 +187,9 @@ def test_bad_constraints_and_budget_arguments_raise():
 
 CONFIGS = [
     (None, {}),
-    ("capture_configs/llama3-8b-h200.yaml", {}),
-    ("capture_configs/spec-decode.yaml", {}),
-    ("capture_configs/decode-only.yaml", {}),
+    ("llama3-8b-h200", {}),
+    ("spec-decode", {}),
+    ("decode-only", {}),
     (None, {"capture.mode": "full_and_piecewise", "model.attention": "per_request"}),
     (None, {"batching.max_num_seqs": 8}),  # the uniform key of 8 requests: a size or not
 ]
@@ -228,7 +228,7 @@ def _fits(config, sizes, backend, budget) -> int:
 @pytest.mark.parametrize("backend", ["cuda", "emulated"])
 @pytest.mark.parametrize("fraction", [1.0, 0.6, 0.3, 0.1, 0.02])
 def test_a_memory_budget_is_never_exceeded_by_the_estimate(backend, fraction):
-    config = load_config("capture_configs/llama3-8b-h200.yaml")
+    config = load_config("llama3-8b-h200")
     histogram = traffic_histogram("chat-chunked", 0)
     constraints = SizeConstraints.from_config(config)
     costs = graph_costs(config, candidate_sizes(histogram, constraints), backend)

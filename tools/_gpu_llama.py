@@ -1,4 +1,4 @@
-"""gpu_check cases at Llama-3-8B shapes: the whole capture pass of capture_configs/llama3-8b-h200.yaml (per-key
+"""gpu_check cases at Llama-3-8B shapes: the whole capture pass of graphcap/configs/llama3-8b-h200.yaml (per-key
 seconds, the graph pool measured from the allocator's own segments beside the estimate), and piecewise vs full
 vs eager at decode sizes. Each case is `(device, quick) -> dict` with `ok`, `observed` and its numbers."""
 
@@ -21,7 +21,7 @@ from graphcap.report import format_bytes
 from graphcap.testing import fill_batch, time_key
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA_8B = ROOT / "capture_configs" / "llama3-8b-h200.yaml"
+LLAMA_8B = ROOT / "graphcap" / "configs" / "llama3-8b-h200.yaml"
 LLAMA_8B_MIN_FREE = 60 * 2**30  # weights 16 GiB + KV 16 GiB + activations and graph pool
 PLANNED_KEYS = 103
 DECODE_SIZES = [1, 8, 32, 128]

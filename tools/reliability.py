@@ -78,8 +78,9 @@ from graphcap.testing import (
     stress,
     violations,
 )
-from graphcap.testing.cli_cases import CLI_CASES, check_case, interrupt_after, interrupted_cleanly
+from graphcap.testing.cli_cases import CLI_CASES, check_case
 from graphcap.testing.dp_agreement import mismatched_world
+from graphcap.testing.interrupts import STAGES, interrupt_at, interrupted_cleanly
 from graphcap.testing.outputs import (
     DECLARED,
     INF_WHEN_STORED,
@@ -97,7 +98,7 @@ from graphcap.testing.outputs import (
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "tests" / "assets"
 SPEC = {"capture.uniform_query_len": 4, "capture.sizes": [4, 8]}
-OLD_REPORT = '{"note": "the complete report of an earlier pass"}\n'
+OLD_REPORT = '{"graphcap_report": 1, "note": "the complete report of an earlier pass"}\n'
 
 
 @dataclasses.dataclass
@@ -117,7 +118,7 @@ class Scale:
     dp_worlds: tuple[int, ...]
 
 
-FULL = Scale(2000, 300, 5000, 8, 6, 4, 2500, 20, 5, None, 10, (2, 3))
+FULL = Scale(2000, 300, 5000, 8, 6, 4, 2500, 20, 5, None, 12, (2, 3))
 QUICK = Scale(60, 20, 200, 1, 2, 1, 150, 2, 1, 1, 1, (2,))
 
 
@@ -827,19 +828,25 @@ def thread_rows(scale: Scale) -> list[Row]:
 
 CLI_AREAS = {
     "files": (
-        "config files: unreadable (ELOOP, ENOTDIR, ENAMETOOLONG, EISDIR, EIO, EACCES), endless or huge "
-        "(`/dev/zero`, 3 MB, 20 MB, 350k nodes), not UTF-8, 5000-digit integers"
+        "config files: missing, unreadable (ELOOP, ENOTDIR, ENAMETOOLONG, EISDIR, EIO, EACCES), endless or huge "
+        "(`/dev/zero`, 3 MB, 20 MB, 350k nodes), not UTF-8, 5000-digit integers; a bundled config by name, a "
+        "factory module beside its config run from another directory"
     ),
     "flags": (
         "flags and values: `--set` long integers and quotes, sizes that cannot run, a failing model build or "
-        "factory, `sizes --max-size 10**9`, bad histograms, stdout on a full disk, `--backend cuda` without "
-        "CUDA, every key skipped"
+        "factory, `sizes --max-size 10**9`, bad histograms, stdout on a full disk or closed (`>&-`), "
+        "`verify --seed -1`, `--device cuda:<huge>`, `--backend cuda` without CUDA, every key skipped"
     ),
     "reports": (
         "reports and plots: `--report` onto the config, file modes, a failed write, what a report records, "
-        "`--plot` into a directory or with a suffix matplotlib cannot write, a PDF plot"
+        "a report path over a file graphcap did not write (a CI workflow), a config's report path outside its "
+        "directory and the working directory, a path too long, `--plot` into a directory or with a suffix "
+        "matplotlib cannot write, a PDF plot"
     ),
-    "memory": "memory: an 8B-shaped config with a huge cache on the CPU, the estimate in `capture` and `sizes`",
+    "memory": (
+        "memory: an 8B-shaped config with a huge cache on the CPU, a T x 2**40 float64 engine buffer, the "
+        "estimate in `capture` and `sizes`"
+    ),
     "packaging": "names: a factory override on the embedded default, vLLM mode spellings",
 }
 
@@ -861,15 +868,16 @@ def cli_rows(scale: Scale, workdir: Path) -> list[Row]:
         rows.append(tally.row("command line", what + note, outcome))
     tally = Tally()
     for i in range(scale.interrupts):
-        delay = 0.1 + 2.4 * i / max(1, scale.interrupts - 1)  # start-up, torch import, model, capture
-        with tally.trial(f"Ctrl-C after {delay:.2f} s"):
-            code, err = interrupt_after(delay, workdir / f"interrupt-{i}")
+        stage = STAGES[i % len(STAGES)]  # sent when the process logs the stage, never after a sleep
+        with tally.trial(f"Ctrl-C at {stage}"):
+            code, err = interrupt_at(stage, workdir / f"interrupt-{i}")
             if not interrupted_cleanly(code, err):
                 raise AssertionError(f"exit {code}: {err.strip()[-300:]!r}")
     rows.append(
         tally.row(
             "command line",
-            f"Ctrl-C at {scale.interrupts} moments of `python -m graphcap verify`, 0.1-2.5 s after start",
+            f"Ctrl-C at each of the {len(STAGES)} stages of `python -m graphcap verify` "
+            f"({', '.join(STAGES)}; {scale.interrupts} trials), sent when the process logs the stage",
             "one line, no traceback, the process ends by SIGINT (a shell sees 130)",
         )
     )

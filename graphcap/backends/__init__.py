@@ -20,7 +20,7 @@ from graphcap.backends.graph import CapturedGraph, is_sticky_cuda_error
 from graphcap.backends.pool import GraphPool
 from graphcap.backends.preflight import check_capture_safe
 from graphcap.backends.unsafe import UNSAFE_OPS, UnsafeOp
-from graphcap.config.sections import BACKEND_NAMES  # defined with the config's choices: torch-free
+from graphcap.devices import BACKEND_NAMES  # torch-free: the command line reads it
 from graphcap.errors import CaptureError, CaptureUnsafeError, ConfigError, ConfigProblem, StaticInputMovedError
 
 if TYPE_CHECKING:

@@ -20,36 +20,20 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from graphcap.cli import _signals
+from graphcap.cli._signals import interrupted
+
 __all__ = ["INTERRUPTED", "console_main", "interrupted", "main"]
 
 INTERRUPTED = 130
 
-_interrupts = 0  # SIGINTs seen by the running command (see `interrupted`)
-
-
-def interrupted() -> bool:
-    """Whether Ctrl-C was pressed while the current command ran.
-
-    Third-party code can swallow the `KeyboardInterrupt` (an import cut short may surface as
-    an `AttributeError` much later), so the command's outcome is decided by this flag, set by
-    the handler `main` installs first, not by which exception happens to arrive.
-    """
-    return _interrupts > 0
-
-
-def _on_sigint(signum: int, frame: object) -> None:
-    global _interrupts
-    _interrupts += 1
-    raise KeyboardInterrupt
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (the console script exits with it)."""
-    global _interrupts
-    _interrupts = 0
+    _signals.reset()
     previous = None
     with contextlib.suppress(ValueError):  # signals can only be set from the main thread
-        previous = signal.signal(signal.SIGINT, _on_sigint)
+        previous = signal.signal(signal.SIGINT, _signals.on_sigint)
     args = None
     try:
         from graphcap.cli._main import build_parser, run_command

@@ -1,14 +1,18 @@
-"""Options and plumbing shared by the subcommands: config loading, `--set`, logging, the report path."""
+"""Options and plumbing shared by the subcommands: config loading, `--set`, logging, the report path.
+
+Building the parser needs only the standard library and `graphcap.devices`; the config package
+loads when a command runs, so `graphcap --help` stays cheap.
+"""
 
 from __future__ import annotations
 
 import argparse
-import logging
+from typing import TYPE_CHECKING
 
-from graphcap.config import BACKEND_NAMES, CaptureConfig, load_config
-from graphcap.config._yaml import YamlSyntaxError, parse_scalar
+from graphcap.devices import BACKEND_NAMES
 
-log = logging.getLogger("graphcap")
+if TYPE_CHECKING:
+    from graphcap.config import CaptureConfig
 
 
 class UserError(Exception):
@@ -20,15 +24,20 @@ class CommandFailed(Exception):
 
 
 def version() -> str:
-    from graphcap import __version__
+    from graphcap.version import version
 
-    return __version__
+    return version()
 
 
 def add_common(parser: argparse.ArgumentParser, *, config: bool = True, device: bool = True) -> None:
     """`--config`, `--set`, `--device`, `-v/-q`, `--debug` (the options most commands share)."""
     if config:
-        parser.add_argument("--config", metavar="PATH", help="YAML config (default: the embedded default)")
+        parser.add_argument(
+            "--config",
+            metavar="PATH",
+            help="YAML config file, or the name of a config shipped with graphcap, e.g. tiny-cpu-ci "
+            "(default: the embedded default)",
+        )
         add_overrides(parser)
     if device:
         parser.add_argument("--device", metavar="DEVICE", help="auto | cpu | cuda | cuda:N (overrides the config)")
@@ -56,16 +65,36 @@ def add_logging(parser: argparse.ArgumentParser) -> None:
 def setup_logging(args: argparse.Namespace) -> None:
     """Log lines on stderr: graphcap's at INFO (`-q`: WARNING, `-v`: DEBUG), other libraries' only
     from WARNING up (torch logs INFO lines of its own, some from exit handlers)."""
+    import logging
+
     level = logging.WARNING if getattr(args, "quiet", False) else logging.INFO
     if getattr(args, "verbose", 0):
         level = logging.DEBUG
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True)
-    log.setLevel(level)
+    logging.getLogger("graphcap").setLevel(level)
+
+
+def check_at_least(**bounds: tuple[int, int]) -> None:
+    """`--flag` values against their minimum: `check_at_least(steps=(args.steps, 1))`; the first
+    one below its minimum is a `UserError` naming the flag, the bound and the value."""
+    for flag, (value, minimum) in bounds.items():
+        if value < minimum:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= {minimum}; got {value}")
+
+
+def stage(name: str) -> None:
+    """Log the step the command starts now (a DEBUG line, `stage: NAME`, shown by `-v`): `-v`
+    traces where a slow command is, and the interrupt tests signal the process at these lines."""
+    import logging
+
+    logging.getLogger("graphcap").debug("stage: %s", name)
 
 
 def parse_overrides(items: list[str]) -> dict[str, object]:
     """`["capture.max_size=16"]` -> `{"capture.max_size": 16}`; values parse as YAML 1.2 scalars
     (quotes are stripped as YAML strips them: `model.name="tiny-llama"` is the string tiny-llama)."""
+    from graphcap.config import YamlSyntaxError, parse_scalar
+
     out: dict[str, object] = {}
     for item in items:
         key, sep, text = item.partition("=")
@@ -84,15 +113,19 @@ def _shown(item: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace, **extra: object) -> CaptureConfig:
-    """The config named by `--config` (or the default) with `--set`, `--device` and `extra` applied."""
+    """The config named by `--config` (a file, or the name of a bundled config; default: the
+    embedded default) with `--set`, `--device` and `extra` applied."""
+    from graphcap.config import load_config
+    from graphcap.errors import ConfigFileNotFoundError
+
     overrides = parse_overrides(getattr(args, "overrides", []))
     overrides.update({k.replace("__", "."): v for k, v in extra.items() if v is not None})
     if getattr(args, "device", None):
         overrides["device"] = args.device
     try:
         return load_config(args.config, overrides)
-    except FileNotFoundError as exc:
-        raise UserError(str(exc)) from None
+    except ConfigFileNotFoundError as exc:
+        raise UserError(f"--config {exc.problems[0].message}") from None
 
 
 def add_backend(parser: argparse.ArgumentParser) -> None:

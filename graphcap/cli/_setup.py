@@ -9,16 +9,15 @@ failure while building is one line naming what sizes it (`--debug` for the trace
 from __future__ import annotations
 
 import argparse
-import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from graphcap.cli._common import CommandFailed, UserError, config_from_args
-from graphcap.config import CaptureConfig
+from graphcap.cli._common import CommandFailed, UserError, config_from_args, stage
 from graphcap.errors import ConfigError
 
-__all__ = ["build_manager"]
+if TYPE_CHECKING:
+    from graphcap.config import CaptureConfig
 
-log = logging.getLogger("graphcap")
+__all__ = ["build_manager"]
 
 _EMULATED_NOTE = " (no CUDA here: the emulated backend reproduces CUDA-graph semantics on the CPU)"
 
@@ -28,12 +27,15 @@ def build_manager(args: argparse.Namespace, config: CaptureConfig | None = None)
 
     The first log line names the model, the device, the backend and the memory estimate.
     """
+    import logging
+
+    config = config_from_args(args) if config is None else config
+    stage("importing torch")
     from graphcap.backends import resolve_device
     from graphcap.manager import CaptureManager
     from graphcap.memory import KEYS, estimate_memory
     from graphcap.report import format_bytes
 
-    config = config_from_args(args) if config is None else config
     device = resolve_device(config)  # ConfigError (exit 2) for a GPU that is not there
     backend = _backend_name(args.backend, device)
     factory = None
@@ -47,13 +49,14 @@ def build_manager(args: argparse.Namespace, config: CaptureConfig | None = None)
     if config.model.factory is not None:
         from graphcap.models import load_factory
 
-        factory = load_factory(config.model.factory)
+        factory = load_factory(config.model.factory, beside=config.source)
     try:
         estimate = estimate_memory(config, backend=backend, model_estimate=getattr(factory, "estimate_memory", None))
     except Exception as exc:  # a factory's own estimate_memory failed: its bug, named as such
         raise CommandFailed(f"estimate_memory of model.factory {config.model.factory} raised {_cause(exc)}") from exc
     model_name = config.model.name or config.model.factory
     note = _EMULATED_NOTE if backend == "emulated" and device.type == "cpu" else ""
+    log = logging.getLogger("graphcap")
     log.info("model %s on %s, %s backend%s; %s", model_name, device, backend, note, estimate.describe())
     if not args.skip_memory_check:
         from graphcap.memory import available_memory
@@ -61,12 +64,16 @@ def build_manager(args: argparse.Namespace, config: CaptureConfig | None = None)
         available, what = available_memory(device)
         if available is not None and estimate.total > available:
             part, size = estimate.largest_part()
+            named = estimate.name_of(part)
+            if part == "graphs" and estimate.capture_transient >= estimate.build_transient:
+                named += " with the capture transient"
             raise UserError(
                 f"the memory estimate {format_bytes(estimate.total)} does not fit in the {format_bytes(available)} "
-                f"{what}; the largest part is {part.replace('_', ' ')} {format_bytes(size)}, sized by "
+                f"{what}; the largest part is {named} {format_bytes(size)}, sized by "
                 f"{KEYS.get(part, part)}: lower them, or pass --skip-memory-check if you know better "
                 "(every part is in the log line above)"
             )
+    stage("building the model")
     model = _build_model(config, device, estimate)
     try:
         return CaptureManager(model, config, backend=args.backend, progress=False if args.no_progress else None)

@@ -3,31 +3,34 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import io
-from pathlib import Path
+import contextlib
+from collections.abc import Iterator
 
 from graphcap.cli._common import (
     CommandFailed,
     UserError,
     add_common,
     add_report,
+    check_at_least,
     config_from_args,
     report_target,
+    stage,
     write_report,
 )
-from graphcap.cli._setup import build_manager
 from graphcap.cli.capture import check_something_captured, command_line
 
 EPILOG = """examples:
   graphcap bench --steps 50
-  graphcap bench --config capture_configs/llama3-8b-h200.yaml --plot bench.png --report bench.json
+  graphcap bench --config llama3-8b-h200 --plot bench.png --report bench.json
 
 Each key runs --steps timed steps per side through the real step path (staging, invariants,
 then the model eagerly or the graph replay) on a batch that fills it, eager and replay
-interleaved, timed with torch.utils.benchmark.Timer. The table gives the median and the
-10th-90th percentile range; '!' marks a noisy key (interquartile range above 10% of the
-median): rerun it on a quiet machine or with more --steps before trusting its speedup.
+interleaved, timed with torch.utils.benchmark.Timer, with torch pinned to --threads CPU
+threads (default 1: two threads on two busy cores made one run of the default config take 8
+minutes instead of 45 s). A bar on stderr shows the key being timed (--no-progress: none).
+The table gives the median and the 10th-90th percentile range; '!' marks a noisy key
+(interquartile range above 10% of the median): rerun it on a quiet machine or with more
+--steps before trusting its speedup.
 In the modes piecewise and full_and_piecewise each piecewise key gets its own row (kind
 piecewise, timed on a mixed batch of its size): at one size it compares eager, piecewise and,
 where the mode captures one, full graphs. The plot's format follows the suffix of --plot
@@ -46,6 +49,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_common(parser)
     parser.add_argument("--steps", type=int, default=20, metavar="N", help="timed steps per key and side (default 20)")
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="torch CPU threads while capturing and timing (default 1: more threads than free cores make every "
+        "timing noisy on a shared machine)",
+    )
+    parser.add_argument(
         "--plot", metavar="FILE", help="draw capture time, memory and speedup per size (needs matplotlib)"
     )
     add_report(parser)
@@ -53,20 +64,24 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from graphcap.report import format_bytes
-    from graphcap.testing.timing import time_key
-    from graphcap.testing.workload import fill_batch
+    import dataclasses
 
-    if args.steps < 1:
-        raise UserError(f"--steps must be >= 1; got {args.steps}")
+    from graphcap.cli._setup import build_manager
+    from graphcap.report import format_bytes
+    from graphcap.workload import fill_batch
+
+    check_at_least(steps=(args.steps, 1), threads=(args.threads, 1))
     if args.plot:
         _check_plot_path(args.plot)
     config = config_from_args(args, report__path=args.report)
     report_path = report_target(args, config)
     manager = build_manager(args, dataclasses.replace(config, report=dataclasses.replace(config.report, path=None)))
-    report = manager.capture()
-    check_something_captured(report)
-    timed = {r.key: time_key(manager, r.key, steps=args.steps) for r in report.captured}
+    with _torch_threads(args.threads):
+        stage("capturing")
+        report = manager.capture()
+        check_something_captured(report)
+        stage("timing")
+        timed = _time_keys(manager, [r.key for r in report.captured], args.steps, progress=not args.no_progress)
     timings = [t for t in timed.values() if t is not None]
     by_key = {r.key: r for r in report.records}
     print(
@@ -104,6 +119,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _torch_threads(num: int) -> Iterator[None]:
+    """torch's CPU thread count pinned to `num` for the duration (the caller's is put back)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(num)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _time_keys(manager, keys: list, steps: int, *, progress: bool) -> dict:
+    """`time_key` for every key, with a progress bar on stderr (a terminal only; none with --no-progress)."""
+    from tqdm import tqdm
+
+    from graphcap.timing import time_key
+
+    timed = {}
+    with tqdm(keys, desc="timing", unit="key", disable=None if progress else True, leave=False) as bar:
+        for key in bar:
+            bar.set_postfix_str(str(key), refresh=False)
+            timed[key] = time_key(manager, key, steps=steps)
+    return timed
+
+
 def _kind(key) -> str:
     return "piecewise" if key.piecewise else "uniform" if key.uniform else "mixed"
 
@@ -114,6 +156,8 @@ def _range(spread) -> str:
 
 def _check_plot_path(path: str) -> None:
     """Refuse, before any capture, a plot that matplotlib cannot write in the format its suffix names."""
+    from pathlib import Path
+
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -134,6 +178,8 @@ def _check_plot_path(path: str) -> None:
 
 
 def _write_plot(report, timings, path: str) -> None:
+    from pathlib import Path
+
     from graphcap.report import atomic_write
 
     data = plot_capture(report, timings, Path(path).suffix.lower().lstrip("."))
@@ -145,11 +191,13 @@ def _write_plot(report, timings, path: str) -> None:
 
 
 def plot_capture(report, timings, image_format: str = "png") -> bytes:
-    """Three panels over token count: capture ms, graph memory, replay speedup; the image's bytes.
+    """Three panels over token count: capture ms, memory per graph, replay speedup; the image's bytes.
 
     Speedups are medians with the p10-p90 range as error bars, on a log axis so that one
     outlier cannot flatten the rest; noisy keys are drawn hollow.
     """
+    import io
+
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
     fig = Figure(figsize=(15, 4.2))
@@ -194,7 +242,7 @@ def plot_capture(report, timings, image_format: str = "png") -> bytes:
     axes[2].set_yscale("log")
     titles = (
         "capture time per graph (ms, log)",
-        "graph memory (MiB)",
+        "memory per graph (MiB)",
         "replay speedup over eager (x, log; bars p10-p90)",
     )
     for axis, title in zip(axes, titles):

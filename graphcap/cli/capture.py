@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import shlex
 import sys
 
-from graphcap.cli._common import CommandFailed, add_common, add_report, config_from_args, report_target, write_report
-from graphcap.cli._setup import build_manager
+from graphcap.cli._common import (
+    CommandFailed,
+    add_common,
+    add_report,
+    config_from_args,
+    report_target,
+    stage,
+    write_report,
+)
 
 EPILOG = """examples:
   graphcap capture                                  # embedded default: tiny model, best device
-  graphcap capture --config capture_configs/llama3-8b-h200.yaml --report capture.json
+  graphcap capture --config llama3-8b-h200 --report capture.json
   graphcap capture --set capture.max_size=16 --device cpu --no-progress
 
 The first log line gives the memory estimate; a config that cannot fit the device is refused
@@ -38,11 +43,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from graphcap.cli._setup import build_manager
+
     config = config_from_args(args, report__path=args.report)
     report_path = report_target(args, config)
     # The manager does not write the report: this command writes it after printing the table,
     # so a failed write costs one line, not the capture's result.
     manager = build_manager(args, dataclasses.replace(config, report=dataclasses.replace(config.report, path=None)))
+    stage("capturing")
     report = manager.capture()
     report.config = config.to_dict()
     report.command = command_line(args)
@@ -58,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
 
 def command_line(args: argparse.Namespace) -> str:
     """The command as typed (for the report), quoted so it can be pasted back into a shell."""
+    import shlex
+
     return shlex.join(["graphcap", *args.argv])
 
 

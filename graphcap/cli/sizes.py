@@ -14,7 +14,7 @@ from graphcap.sizes import CaptureSizes, default_capture_sizes
 
 EPILOG = """examples:
   graphcap sizes                                   # the embedded default config
-  graphcap sizes --config capture_configs/spec-decode.yaml
+  graphcap sizes --config spec-decode
   graphcap sizes --max-size 512 --uniform-query-len 4
   graphcap sizes --config my.yaml --histogram batch_sizes.txt
   graphcap sizes --config my.yaml --histogram batch_sizes.txt --max-graphs 30 --out sizes.yaml
@@ -113,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
                     "min(size, max_num_seqs)"
                 )
         print()
-        for backend in _backends_of(config.device):
-            print(f"  {estimate_memory(config, backend=backend).describe()}")
+        backend = _backend_of(config.device)
+        print(f"  {estimate_memory(config, backend=backend).describe()}")
     print()
     what = (
         f"over the histogram in {args.histogram}"
@@ -129,11 +129,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _backends_of(device: str) -> tuple[str, ...]:
-    """The backends a config's device may use (without importing torch to resolve `auto`)."""
+def _backend_of(device: str) -> str:
+    """The backend a config's device uses; for `auto`, the one it picks here, told apart without
+    importing torch by whether an NVIDIA driver is loaded (`--set device=cpu` or `cuda` to choose)."""
     if device == "auto":
-        return ("cuda", "emulated")
-    return ("cuda",) if device.startswith("cuda") else ("emulated",)
+        return "cuda" if os.path.exists("/proc/driver/nvidia/version") else "emulated"
+    return "cuda" if device.startswith("cuda") else "emulated"
 
 
 def _check_schedule_flags(max_size: int, uniform_query_len: int) -> None:
@@ -234,7 +235,7 @@ def _costs(config: Any, sizes: tuple[int, ...]) -> tuple[Any, list[Any]]:
     from graphcap.graph_costs import graph_costs
     from graphcap.size_choice import GraphCosts
 
-    each = [graph_costs(config, sizes, backend) for backend in _backends_of(config.device)]
+    each = [graph_costs(config, sizes, _backend_of(config.device))]
     if len(each) == 1:
         return each[0], each
     per_size = {s: max(c.per_size[s] for c in each) for s in sizes}

@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from graphcap.cli._common import add_logging, add_overrides, parse_overrides
-from graphcap.config import ConfigError, load_config
 
 EPILOG = """example:
-  graphcap validate capture_configs/*.yaml
+  graphcap validate my.yaml other.yaml
   graphcap validate my.yaml --set capture.max_size=128
+  graphcap validate tiny-cpu-ci                    # a config shipped with graphcap, by name
 """
 
 
@@ -22,26 +22,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("configs", nargs="+", metavar="CONFIG", help="YAML files to check")
+    parser.add_argument(
+        "configs", nargs="+", metavar="CONFIG", help="YAML files (or names of configs shipped with graphcap) to check"
+    )
     add_overrides(parser, "override applied to every file")
     add_logging(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from graphcap.config import ConfigError, load_config
+    from graphcap.errors import ConfigFileNotFoundError
+
     overrides = parse_overrides(args.overrides)
     failed = 0
     for path in args.configs:
         try:
             load_config(path, overrides)
+        except ConfigFileNotFoundError as exc:
+            failed += 1
+            print(f"{path}: {exc.problems[0].message}")
         except ConfigError as exc:
             failed += 1
             print(f"{path}: {len(exc.problems)} problem{'s' if len(exc.problems) != 1 else ''}")
             for problem in exc.problems:
                 print(f"  {problem}")
-        except FileNotFoundError as exc:
-            failed += 1
-            print(f"{path}: {exc}")
         else:
             print(f"{path}: ok")
     if failed:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from graphcap.cli._common import UserError, add_common
-from graphcap.cli._setup import build_manager
+from graphcap.cli._common import add_common, check_at_least, stage
 from graphcap.cli.capture import check_something_captured
-from graphcap.errors import InvariantViolation
 
 EPILOG = """examples:
   graphcap verify                                  # embedded default, 8 random sequences
-  graphcap verify --config capture_configs/spec-decode.yaml --batches 20 --seed 3
+  graphcap verify --config spec-decode --batches 20 --seed 3
 
 Exit 0 when every staged key passes its invariants and every replayed step equals eager,
 1 on any mismatch or violation (the key, the batch and the field are named), 2 for a
@@ -37,14 +35,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.batches < 0 or args.steps < 1:
-        raise UserError(f"--batches must be >= 0 and --steps >= 1; got {args.batches} and {args.steps}")
+    from graphcap.cli._setup import build_manager
+
+    check_at_least(batches=(args.batches, 0), steps=(args.steps, 1), seed=(args.seed, 0))
     manager = build_manager(args)
+    stage("capturing")
     report = manager.capture()
     print(f"captured {len(report.captured)} graphs ({len(report.skipped)} skipped) in {report.total_seconds:.2f} s")
     check_something_captured(report)
+    stage("staging every key")
     staged = sweep_keys(manager)
     print(f"staging sweep: {staged} (key, real requests) combinations pass the full invariants")
+    stage("replaying random steps")
     failures, steps = replay_sequences(manager, args.batches, args.steps, args.seed)
     stats = manager.stats.as_dict()
     print(
@@ -63,8 +65,9 @@ def sweep_keys(manager) -> int:
     key `min(tokens, max_num_seqs)`); raise on any violation."""
     import numpy as np
 
+    from graphcap.errors import InvariantViolation
     from graphcap.invariants import check_invariants
-    from graphcap.testing.workload import fill_batch
+    from graphcap.workload import fill_batch
 
     config = manager.config
     rng = np.random.default_rng(0)
@@ -85,7 +88,8 @@ def replay_sequences(manager, num_sequences: int, num_steps: int, seed: int) -> 
     """Random step sequences through `execute` vs `eager`; returns (failures, steps compared)."""
     import torch
 
-    from graphcap.testing.workload import Workload
+    from graphcap.errors import InvariantViolation
+    from graphcap.workload import Workload
 
     config = manager.config
     tolerance = config.checks.tolerance

@@ -8,7 +8,7 @@
 | `buffers.py` | the `buffers:` list (engine buffers) and the rules every buffer declaration keeps |
 | `_load.py` | `load_config`, `config_from_text`: reading, overrides, unknown keys, `file:line` |
 | `_schema.py` | the validation machinery every section shares (types, ranges, problems) |
-| `_yaml.py` | strict YAML 1.2 reading with a line for every key |
+| `_yaml.py` | strict YAML 1.2 reading with a line for every key; `parse_scalar` (one `--set` value) |
 | `fingerprint.py` | the config's fingerprint (what data-parallel ranks must share), key by key |
 
 Importing this package does not import torch (the CLI's `validate` and `sizes` stay fast).
@@ -16,11 +16,11 @@ Importing this package does not import torch (the CLI's `validate` and `sizes` s
 
 from __future__ import annotations
 
-from graphcap.config._load import DEFAULT_CONFIG, MAX_CONFIG_BYTES, config_from_text, load_config
+from graphcap.config._load import DEFAULT_CONFIG, MAX_CONFIG_BYTES, bundled_configs, config_from_text, load_config
+from graphcap.config._yaml import YamlSyntaxError, parse_scalar
 from graphcap.config.model import BUILTIN_MODELS, ModelConfig
 from graphcap.config.root import SECTIONS, CaptureConfig
 from graphcap.config.sections import (
-    BACKEND_NAMES,
     PAD_SLOT_ID,
     BatchingConfig,
     CaptureSectionConfig,
@@ -32,7 +32,6 @@ from graphcap.config.sections import (
 from graphcap.errors import ConfigError, ConfigProblem  # DESIGN places ConfigError with the config
 
 __all__ = [
-    "BACKEND_NAMES",
     "BUILTIN_MODELS",
     "DEFAULT_CONFIG",
     "MAX_CONFIG_BYTES",
@@ -48,6 +47,9 @@ __all__ = [
     "ModelConfig",
     "PadRules",
     "ReportConfig",
+    "YamlSyntaxError",
+    "bundled_configs",
     "config_from_text",
     "load_config",
+    "parse_scalar",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import errno
+import os
 from collections.abc import Mapping
 from dataclasses import fields
 from importlib import resources
@@ -19,9 +20,9 @@ from graphcap.config._schema import show_value
 from graphcap.config._yaml import YamlSyntaxError, read_yaml
 from graphcap.config.buffers import BufferConfig
 from graphcap.config.root import SECTIONS, CaptureConfig
-from graphcap.errors import ConfigError, ConfigProblem
+from graphcap.errors import ConfigError, ConfigFileNotFoundError, ConfigProblem
 
-__all__ = ["DEFAULT_CONFIG", "MAX_CONFIG_BYTES", "config_from_text", "load_config"]
+__all__ = ["DEFAULT_CONFIG", "MAX_CONFIG_BYTES", "bundled_configs", "config_from_text", "load_config", "report_outside"]
 
 DEFAULT_CONFIG = "default.yaml"
 """The embedded default, shipped inside the package (`graphcap/configs/`)."""
@@ -34,21 +35,52 @@ MAX_CONFIG_BYTES = 1 << 20
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> CaptureConfig:
     """Load a `CaptureConfig` from YAML; `path=None` is the embedded default.
 
-    `overrides` maps dotted keys to values (`{"capture.max_size": 16}`) applied on top of
-    the file and validated the same way; an override of `model.factory` without one of
-    `model.name` replaces the file's model name (and the other way round). Raises
-    `ConfigError` listing every problem (dotted key, bad value, what is allowed,
-    `file:line`), also for a file that cannot be read (key `<file>`, with the OS reason),
-    is not UTF-8 or is larger than `MAX_CONFIG_BYTES`; `FileNotFoundError` for a missing
-    file; `TypeError` when `overrides` is not a mapping.
+    `path` is a file, or the name of a config shipped with graphcap (`"tiny-cpu-ci"`, see
+    `bundled_configs`) when no file of that name exists. `overrides` maps dotted keys to values
+    (`{"capture.max_size": 16}`) applied on top of the file and validated the same way; an
+    override of `model.factory` without one of `model.name` replaces the file's model name
+    (and the other way round). A `report.path` the file itself gives must lie under the file's
+    directory or the working directory (an override may point anywhere). Raises `ConfigError`
+    listing every problem (dotted key, bad value, what is allowed, `file:line`), also for a
+    file that cannot be read (key `<file>`, with the OS reason), is not UTF-8 or is larger than
+    `MAX_CONFIG_BYTES`; for a missing file the error is also a `FileNotFoundError`; `TypeError`
+    when `overrides` is not a mapping.
     """
     if path is None:
-        text = resources.files("graphcap").joinpath("configs", DEFAULT_CONFIG).read_text()
-        source = f"<embedded {DEFAULT_CONFIG}>"
-    else:
-        source = str(path)
-        text = _read_file(source)
-    return config_from_text(text, source, overrides)
+        text = _bundled(DEFAULT_CONFIG).read_text()
+        return _from_text(text, f"<embedded {DEFAULT_CONFIG}>", overrides, _bundled_directory(), None)
+    source = str(path)
+    bundled = None if os.path.lexists(source) else _bundled_name(source)
+    if bundled is not None:
+        resource = _bundled(bundled)
+        return _from_text(resource.read_text(), _shown_path(resource), overrides, _bundled_directory(), None)
+    text = _read_file(source)
+    return _from_text(text, source, overrides, Path(source).parent, source)
+
+
+def bundled_configs() -> tuple[str, ...]:
+    """Names of the configs shipped inside the package (`load_config(name)`, `--config NAME`)."""
+    return tuple(sorted(p.name[: -len(".yaml")] for p in _bundled_directory().iterdir() if p.name.endswith(".yaml")))
+
+
+def _bundled_directory() -> Any:
+    return resources.files("graphcap").joinpath("configs")
+
+
+def _bundled(file_name: str) -> Any:
+    return _bundled_directory().joinpath(file_name)
+
+
+def _bundled_name(text: str) -> str | None:
+    """`text` as the file name of a bundled config (`tiny-cpu-ci` or `tiny-cpu-ci.yaml`), or None."""
+    if "/" in text or os.sep in text:
+        return None
+    name = text if text.endswith(".yaml") else f"{text}.yaml"
+    return name if name[: -len(".yaml")] in bundled_configs() else None
+
+
+def _shown_path(resource: Any) -> str:
+    return str(resource) if isinstance(resource, Path) else f"<bundled {resource.name}>"
 
 
 def _read_file(path: str) -> str:
@@ -57,7 +89,11 @@ def _read_file(path: str) -> str:
         with open(path, "rb") as handle:
             data = handle.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
-        raise FileNotFoundError(f"config file not found: {path}") from None
+        names = ", ".join(bundled_configs())
+        message = f"config file not found: {path} (configs shipped with graphcap, loadable by name: {names})"
+        error = ConfigFileNotFoundError([ConfigProblem("<file>", message)], path)
+        error.errno, error.filename = errno.ENOENT, path
+        raise error from None
     except OSError as exc:  # EACCES, EISDIR, ELOOP, ENOTDIR, ENAMETOOLONG, EIO, ...
         raise _file_error(path, f"cannot read {path}: {_os_reason(exc)}") from None
     if len(data) > MAX_CONFIG_BYTES:
@@ -83,7 +119,16 @@ def _file_error(path: str, message: str) -> ConfigError:
 
 
 def config_from_text(text: str, source: str = "<string>", overrides: dict[str, Any] | None = None) -> CaptureConfig:
-    """`load_config` on YAML text already in memory."""
+    """`load_config` on YAML text already in memory (a `report.path` in it must lie under the
+    working directory: the text has no directory of its own)."""
+    return _from_text(text, source, overrides, None, None)
+
+
+def _from_text(
+    text: str, source: str, overrides: dict[str, Any] | None, directory: Any, file: str | None
+) -> CaptureConfig:
+    """The config of `text`; `directory` is where it came from (a report may go there), `file`
+    the path it was read from (`CaptureConfig.source`)."""
     if overrides is not None and not isinstance(overrides, Mapping):
         raise TypeError(f"overrides must map dotted keys to values; got {type(overrides).__name__}")
     if len(text) > MAX_CONFIG_BYTES:
@@ -133,11 +178,15 @@ def config_from_text(text: str, source: str = "<string>", overrides: dict[str, A
     failed = {_section_of(p.key) for p in problems}
     config = None
     try:
-        config = CaptureConfig(**kwargs)
+        config = CaptureConfig(**kwargs, source=file)
     except ConfigError as exc:
         # Sections that failed were left at their defaults: keep only the cross-section
         # problems that involve none of them, so each problem reported is real.
         problems += [p for p in exc.problems if failed.isdisjoint((_section_of(p.key), *p.involves))]
+    if config is not None and config.report.path and "report.path" not in override_keys:
+        outside = report_outside(config.report.path, directory)
+        if outside:
+            problems.append(ConfigProblem("report.path", outside))
     if problems:
         located = [p._replace(where=p.where or where(p.key)) for p in problems]
         located.sort(key=lambda p: _line_of(p.where))
@@ -168,6 +217,27 @@ def _buffers(value: Any, problems: list[ConfigProblem]) -> tuple[BufferConfig, .
         except ConfigError as exc:
             problems += [p._replace(key=p.key.replace("buffers[]", where)) for p in exc.problems]
     return tuple(out)
+
+
+def report_outside(path: str, directory: Any) -> str | None:
+    """Why a `report.path` that a config gives may not be written (None: it may).
+
+    A config is data, yet its report path makes graphcap write a file: that path must resolve
+    (links followed) under the config's `directory` or the working directory. A path given by
+    the caller (an override, `--report`) is not held to this.
+    """
+    try:
+        target = Path(path).resolve()
+        homes = [Path.cwd().resolve()] + ([Path(str(directory)).resolve()] if directory is not None else [])
+    except (OSError, RuntimeError) as exc:  # a loop of links, a name too long
+        return f"{path} cannot be resolved ({exc}); give the report path on the command line instead"
+    if any(target.is_relative_to(home) for home in homes):
+        return None
+    where = " or ".join(str(home) for home in reversed(homes))
+    return (
+        f"{path} resolves to {target}, outside {where}; a config may write its report only under its own "
+        "directory or the working directory: give this path on the command line (--report, --set report.path=...)"
+    )
 
 
 def _section_of(key: str) -> str:

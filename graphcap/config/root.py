@@ -8,7 +8,6 @@ schedule once. `load_config` (in `_load.py`) collects the problems of all sectio
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -17,6 +16,7 @@ import graphcap.config.sections as sections
 from graphcap.config._schema import Section, problem
 from graphcap.config.buffers import BufferConfig
 from graphcap.config.model import ModelConfig
+from graphcap.devices import device_problem
 from graphcap.errors import ConfigProblem
 from graphcap.sizes import CaptureSizes, default_capture_sizes
 
@@ -32,8 +32,6 @@ SECTIONS: dict[str, type[Section]] = {
     "padding": sections.PadRules,
 }
 """The sections of a config file, by key."""
-
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,15 +60,19 @@ class CaptureConfig(Section):
     """Pad rules of the persistent buffers."""
     buffers: tuple[BufferConfig, ...] = ()
     """The engine's own persistent buffers (the `buffers:` list), staged like the built-ins."""
+    source: str | None = field(default=None, compare=False, repr=False, metadata={"key": False})
+    """The file `load_config` read (None: a config shipped with graphcap, text, or built in
+    code); not a config key. A factory module is also looked up beside it (`graphcap.models.load_factory`)."""
     capture_sizes: CaptureSizes = field(init=False, repr=False, compare=False, default=None)  # type: ignore[assignment]
     """The validated schedule (`capture.sizes`, with `auto` expanded), built on construction."""
 
     def _check(self) -> list[ConfigProblem]:
         out: list[ConfigProblem] = []
-        if not _DEVICE.fullmatch(self.device):
-            out.append(problem("device", f"must be auto, cpu, cuda or cuda:N; got {self.device!r}"))
+        bad_device = device_problem(self.device)
+        if bad_device:
+            out.append(problem("device", bad_device))
         cap, bat, kv, pad = self.capture, self.batching, self.kv_cache, self.padding
-        on_cuda = self.device.startswith("cuda") and _DEVICE.fullmatch(self.device)
+        on_cuda = self.device.startswith("cuda") and not bad_device
         if on_cuda and cap.num_warmups == 0 and cap.mode != "none":
             out.append(
                 problem(
@@ -156,7 +158,7 @@ class CaptureConfig(Section):
         """Plain nested dict (YAML/JSON-ready); `load_config` of it gives an equal config."""
         out: dict[str, Any] = {}
         for f in fields(self):
-            if not f.init:
+            if not f.init or not f.metadata.get("key", True):
                 continue
             value = getattr(self, f.name)
             if isinstance(value, Section):

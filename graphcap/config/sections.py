@@ -22,7 +22,6 @@ from graphcap.fields import INT32_MAX, INT32_MIN
 from graphcap.sizes import CaptureSizes, default_capture_sizes
 
 __all__ = [
-    "BACKEND_NAMES",
     "DEFAULT_MAX_SIZE",
     "PAD_SLOT_ID",
     "BatchingConfig",
@@ -35,10 +34,6 @@ __all__ = [
 
 PAD_SLOT_ID = -1
 """`slot_mapping` value of a token that must not write the KV cache."""
-
-BACKEND_NAMES = ("auto", "cuda", "emulated")
-"""Names `graphcap.backends.get_backend` and `graphcap --backend` accept. Defined here, beside the
-device choices, so the command line reads them without importing torch."""
 
 DEFAULT_MAX_SIZE = 64
 """`capture.max_size` when neither it nor an explicit `capture.sizes` list is given."""

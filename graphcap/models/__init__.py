@@ -6,9 +6,9 @@ comes from `model.factory: "pkg.module:function"`, called with the `CaptureConfi
 
 Trust: a config that names a factory runs that code, as a Python script would; load configs
 only from people you would take a script from. The factory's module is found on `sys.path`,
-then in the current directory (searched last, so a file there never shadows an installed
-package), the same way for the `graphcap` console script, `python -m graphcap` and a
-library call.
+then in the directory of the config file that names it, then in the current directory (both
+searched after `sys.path`, so a file there never shadows an installed package), the same way
+for the `graphcap` console script, `python -m graphcap` and a library call.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ def build_model(config: CaptureConfig, device: torch.device | str | None = None)
         if builder is None:
             raise _error("model.name", f"unknown model {config.model.name!r}; built in: {', '.join(MODELS)}")
         return builder(config, device)
-    factory = load_factory(spec)
+    factory = load_factory(spec, beside=config.source)
     kwargs = {"device": device} if _takes_device(factory) else {}
-    with _current_directory_searched_last():  # the factory may import its siblings as it runs
+    with _searched_last(_search_dirs(config.source)):  # the factory may import its siblings as it runs
         model = factory(config, **kwargs)
     if not callable(getattr(model, "forward", None)):
         raise _error(
@@ -78,23 +78,26 @@ def _takes_device(factory: Callable) -> bool:
     return any(p.name == "device" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
-def load_factory(spec: str) -> Callable[[CaptureConfig], object]:
+def load_factory(spec: str, *, beside: str | os.PathLike | None = None) -> Callable[[CaptureConfig], object]:
     """The factory function `spec` (`"pkg.module:function"`) names, imported but not called.
 
-    Its module is found on `sys.path`, then in the current directory. The function may carry
-    an `estimate_memory(config)` attribute (see `graphcap.memory`). Raises `ConfigError` (key
-    `model.factory`) when the module cannot be imported or the attribute is missing or not
-    callable.
+    Its module is found on `sys.path`, then in the directory of the config file `beside` (for
+    a config, `config.source`), then in the current directory. The function may carry an
+    `estimate_memory(config)` attribute (see `graphcap.memory`). Raises `ConfigError` (key
+    `model.factory`) when the module cannot be imported (the message says where it looked) or
+    the attribute is missing or not callable.
     """
     module_name, _, attr = spec.partition(":")
+    dirs = _search_dirs(beside)
     try:
-        with _current_directory_searched_last():
+        with _searched_last(dirs):
             module = importlib.import_module(module_name)
     except Exception as exc:  # the module's own import-time error, shown with its type
+        looked = " and ".join(f"in {d} ({why})" for d, why in dirs)
         raise _error(
             "model.factory",
-            f"cannot import module {module_name!r} of {spec!r}: {type(exc).__name__}: {exc}; "
-            "check the module path and that its package is on sys.path",
+            f"cannot import module {module_name!r} of {spec!r}: {type(exc).__name__}: {exc}; looked on sys.path, "
+            f"then {looked}: check the module path, or put its package on sys.path (PYTHONPATH)",
         ) from exc
     if not hasattr(module, attr):
         public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
@@ -110,23 +113,35 @@ def load_factory(spec: str) -> Callable[[CaptureConfig], object]:
     return factory
 
 
+def _search_dirs(config_file: str | os.PathLike | None) -> list[tuple[str, str]]:
+    """Where factory modules are looked for after `sys.path`, in order: (directory, why)."""
+    dirs = []
+    if config_file is not None:
+        dirs.append((os.path.dirname(os.path.abspath(config_file)), "beside the config file"))
+    cwd = os.getcwd()
+    if all(d != cwd for d, _ in dirs):
+        dirs.append((cwd, "the current directory"))
+    return dirs
+
+
 @contextlib.contextmanager
-def _current_directory_searched_last() -> Iterator[None]:
-    """Append the current directory to `sys.path` for the duration (unless it is there already).
+def _searched_last(dirs: list[tuple[str, str]]) -> Iterator[None]:
+    """Append `dirs` to `sys.path` for the duration (those not there already).
 
     `python -m` puts the current directory first on `sys.path` and a console script does not;
     `graphcap.__main__` drops it, and this puts it back last for factory modules only.
     """
-    cwd = os.getcwd()
-    present = any(os.path.abspath(entry or ".") == cwd for entry in sys.path)
-    if not present:
-        sys.path.append(cwd)
+    added = []
+    for directory, _ in dirs:
+        if not any(os.path.abspath(entry or ".") == directory for entry in sys.path):
+            sys.path.append(directory)
+            added.append(directory)
     try:
         yield
     finally:
-        if not present:
+        for directory in added:
             with contextlib.suppress(ValueError):  # the factory removed it itself
-                sys.path.remove(cwd)
+                sys.path.remove(directory)
 
 
 def _error(key: str, message: str) -> ConfigError:

@@ -2,15 +2,18 @@
 
 | module | holds |
 |---|---|
-| `workload.py` | `Workload` (a random engine-like step stream), `fill_batch` (a real batch for a key) |
-| `timing.py` | `time_key`: eager vs replay per key through the real step path, median and spread |
 | `faults.py` | `FaultyModel` (fails on demand), snapshots, hostile batches |
 | `fuzz.py` | the batch fuzzer and its independent validity oracle |
 | `stress.py` | the poisoned stress loop (graph == eager on every real row) |
 | `threads.py` | several threads on one manager, and the interleaving detector |
 | `cli_cases.py` | hostile and careless uses of the `graphcap` command, as data (not imported here) |
+| `cli_setups.py` | the files, factories, faults and checks those cases use (not imported here) |
+| `interrupts.py` | Ctrl-C at each stage of a running command (not imported here) |
 | `dp_agreement.py` | data-parallel ranks with different configs (not imported here) |
 | `outputs.py` | per-request outputs, whole engine buffers, values stored as inf, the null block (not imported here) |
+
+`Workload`, `fill_batch` (`graphcap.workload`) and `time_key` (`graphcap.timing`) are product
+code that the command line uses; they are re-exported here for the tests and `tools/`.
 
 `TINY` is the small configuration the test suite and `tools/reliability.py` share, and
 `make_config` / `make_manager` build on it. Importing this package imports torch.
@@ -62,8 +65,8 @@ from graphcap.testing.threads import (
     run_threads,
     thread_batches,
 )
-from graphcap.testing.timing import KeyTiming, time_key
-from graphcap.testing.workload import Request, Workload, fill_batch
+from graphcap.timing import KeyTiming, time_key
+from graphcap.workload import Request, Workload, fill_batch
 
 __all__ = [
     "BAD_FORMS",

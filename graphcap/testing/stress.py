@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from graphcap.manager import CaptureManager
-from graphcap.testing.workload import Workload
+from graphcap.workload import Workload
 
 __all__ = ["StressResult", "stress"]
 

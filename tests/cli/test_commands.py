@@ -15,7 +15,7 @@ import pytest
 from graphcap.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = str(ROOT / "capture_configs" / "tiny-cpu-ci.yaml")
+TINY = str(ROOT / "graphcap" / "configs" / "tiny-cpu-ci.yaml")
 
 
 def run_cli(capsys, *argv):
@@ -142,7 +142,7 @@ def test_bench_prints_medians_and_spread_per_key(capsys):
 
 
 def test_bench_flags_noisy_keys(capsys, monkeypatch):
-    from graphcap.testing import timing
+    from graphcap import timing
 
     calls = iter(range(10**6))
 
@@ -238,3 +238,43 @@ def test_a_piecewise_mode_without_eager_ops_in_the_built_in_model_is_refused_bef
     assert code == 2 and "Traceback" not in err
     assert "capture.mode piecewise cuts the forward at its eager_op calls" in err
     assert "set model.attention=per_request, or capture.mode=full" in err
+
+
+def test_bench_pins_torch_threads_while_it_captures_and_times_and_puts_them_back(capsys, monkeypatch):
+    import torch
+
+    from graphcap import timing
+
+    seen = []
+    real = timing.time_key
+
+    def recording(manager, key, steps=20, warmup=3):
+        seen.append(torch.get_num_threads())
+        return real(manager, key, steps=steps, warmup=0)
+
+    monkeypatch.setattr(timing, "time_key", recording)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        small = ("--set", "capture.sizes=[1,2]", "--set", "capture.max_size=2", "--steps", "1", "--no-progress")
+        assert run_cli(capsys, "bench", "--config", TINY, *small)[0] == 0
+        assert seen and set(seen) == {1}  # the default: one thread
+        seen.clear()
+        assert run_cli(capsys, "bench", "--config", TINY, *small, "--threads", "2")[0] == 0
+        assert set(seen) == {2}
+        assert torch.get_num_threads() == 2  # the caller's setting is back
+    finally:
+        torch.set_num_threads(before)
+    code, out, err = run_cli(capsys, "bench", "--config", TINY, "--threads", "0")
+    assert code == 2 and "--threads must be >= 1; got 0" in err
+
+
+@pytest.mark.parametrize("flag", [(), ("--no-progress",)], ids=["progress", "no-progress"])
+def test_bench_shows_progress_while_it_times_unless_told_not_to(capsys, monkeypatch, flag):
+    import sys as system
+
+    monkeypatch.setattr(system.stderr, "isatty", lambda: True, raising=False)  # a terminal, as a user has
+    small = ("--set", "capture.sizes=[2]", "--set", "capture.max_size=2", "--steps", "1")
+    code, out, err = run_cli(capsys, "bench", "--config", TINY, *small, *flag)
+    assert code == 0, err
+    assert ("timing: " in err) == (not flag), err[-500:]

@@ -15,10 +15,10 @@ import pytest
 
 import graphcap.backends
 from graphcap.cli import _main, main
-from graphcap.testing.cli_cases import interrupt_after, interrupted_cleanly
+from graphcap.testing.interrupts import STAGES, interrupt_at, interrupted_cleanly
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = str(ROOT / "capture_configs" / "tiny-cpu-ci.yaml")
+TINY = str(ROOT / "graphcap" / "configs" / "tiny-cpu-ci.yaml")
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
@@ -40,6 +40,20 @@ def test_help_version_and_validate_never_import_torch(argv):
     assert _loaded_after(argv) == "[]"
 
 
+def test_help_loads_only_the_command_line_and_torch_free_leaves():
+    # `graphcap --help` within 2x a bare interpreter: the config package, numpy and the errors
+    # load when a command runs, not to print the help (tools/bench_startup.py measures it).
+    probe = (
+        "import sys\nfrom graphcap.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith('graphcap')), file=sys.stderr)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, timeout=60)
+    loaded = set(eval(result.stderr.strip().splitlines()[-1]))
+    others = {m for m in loaded if not m.startswith("graphcap.cli.")} - {"graphcap.cli", "graphcap"}
+    assert others <= {"graphcap.devices", "graphcap.sizes"}, others
+    assert "graphcap.cli._setup" not in loaded  # what builds a manager loads with the command that needs it
+
+
 def test_version_is_the_installed_metadata_version(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--version"])
@@ -58,11 +72,20 @@ def test_subcommands_are_listed_in_pipeline_order():
     assert [m.__name__.rsplit(".", 1)[1] for m in _main.COMMANDS] == ["capture", "verify", "sizes", "bench", "validate"]
 
 
-@pytest.mark.parametrize("delay", [0.1, 0.4, 0.9, 2.0])
-def test_ctrl_c_at_any_moment_is_one_line_and_ends_by_sigint(tmp_path, delay):
-    # verify with many sequences outlasts every delay: start-up, torch import, model, capture.
-    code, err = interrupt_after(delay, tmp_path)
+@pytest.mark.parametrize("stage", STAGES)
+def test_ctrl_c_at_every_stage_is_one_line_and_ends_by_sigint(tmp_path, stage):
+    # The signal goes out when the process logs the stage (never after a sleep): from the moment
+    # graphcap's handler exists, through the torch import, the model, the capture pass, the sweep.
+    code, err = interrupt_at(stage, tmp_path)
     assert interrupted_cleanly(code, err), (code, err)  # a shell reports 130
+
+
+def test_verify_logs_every_stage_in_order(capsys):
+    # The interrupt tests wait on these lines: each must exist, in this order.
+    argv = ["verify", "--config", TINY, "--batches", "1", "--steps", "2", "--no-progress", "-v"]
+    assert main(argv) == 0
+    said = [line.partition("stage: ")[2] for line in capsys.readouterr().err.splitlines() if "stage: " in line]
+    assert said == list(STAGES)
 
 
 def test_main_returns_130_when_interrupted(capsys, monkeypatch):
@@ -120,3 +143,22 @@ def test_a_reader_that_goes_away_is_not_an_error():
     process.stderr.close()
     assert process.wait(timeout=60) == 0
     assert err == ""
+
+
+def test_a_command_without_torch_installed_is_one_line_and_exit_2(tmp_path):
+    # `None` in sys.modules is how Python spells "not installed" for an import: ModuleNotFoundError.
+    probe = "import sys\nsys.modules['torch'] = None\nfrom graphcap.cli import main\nsys.exit(main(sys.argv[1:]))"
+    result = subprocess.run(
+        [sys.executable, "-c", probe, "capture", "--config", TINY], capture_output=True, text=True, env=ENV, timeout=120
+    )
+    assert result.returncode == 2
+    assert result.stderr == (
+        "graphcap capture: error: torch is not installed: install the torch build for this machine first "
+        "(README, Quick start), then graphcap\n"
+    )
+    assert (
+        subprocess.run(  # validate needs no torch
+            [sys.executable, "-c", probe, "validate", TINY], capture_output=True, text=True, env=ENV, timeout=120
+        ).returncode
+        == 0
+    )

@@ -12,7 +12,7 @@ from graphcap.cli import main
 from tests.conftest import ASSETS
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT = str(REPO / "capture_configs" / "default.yaml")
+DEFAULT = str(REPO / "graphcap" / "configs" / "default.yaml")
 
 
 def test_validate_good_file_prints_ok_and_exits_0(capsys):
@@ -39,7 +39,11 @@ def test_validate_missing_file_exits_2_without_a_traceback(capsys, tmp_path):
     missing = str(tmp_path / "nope.yaml")
     assert main(["validate", DEFAULT, missing]) == 2
     out, err = capsys.readouterr()
-    assert out.splitlines() == [f"{DEFAULT}: ok", f"{missing}: config file not found: {missing}"]
+    assert out.splitlines() == [
+        f"{DEFAULT}: ok",
+        f"{missing}: config file not found: {missing} (configs shipped with graphcap, loadable by name: "
+        "decode-only, default, llama3-8b-h200, spec-decode, tiny-cpu-ci)",
+    ]
     assert err == "1 of 2 configs invalid\n"
 
 

@@ -26,7 +26,7 @@ from graphcap.testing import (
     make_manager,
 )
 
-OLD_REPORT = '{"note": "the complete report of an earlier pass"}\n'
+OLD_REPORT = '{"graphcap_report": 1, "note": "the complete report of an earlier pass"}\n'  # a report graphcap wrote: it may be replaced
 LARGE = {GraphKey(4, 4, True), GraphKey(4, 4, False)}
 SMALL = {GraphKey(2, 2, True), GraphKey(2, 2, False)}
 STEP = StepBatch([1, 2], [5, 3], [4, 5, 6], [[1, 2], [3, 0]])  # 3 tokens: pads to a size-4 key

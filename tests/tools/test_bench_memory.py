@@ -21,4 +21,7 @@ def test_bench_memory_quick_prints_estimate_and_peak():
 def test_bench_startup_quick_times_every_command():
     done = run_tool("bench_startup.py", "--quick", timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert [line.split()[0] for line in done.stdout.splitlines()[1:]] == ["--help", "--version", "validate", "sizes"]
+    header, *rows = done.stdout.splitlines()
+    assert header.split()[-2:] == ["x", "bare"]  # each command beside a bare interpreter, in one process
+    assert [row.split()[0] for row in rows] == ["python", "--help", "--version", "validate", "sizes"]
+    assert rows[0].endswith(" 1.0x")

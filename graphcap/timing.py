@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from graphcap.keys import GraphKey
-from graphcap.testing.workload import fill_batch
+from graphcap.workload import fill_batch
 
 __all__ = ["NOISY_IQR", "KeyTiming", "Spread", "time_key"]
 
