@@ -167,6 +167,25 @@ class BlockTable:
             self.capacity[: self.top] = 0
             self.top = 0
 
+    def resize(self, num_blocks: int) -> None:
+        """The KV cache now holds `num_blocks` blocks: later writes are checked against the new bound.
+
+        Refuses (`BatchError` naming the row, column and block) when a row holds a block at or past
+        a smaller bound, before changing anything: clear or re-write such rows first.
+        """
+        top = self.top
+        if top:
+            held = self._columns < self.counts[:top, None]  # [top, width]: the columns each row holds
+            bad = np.argwhere(held & (self._rows[:top] >= num_blocks))
+            if bad.size:
+                i, j = (int(v) for v in bad[0])
+                raise BatchError(
+                    f"block_table row {i} holds block {int(self._rows[i, j])} (column {j}), outside the resized KV "
+                    f"cache [0, {num_blocks}) (kv_cache.num_blocks); clear or set_row every row holding blocks "
+                    "past the new bound before resize_kv"
+                )
+        self._num_blocks = num_blocks
+
     def _snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Copies of the rows that hold blocks (for `PersistentBuffers.table_set_aside`)."""
         top = self.top

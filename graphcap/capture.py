@@ -16,7 +16,7 @@ import dataclasses
 import gc
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,14 +26,15 @@ from tqdm import tqdm
 
 from graphcap.backends import CapturedGraph, GraphBackend
 from graphcap.backends.pieces import forbidden_reads
-from graphcap.batch import StepBatch, dummy_batch, probe_batch
+from graphcap.batch import StepBatch, dummy_batch
 from graphcap.config import CaptureConfig
 from graphcap.errors import CaptureError
 from graphcap.failures import FailurePolicy
-from graphcap.inputs import BufferSpec, ForwardInputs
+from graphcap.inputs import BufferSpec, ForwardInputs, KVGroup
 from graphcap.keys import GraphKey, KeyRegistry, Mode
 from graphcap.outputs import real_rows
 from graphcap.piecewise import running
+from graphcap.probe import probe_batch
 from graphcap.report import GraphRecord, format_bytes
 from graphcap.staging.extras import sampled
 from graphcap.verification import DUMMY_MISMATCH, compare_replay, probe_mismatch
@@ -60,6 +61,8 @@ class CapturePass:
     extras: tuple[BufferSpec, ...]
     failures: FailurePolicy
     scratch_blocks: tuple[int, ...] = ()
+    kv_groups: tuple[KVGroup, ...] = ()
+    group_scratch: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def run(
         self, keys: Iterable[GraphKey], *, context: Callable[[], AbstractContextManager], progress: bool | None
@@ -185,6 +188,8 @@ class CapturePass:
             num_blocks=kv.num_blocks,
             vocab_size=self.config.model.vocab_size,
             scratch_blocks=self.scratch_blocks,
+            groups=self.kv_groups,
+            group_scratch=self.group_scratch,
         )
         batch = self._sampled(batch, 1)
         inputs = self.stage(batch, key, phase="capture", dummy=True, kv_writes=writes)
@@ -231,7 +236,8 @@ class CapturePass:
             return batch
         rng = np.random.default_rng([seed, batch.num_tokens, batch.num_reqs])
         extras = sampled(self.extras, rng, batch.num_tokens, batch.num_reqs)
-        return StepBatch(batch.query_lens, batch.seq_lens, batch.input_ids, batch.block_table, extras=extras)
+        q, s, ids, table = batch.query_lens, batch.seq_lens, batch.input_ids, batch.block_table
+        return StepBatch(q, s, ids, table, extras=extras, kv_groups=batch.kv_groups)
 
 
 def progress_bar(keys: list[GraphKey], backend: GraphBackend, progress: bool | None) -> Iterator[GraphKey]:

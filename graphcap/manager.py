@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_device
-from graphcap.batch import StepBatch, scratch_block_ids
+from graphcap.batch import StepBatch
 from graphcap.block_table import BlockTable
 from graphcap.capture import CapturePass, gc_frozen, uncompiled_warnings
 from graphcap.config import CaptureConfig
@@ -34,10 +34,13 @@ from graphcap.guard import StaticGuard
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
 from graphcap.invariants import check_invariants
 from graphcap.keys import GraphKey, KeyRegistry, Mode, StepStats
+from graphcap.lifecycle import PassHistory, check_kv_fits, kv_tensors, resized_config
 from graphcap.outputs import real_rows
 from graphcap.piecewise import running
+from graphcap.probe import group_scratch_ids, scratch_block_ids
 from graphcap.report import CaptureReport, GraphRecord, check_report_path, format_bytes
 from graphcap.staging import PersistentBuffers
+from graphcap.staging.extras import merged_specs
 
 __all__ = ["CaptureManager"]
 
@@ -77,10 +80,11 @@ class CaptureManager:
         self._capture_context = capture_context or nullcontext
         """Entered around the captures of a pass, verification after it exits (an engine's
         `graph_capture()` that sets up custom all-reduce buffers and registers them at exit)."""
+        check_kv_fits(config, model)
         self.model = model
         self.config = config
         self.device = resolve_device(config) if device is None else torch.device(device)
-        self.buffers = PersistentBuffers.from_config(config, self.device, extras=_buffer_specs(config, buffers))
+        self.buffers = PersistentBuffers.from_config(config, self.device, extras=merged_specs(config.buffers, buffers))
         self.registry = KeyRegistry.from_config(config)
         # A backend passed in may hold other managers' graphs: only one built here is reset.
         self._owns_backend = not isinstance(backend, GraphBackend)
@@ -101,6 +105,7 @@ class CaptureManager:
         self._counting = True
         self._in_step: str | None = None
         self._guard = StaticGuard()
+        self._history = PassHistory()
         self.last_key: GraphKey | None = None
         """The key the last `execute`/`eager` step ran with (a captured key, or the unpadded
         eager key); read it instead of dispatching the same batch twice."""
@@ -137,7 +142,9 @@ class CaptureManager:
 
     # -- capture -------------------------------------------------------------------------
 
-    def capture(self, *, scratch_blocks: Iterable[int] = ()) -> CaptureReport:
+    def capture(
+        self, *, scratch_blocks: Iterable[int] = (), group_scratch_blocks: Mapping[str, Iterable[int]] | None = None
+    ) -> CaptureReport:
         """Capture every planned key (largest first), verify each, and return the report.
 
         Replaces graphs from an earlier pass. `capture.on_error: raise`: the first failure releases
@@ -149,16 +156,19 @@ class CaptureManager:
 
         The pass writes graphcap's persistent buffers, the null block 0 of the KV cache, what the
         model writes for pad-slot tokens, and the `scratch_blocks` (free block ids from the engine,
-        where verification then writes its keys and values); nothing else the engine owns, so a
-        re-capture mid-serving leaves every live KV block bit-identical (README: "What capture()
-        writes").
+        where verification then writes its keys and values) and `group_scratch_blocks[name]` of each
+        extra KV-cache group; nothing else the engine owns, so a re-capture mid-serving leaves every
+        live KV block bit-identical (README: "What capture() writes").
         """
         report_path = self.config.report.path
         if report_path:
             check_report_path(report_path)
         scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
+        group_scratch = group_scratch_ids(group_scratch_blocks, self.buffers.limits.kv_groups)
         with self._lock, self._step("capture"):
             self._check_warmups()
+            check_kv_fits(self.config, self.model)  # a cache re-allocated smaller without resize_kv
+            replaced = len(self.graphs)
             self._release_all()
             self._guard.arm(self._guard.collect(self.model, self.buffers.storage()), self.model)
             start = time.perf_counter()
@@ -166,7 +176,7 @@ class CaptureManager:
                 with gc_frozen(), logging_redirect_tqdm(), self.buffers.table_set_aside():
                     self.backend.empty_cache()  # once per pass; the graphs then share the pool
                     memory_before = self.backend.memory_in_use()
-                    job = self._capture_pass(scratch)
+                    job = self._capture_pass(scratch, group_scratch)
                     records, graphs = job.run(
                         self.registry.capture_order(), context=self._capture_context, progress=self.progress
                     )
@@ -174,6 +184,8 @@ class CaptureManager:
                 self._release_all()
                 raise
             self._install(records, graphs)
+            self.stats.captures += 1
+            self.stats.graphs_released += replaced
             report = CaptureReport(
                 records=records,
                 backend=self.backend.name,
@@ -182,6 +194,7 @@ class CaptureManager:
                 pool_bytes=max(0, self.backend.memory_in_use() - memory_before),
                 config=self.config.to_dict(),
                 warnings=uncompiled_warnings(self.graphs.values(), self.backend.name),
+                recapture=self._history.completed(replaced),
             )
             if report_path:
                 self._write_report(report, report_path)
@@ -193,7 +206,7 @@ class CaptureManager:
         )
         return report
 
-    def _capture_pass(self, scratch_blocks: tuple[int, ...] = ()) -> CapturePass:
+    def _capture_pass(self, scratch_blocks: tuple[int, ...] = (), group_scratch: Any = None) -> CapturePass:
         return CapturePass(
             backend=self.backend,
             registry=self.registry,
@@ -204,6 +217,8 @@ class CaptureManager:
             extras=self.buffers.extras,
             failures=self._failures,
             scratch_blocks=scratch_blocks,
+            kv_groups=self.buffers.limits.kv_groups,
+            group_scratch=group_scratch or {},
         )
 
     def _install(self, records: list[GraphRecord], graphs: dict[GraphKey, CapturedGraph]) -> None:
@@ -307,7 +322,7 @@ class CaptureManager:
         buffers = self.buffers
         inputs = buffers.stage(batch, key, upload=False)
         if not kv_writes:
-            inputs.host.slot_mapping[: inputs.num_tokens] = buffers.limits.pad.slot
+            buffers.silence_kv_writes(inputs)
         if self._prepare is not None:
             self._prepare(inputs, phase)
         try:
@@ -358,30 +373,66 @@ class CaptureManager:
         finally:
             self._in_step = None
 
-    def _release_all(self) -> None:
-        """Drop every graph of this manager and, when the backend is ours, its memory pool."""
+    def _release_all(self, reason: str = "not_captured") -> int:
+        """Drop every graph of this manager and, when the backend is ours, its memory pool; how many."""
+        count = len(self.graphs)
         for graph in self.graphs.values():
             graph.release()
         self.graphs.clear()
-        self.registry.reset()
+        self.registry.reset(reason)
         self._guard.disarm()
         if self._owns_backend:
-            self.backend.reset()
+            self.backend.reset()  # later captures go to a fresh pool: never into one whose graphs were freed
+        elif not self.backend.graphs:  # a shared backend: rotate only once no graph uses its pool
+            self.backend.pool.rotate()
+        return count
 
     def reset(self) -> None:
         """Release every graph; later steps run eagerly until `capture()` runs again."""
         with self._lock, self._step("reset"):
-            self._release_all()
+            self._history.freed("reset()", self._release_all())
+
+    def release(self) -> int:
+        """Free every graph and its pool memory (an engine going to sleep); returns how many were freed.
+
+        Keeps the persistent buffers, the block table rows, the engine buffers and `register_static`
+        registrations: `capture()` afterwards serves again, on the same addresses. Steps between run
+        eagerly with reason `released`. On CUDA the pool's memory goes back to the device
+        (`torch.cuda.empty_cache`) and later captures use a fresh pool, so the allocator never sees a
+        capture into a pool whose graphs were freed. `stats` counts it; the next report's
+        `recapture` says what was released.
+        """
+        with self._lock, self._step("release"):
+            count = self._release_all("released")
+            self.backend.empty_cache()
+            return self._history.freed("release()", count, self.stats)
+
+    def resize_kv(self, num_blocks: int, tensors: Any = None, *, group: str | None = None, block_dim: int = 0) -> int:
+        """The engine re-allocated its KV cache (of `group`; None: `kv_cache`) to `num_blocks` blocks.
+
+        Every graph is released (they were captured against the old cache; steps run eagerly with
+        reason `kv_resized` until `capture()`), and the next capture and every later step use the new
+        bound: the block tables (`set_row` accepts the new blocks), the invariants, the capture's
+        batches and `scratch_blocks`. `tensors` (a tensor, a list, or a mapping of names to tensors):
+        the new cache tensors, whose dim `block_dim` counts blocks; they are checked and registered
+        (`register_static`), so later replays are address-checked against them. `ConfigError` naming
+        `kv_cache.num_blocks` for a count the config rules refuse or a cache graphcap sees (the
+        built-in model's, `tensors`) that holds fewer blocks; `BatchError` naming the row when a
+        persistent block table row holds a block past a smaller bound (clear or move it first).
+        Nothing changes on a refusal. Returns the number of graphs released.
+        """
+        with self._lock, self._step("resize_kv"):
+            config = resized_config(self.config, num_blocks, group)
+            named = kv_tensors(tensors)
+            check_kv_fits(config, self.model, named, block_dim=block_dim, group=group)
+            self.buffers.resize_kv(num_blocks, group)
+            self.config = config
+            for name, tensor in named.items():
+                self._guard.register(name, tensor)
+            return self._history.freed("resize_kv()", self._release_all("kv_resized"), self.stats)
 
     def __repr__(self) -> str:
         return f"CaptureManager({len(self.graphs)} graphs, backend={self.backend.name}, device={self.device})"
-
-
-def _buffer_specs(config: CaptureConfig, buffers: Iterable[BufferSpec]) -> tuple[BufferSpec, ...]:
-    """The engine buffers: those of the config's `buffers:` list, then those passed in."""
-    if isinstance(buffers, BufferSpec) or not isinstance(buffers, Iterable):
-        raise TypeError(f"buffers must be a list of graphcap.BufferSpec; got {type(buffers).__name__}")
-    return (*map(BufferSpec.from_config, config.buffers), *buffers)
 
 
 _EMPTY = StepBatch([], [])

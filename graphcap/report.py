@@ -107,6 +107,10 @@ class CaptureReport:
     """The command line that made the report (set by the CLI)."""
     config_fingerprint: str = ""
     """`graphcap.config.fingerprint.config_fingerprint` of `config`: equal configs, equal fingerprints."""
+    recapture: dict[str, Any] | None = None
+    """A re-capture (None for a manager's first pass): `pass` (its number), `after` (what freed the
+    graphs before it: `capture()` replacing them, `release()`, `resize_kv()` or `reset()`),
+    `graphs_released` (how many) and `reused` (what the pass kept rather than rebuilt)."""
 
     def __post_init__(self) -> None:
         if not self.created:
@@ -143,6 +147,7 @@ class CaptureReport:
             "memory_meaning": MEMORY_MEANING.get(self.backend, {}),
             "graphs": [r.to_dict() for r in self.records],
             "warnings": list(self.warnings),
+            "recapture": self.recapture,
             "config_fingerprint": self.config_fingerprint,
             "config": self.config,
         }
@@ -191,6 +196,12 @@ class CaptureReport:
             f"total capture time: {self.total_seconds:.2f} s",
             f"{memory}; largest single graph {format_bytes(self.largest_graph_bytes)}",
         ]
+        if self.recapture:
+            again = self.recapture
+            lines.append(
+                f"re-capture (pass {again['pass']}) after {again['after']}, which released {again['graphs_released']} "
+                f"graphs; kept: {', '.join(again['reused'])}"
+            )
         if self.skipped:
             skipped = ", ".join(f"{r.key}" for r in self.skipped)
             lines.append(f"skipped ({len(self.skipped)}, these sizes run eagerly): {skipped}")

@@ -236,5 +236,29 @@ def test_yaml_buffers_reach_the_manager():
         build_model(config), config, progress=False, buffers=[BufferSpec("lora_index", "tokens", pad=-1)]
     )
     assert [s.name for s in manager.buffers.extras] == ["temperature", "lora_index"]
-    with pytest.raises(ValueError, match="'temperature' is declared twice"):
+    with pytest.raises(
+        ConfigError,
+        match=r"buffers\[0\]: 'temperature' is also passed in code as a BufferSpec, declared differently "
+        r"\(dtype 'float32' vs 'int32', pad 1.0 vs 0; config vs code\)",
+    ):
         CaptureManager(build_model(config), config, progress=False, buffers=[BufferSpec("temperature", "reqs")])
+
+
+def test_a_buffer_declared_alike_in_yaml_and_code_is_one_buffer_with_the_codes_sample_and_check():
+    config = make_config({"buffers": [{"name": "temperature", "rows": "reqs", "dtype": "float32", "pad": 1.0}]})
+    checked = []
+    spec = BufferSpec(
+        "temperature", "reqs", dtype="float32", pad=1.0, check=lambda view, rows: checked.append(rows),
+        sample=lambda rng, rows: rng.uniform(0.5, 1.5, rows),
+    )  # fmt: skip
+    manager = CaptureManager(build_model(config), config, progress=False, buffers=[spec])
+    assert manager.buffers.extras == (spec,) and manager.buffers.extras[0].check is spec.check
+    manager.execute(StepBatch([1, 2], [3, 4], extras={"temperature": [0.7, 1.3]}))
+    assert checked == [2]
+
+
+def test_buffers_are_reachable_by_overrides_and_set():
+    entry = {"name": "lora_index", "rows": "tokens", "pad": -1}
+    assert [b.name for b in make_config({"buffers": [entry]}).buffers] == ["lora_index"]
+    with pytest.raises(ConfigError, match=r"override: buffers\[0\]\.rows: expected tokens \| reqs \| none"):
+        make_config({"buffers": [{"name": "lora_index", "rows": "token"}]})

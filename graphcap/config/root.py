@@ -111,14 +111,17 @@ class CaptureConfig(Section):
                     involves=("model",),
                 )
             )
-        if pad.block_id >= kv.num_blocks:
-            out.append(
-                problem(
-                    "padding.block_id",
-                    f"{pad.block_id} is not a valid block (kv_cache.num_blocks {kv.num_blocks})",
-                    involves=("kv_cache",),
+        caches = [("kv_cache.num_blocks", kv.num_blocks)]
+        caches += [(f"kv_cache.groups[{i}].num_blocks", g.num_blocks) for i, g in enumerate(kv.groups)]
+        for key, num_blocks in caches:
+            if pad.block_id >= num_blocks:
+                out.append(
+                    problem(
+                        "padding.block_id",
+                        f"{pad.block_id} is not a valid block ({key} {num_blocks})",
+                        involves=("kv_cache",),
+                    )
                 )
-            )
         if pad.position >= kv.max_model_len:
             out.append(
                 problem(
@@ -203,5 +206,5 @@ def _section_dict(section: Section) -> dict[str, Any]:
 
 def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
-        return list(value)
+        return [_section_dict(v) if isinstance(v, Section) else v for v in value]
     return dict(value) if isinstance(value, MappingProxyType) else value
