@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap import CaptureError, GraphKey
-from graphcap.probe import probe_batch
 from graphcap.capture import CapturePass
 from graphcap.models import build_model
+from graphcap.probe import probe_batch
 from graphcap.testing import make_config, make_manager
 from graphcap.testing.fuzz import Limits
 
