@@ -109,7 +109,10 @@ class GroupStaging:
             if isinstance(source, BlockTable):
                 if source is not table:
                     raise BatchError(f"{what} is a BlockTable of another group or manager; pass this group's table")
-                table.check_step(s, r, R)
+                try:
+                    table.check_step(s, r, R)
+                except BatchError as exc:
+                    raise BatchError(f"{what} (the group's persistent table): {exc}") from None
             elif source is not None and r:
                 self._check_fresh(group.spec, source, s, what)
             sources.append(source)
