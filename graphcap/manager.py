@@ -132,6 +132,11 @@ class CaptureManager:
         return self.buffers.block_table
 
     @property
+    def kv_group_tables(self) -> Mapping[str, BlockTable]:
+        """Each extra KV-cache group's persistent block table by name (`kv_cache.groups`), kept as `block_table`."""
+        return self.buffers.kv_groups.tables
+
+    @property
     def lock(self) -> threading.RLock:
         """The re-entrant lock every step and capture holds.
 
