@@ -173,7 +173,7 @@ def stage_general(bufs: Parts, batch: StepBatch, key: GraphKey, R: int) -> Forwa
     if batch.extras or bufs.extras:
         check_extras_fit(bufs.extras, batch.extras, n, r)
     groups = bufs.kv_groups
-    if groups or batch.kv_groups:
+    if groups.specs or batch.kv_groups:
         if not groups:
             raise BatchError(f"the step gives kv_groups {sorted(batch.kv_groups)}, but kv_cache.groups declares none")
         sources = groups.check(batch, R)
@@ -215,7 +215,7 @@ def stage_general(bufs: Parts, batch: StepBatch, key: GraphKey, R: int) -> Forwa
     host = bufs.layout.host
     for spec in bufs.extras:
         stage_extra(host[spec.name], spec, batch.extras.get(spec.name), T, R, n, r)
-    if groups:
+    if groups.specs:
         groups.stage(sources, batch, p.positions, T, R)
     if p.upload is not None:
         bufs.upload_or_defer(p.upload)
