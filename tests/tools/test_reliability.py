@@ -26,6 +26,7 @@ def test_quick_campaign_writes_a_complete_table(tmp_path):
         "moved inputs",
         "verification",
         "command line",
+        "lifecycle",
     }
     for row in rows:
         passed, total = map(int, re.search(r": (\d+)/(\d+)", row).groups())
