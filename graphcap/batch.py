@@ -21,7 +21,7 @@ from graphcap.errors import BatchError
 from graphcap.fields import INT32_MAX
 from graphcap.keys import GraphKey
 
-__all__ = ["StepBatch", "check_block_ids", "check_seq_lens", "check_token_ids", "dummy_batch"]
+__all__ = ["StepBatch", "check_block_ids", "check_seq_lens", "check_token_ids", "dummy_batch", "step_or_idle"]
 
 _NO_EXTRAS: Mapping[str, np.ndarray] = MappingProxyType({})
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
@@ -172,6 +172,15 @@ def dummy_batch(key: GraphKey, *, max_model_len: int | None = None) -> StepBatch
     return StepBatch(q, q.copy())
 
 
+def step_or_idle(batch: StepBatch | None) -> StepBatch:
+    """`batch`, or for None (an idle data-parallel rank) an empty step; `TypeError` for anything else."""
+    if batch is None:
+        return _IDLE
+    if not isinstance(batch, StepBatch):
+        raise TypeError(f"expected a StepBatch (or None for an idle rank); got {type(batch).__name__}")
+    return batch
+
+
 def check_seq_lens(q: np.ndarray, s: np.ndarray) -> None:
     """`seq_lens` within int32 and `>= query_lens` (both 1-D, same length, `q >= 1`)."""
     if not len(s):
@@ -309,3 +318,6 @@ def _owned_group_tables(tables: Any, num_reqs: int) -> Mapping[str, Any]:
 def _short(array: np.ndarray) -> str:
     items = array.tolist()
     return str(items) if len(items) <= 8 else f"[{', '.join(map(str, items[:8]))}, ...]"
+
+
+_IDLE = StepBatch([], [])

@@ -27,12 +27,49 @@ import torch
 
 from graphcap.config import CaptureConfig
 from graphcap.errors import ConfigError, ConfigProblem
-from graphcap.keys import StepStats
+from graphcap.keys import GraphKey, KeyRegistry, StepStats
 
-__all__ = ["REUSED", "PassHistory", "check_kv_fits", "kv_tensors", "resized_config"]
+__all__ = ["REUSED", "LiveGraphs", "PassHistory", "check_kv_fits", "kv_tensors", "resize_plan", "resized_config"]
 
 REUSED = ("key schedule", "persistent buffers", "block table rows", "registered statics")
 """What a re-capture keeps from the passes before it (built once per manager, never rebuilt)."""
+
+
+class LiveGraphs:
+    """The graphs a manager serves with (`CaptureManager.graphs` is `graphs`), kept and let go of.
+
+    `install` keeps what a pass produced and marks the registry's keys; `release_all` frees every
+    graph, forgets the guard's records and the registry's capture state, and frees the pool when
+    the backend is the manager's own (later captures go to a fresh pool: never into one whose
+    graphs were freed); a shared backend's pool rotates only once no graph of any manager uses it.
+    """
+
+    def __init__(self, backend: Any, owns_backend: bool, registry: KeyRegistry, guard: Any) -> None:
+        self.graphs: dict[GraphKey, Any] = {}
+        self._backend, self._owns_backend, self._registry, self._guard = backend, owns_backend, registry, guard
+
+    def install(self, records: list, graphs: dict[GraphKey, Any]) -> None:
+        """Keep what a pass produced: its graphs (captured and verified), and the keys it skipped."""
+        self.graphs.update(graphs)
+        for record in records:
+            if record.key in graphs:
+                self._registry.mark_captured(record.key)
+            elif record.status == "skipped":
+                self._registry.mark_skipped(record.key, record.reason)
+
+    def release_all(self, reason: str = "not_captured") -> int:
+        """Drop every graph (steps then run eagerly with `reason`) and the pool they used; how many."""
+        count = len(self.graphs)
+        for graph in self.graphs.values():
+            graph.release()
+        self.graphs.clear()
+        self._registry.reset(reason)
+        self._guard.disarm()
+        if self._owns_backend:
+            self._backend.reset()
+        elif not self._backend.graphs:
+            self._backend.pool.rotate()
+        return count
 
 
 class PassHistory:
@@ -51,17 +88,30 @@ class PassHistory:
             stats.graphs_released += num_graphs
         return num_graphs
 
-    def completed(self, replaced: int) -> dict[str, Any] | None:
+    def completed(self, replaced: int, stats: StepStats | None = None) -> dict[str, Any] | None:
         """A pass completed, having released `replaced` graphs of the one before: its report's `recapture`.
 
-        None for the first pass of the manager.
+        None for the first pass of the manager. Counted in `stats` (`captures`, `graphs_released`).
         """
         self.passes += 1
+        if stats is not None:
+            stats.captures += 1
+            stats.graphs_released += replaced
         freed, self._freed = self._freed, None
         if self.passes == 1:
             return None
         what, released = ("capture()", replaced) if replaced or freed is None else freed
         return {"pass": self.passes, "after": what, "graphs_released": released, "reused": list(REUSED)}
+
+
+def resize_plan(
+    config: CaptureConfig, model: Any, num_blocks: int, tensors: Any, group: str | None, block_dim: int
+) -> tuple[CaptureConfig, dict[str, torch.Tensor]]:
+    """What `resize_kv` changes, every check done first: the new config and the named cache tensors."""
+    resized = resized_config(config, num_blocks, group)
+    named = kv_tensors(tensors)
+    check_kv_fits(resized, model, named, block_dim=block_dim, group=group)
+    return resized, named
 
 
 def resized_config(config: CaptureConfig, num_blocks: int, group: str | None = None) -> CaptureConfig:

@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import secrets
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from graphcap.config.fingerprint import config_fingerprint
-from graphcap.errors import ConfigError, ConfigProblem
+from graphcap.errors import CaptureError, ConfigError, ConfigProblem
 from graphcap.keys import GraphKey
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "check_report_path",
     "environment",
     "format_bytes",
+    "write_report",
 ]
 
 MEMORY_MEANING = {
@@ -207,6 +209,23 @@ class CaptureReport:
             lines.append(f"skipped ({len(self.skipped)}, these sizes run eagerly): {skipped}")
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+def write_report(report: CaptureReport, path: str, *, undo: Callable[[], object]) -> None:
+    """Write a pass's report; if that fails, `undo()` the pass (it is all or nothing) and raise `CaptureError`.
+
+    A `KeyboardInterrupt` or `SystemExit` propagates unchanged after the undo.
+    """
+    try:
+        report.write(path)
+    except BaseException as exc:
+        undo()
+        if not isinstance(exc, Exception):
+            raise
+        raise CaptureError(
+            f"captured {len(report.captured)} graphs, but writing the report to {path} failed "
+            f"({type(exc).__name__}: {exc}); the graphs were released, the old report is unchanged"
+        ) from exc
 
 
 def environment(device: str) -> dict[str, Any]:
