@@ -21,16 +21,24 @@ side by side, rounds interleaved; a first warm-up round is dropped (the process'
     python tools/bench_capture.py [--config PATH] [--steps N] [--threads N] [--quick]
     python tools/bench_capture.py --padding [--seeds N]
     python tools/bench_capture.py --recapture [--rounds N] [--config PATH] [--quick]
+    python tools/bench_capture.py --recapture --gc-full   # ... and re-captures with a full collection after
+
+`--gc-full` adds re-captures whose collection after the pass walks the whole heap (as before the
+young-generation collection), interleaved with ones that walk the young generations only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
+import graphcap.manager as manager_module
 from graphcap import CaptureManager, load_config
 from graphcap.models import build_model
 from graphcap.size_choice import SizeConstraints, choose_sizes
@@ -52,11 +60,16 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=3, help="with --padding: seeds per traffic shape")
     parser.add_argument("--recapture", action="store_true", help="first capture vs re-capture vs wake, then exit")
     parser.add_argument("--rounds", type=int, default=5, help="with --recapture: timed rounds")
+    parser.add_argument("--gc-full", action="store_true", help="with --recapture: also a full collection after")
     args = parser.parse_args()
     if args.padding:
         return padding(args.seeds)
     if args.recapture:
-        return recapture(args.config, 2 if args.quick else args.rounds, args.quick, args.threads)
+        rounds = 2 if args.quick else args.rounds
+        status = recapture(args.config, rounds, args.quick, args.threads)
+        if args.gc_full:
+            status = status or collections(args.config, rounds, args.quick, args.threads)
+        return status
     if args.threads:
         torch.set_num_threads(args.threads)
     overrides = {} if args.config else {"device": "cpu"}
@@ -137,6 +150,48 @@ def recapture(path: str | None, rounds: int, quick: bool, threads: int | None) -
         )
         print(f"{kind:<14} {np.median(values):>9.2f} {values.min():>6.2f}-{values.max():<6.2f} {ratio:>20}")
     print("kept by every re-capture: " + ", ".join(woken.recapture["reused"]))
+    return 0
+
+
+@contextlib.contextmanager
+def _full_collection_after() -> Iterator[None]:
+    """`graphcap.capture.gc_frozen` as it was: a full collection after the pass."""
+    was_enabled, was_frozen = gc.isenabled(), gc.get_freeze_count() > 0
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if not was_frozen:
+            gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+        gc.collect()
+
+
+def collections(path: str | None, rounds: int, quick: bool, threads: int | None) -> int:
+    """Re-captures after a weight swap: young-generation collection after the pass vs a full one, interleaved."""
+    torch.set_num_threads(threads or 1)
+    config = load_config(path, {} if path else {"device": "cpu", "capture.max_size": 8 if quick else 16})
+    model = build_model(config)
+    manager = CaptureManager(model, config, progress=False)
+    manager.capture()
+    seconds: dict[str, list[float]] = {"young": [], "full": []}
+    young = manager_module.gc_frozen
+    for index in range(2 * rounds):
+        kind = ("young", "full")[index % 2]
+        manager_module.gc_frozen = young if kind == "young" else _full_collection_after
+        model.lm_head = torch.nn.Parameter(model.lm_head.detach().clone(), requires_grad=False)
+        seconds[kind].append(manager.capture().total_seconds)
+    manager_module.gc_frozen = young
+    ratio = np.array(seconds["young"]) / np.array(seconds["full"])
+    print()
+    print(f"re-capture after a weight swap, collection after the pass ({rounds} pairs, interleaved)")
+    print(f"{'collection':<10} {'median s':>9} {'min-max s':>13}")
+    for kind, values in seconds.items():
+        print(f"{kind:<10} {np.median(values):>9.2f} {min(values):>6.2f}-{max(values):<6.2f}")
+    print(f"young / full per pair: median {np.median(ratio):.2f} ({ratio.min():.2f}-{ratio.max():.2f})")
     return 0
 
 
