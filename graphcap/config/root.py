@@ -111,17 +111,14 @@ class CaptureConfig(Section):
                     involves=("model",),
                 )
             )
-        caches = [("kv_cache.num_blocks", kv.num_blocks)]
-        caches += [(f"kv_cache.groups[{i}].num_blocks", g.num_blocks) for i, g in enumerate(kv.groups)]
-        for key, num_blocks in caches:
-            if pad.block_id >= num_blocks:
-                out.append(
-                    problem(
-                        "padding.block_id",
-                        f"{pad.block_id} is not a valid block ({key} {num_blocks})",
-                        involves=("kv_cache",),
-                    )
+        if pad.block_id >= kv.num_blocks:
+            out.append(
+                problem(
+                    "padding.block_id",
+                    f"{pad.block_id} is not a valid block (kv_cache.num_blocks {kv.num_blocks})",
+                    involves=("kv_cache",),
                 )
+            )
         if pad.position >= kv.max_model_len:
             out.append(
                 problem(
@@ -148,6 +145,14 @@ class CaptureConfig(Section):
                     )
                 )
             seen.setdefault(buffer.name, i)
+        for i, group in enumerate(kv.groups):  # padded rows of every group's table hold the pad block too
+            if pad.block_id >= group.num_blocks:
+                where = f"kv_cache.groups[{i}].num_blocks {group.num_blocks}"
+                out.append(
+                    problem(
+                        "padding.block_id", f"{pad.block_id} is not a valid block ({where})", involves=("kv_cache",)
+                    )
+                )
         if out:
             return out
         sizes = _schedule(cap, bat.max_num_tokens)
