@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap import PAD_SLOT_ID, BatchError, BufferSpec, CaptureManager, GraphKey, InvariantViolation, StepBatch
+from graphcap.cli._common import parse_overrides
 from graphcap.config import ConfigError, config_from_text
 from graphcap.invariants import check_invariants
 from graphcap.models import build_model
@@ -260,5 +261,7 @@ def test_a_buffer_declared_alike_in_yaml_and_code_is_one_buffer_with_the_codes_s
 def test_buffers_are_reachable_by_overrides_and_set():
     entry = {"name": "lora_index", "rows": "tokens", "pad": -1}
     assert [b.name for b in make_config({"buffers": [entry]}).buffers] == ["lora_index"]
+    overrides = parse_overrides(["buffers=[{name: lora_index, rows: tokens, pad: -1}]"])  # --set
+    assert make_config(overrides).buffers == make_config({"buffers": [entry]}).buffers
     with pytest.raises(ConfigError, match=r"override: buffers\[0\]\.rows: expected tokens \| reqs \| none"):
         make_config({"buffers": [{"name": "lora_index", "rows": "token"}]})
