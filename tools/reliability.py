@@ -185,12 +185,15 @@ def field_edits() -> list[tuple[str, Any, str]]:
                 edits += [(key, "bogus", "not one of the choices"), (key, True, "a boolean for a choice")]
             if str in options:
                 edits.append((key, 17, "a number for a string"))
-            if any(typing.get_origin(o) is tuple for o in options):
+            tuples = [typing.get_args(o)[0] for o in options if typing.get_origin(o) is tuple]
+            if int in tuples:
                 edits += [
                     (key, [8, 4], "sizes not ascending"),
                     (key, [0, 4], "a size of 0"),
                     (key, [2.5], "a float size"),
                 ]
+            elif tuples:  # a list of mappings (kv_cache.groups): each entry's own keys are named by index
+                edits += [(key, "window", "a word for a list"), (key, {"name": "window"}, "a mapping for a list")]
             if meta.get("min") is not None:
                 edits.append((key, meta["min"] - 1, "below the minimum"))
             if meta.get("max") is not None:
