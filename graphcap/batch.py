@@ -1,4 +1,4 @@
-"""`StepBatch` (one scheduler step, host side), and the batches graphcap makes to capture and verify a key.
+"""`StepBatch` (one scheduler step, host side), and the dummy batch graphcap captures a key with.
 
 A `StepBatch` is what a scheduler hands the model runner: per-request query lengths (the
 tokens computed this step) and total sequence lengths, optionally the token ids and the
@@ -9,9 +9,9 @@ into the pass that stages the values.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -21,17 +21,7 @@ from graphcap.errors import BatchError
 from graphcap.fields import INT32_MAX
 from graphcap.keys import GraphKey
 
-__all__ = [
-    "Probe",
-    "StepBatch",
-    "check_block_ids",
-    "check_seq_lens",
-    "check_token_ids",
-    "distinct_blocks",
-    "dummy_batch",
-    "probe_batch",
-    "scratch_block_ids",
-]
+__all__ = ["StepBatch", "check_block_ids", "check_seq_lens", "check_token_ids", "dummy_batch", "step_or_idle"]
 
 _NO_EXTRAS: Mapping[str, np.ndarray] = MappingProxyType({})
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
@@ -51,6 +41,8 @@ class StepBatch:
         the step neither copies nor scans it);
       - None: every request uses the null block 0 (dummy runs).
     `extras`: real rows of the engine's own buffers (`BufferSpec`), by name.
+    `kv_groups`: each extra KV-cache group's table (`kv_cache.groups`) by name, given as
+      `block_table` is (an array, or the group's persistent table `manager.kv_group_tables[name]`).
 
     Construction checks what dispatch needs: shapes, lengths and `query_lens` (kept as a
     read-only copy, or a shared constant for a decode step, so `num_tokens` and uniformity
@@ -73,9 +65,10 @@ class StepBatch:
         "min_query_len",
         "max_query_len",
         "extras",
+        "kv_groups",
     )
 
-    def __init__(self, query_lens, seq_lens, input_ids=None, block_table=None, *, extras=None) -> None:
+    def __init__(self, query_lens, seq_lens, input_ids=None, block_table=None, *, extras=None, kv_groups=None) -> None:
         # Hot path (every step): a decode step's int32 query_lens is one memcmp against a shared
         # row of ones; the other arrays are taken by reference (no copy, no scan: stage does both).
         q = query_lens
@@ -127,6 +120,7 @@ class StepBatch:
         self.min_query_len = q_min
         self.max_query_len = q_max
         self.extras = _NO_EXTRAS if not extras else _owned_extras(extras)
+        self.kv_groups = _NO_EXTRAS if not kv_groups else _owned_group_tables(kv_groups, num_reqs)
 
     def is_uniform(self, query_len: int) -> bool:
         """True when every request has exactly `query_len` tokens (an empty batch is uniform)."""
@@ -178,108 +172,13 @@ def dummy_batch(key: GraphKey, *, max_model_len: int | None = None) -> StepBatch
     return StepBatch(q, q.copy())
 
 
-class Probe(NamedTuple):
-    """A verification batch and whether its real tokens may write the KV cache."""
-
-    batch: StepBatch
-    writes_kv: bool
-    """True: every real token writes its own slot, in a block the engine named scratch; False: the
-    block table reads live blocks, and staging gives every real token the pad slot (no KV write)."""
-
-
-def probe_batch(
-    key: GraphKey,
-    *,
-    max_model_len: int,
-    block_size: int,
-    num_blocks: int,
-    vocab_size: int,
-    seed: int = 0,
-    scratch_blocks: Sequence[int] = (),
-) -> Probe:
-    """A second verification batch for `key`: partly filled, unlike the dummy batch in every value.
-
-    Fewer real requests than `R` wherever the key allows, so padded rows exist, and for mixed keys
-    fewer tokens than `T` (from `T = 3`) over fewer requests than tokens (an output with a row per
-    request cut as per token shows); random token ids, context lengths and block tables. A graph
-    that froze a host value at capture (a Python count, a value read from the host metadata) or
-    lets padded rows leak into real ones gives different real rows than an eager run of this batch.
-
-    The probe never writes a KV block that may hold a live request's keys: its context reads
-    random blocks (from 1 up, never the null block), and the blocks its tokens are computed in
-    come from `scratch_blocks` (blocks the engine says are free) when there are enough of them,
-    one slot per token (`writes_kv`). Otherwise those tokens must write nothing: the caller
-    stages them with the pad slot (`writes_kv` False).
-    """
-    rng = np.random.default_rng([seed, key.num_tokens, key.num_reqs, int(key.uniform)])
-    T, R = key.num_tokens, key.num_reqs
-    if key.uniform:
-        q_len = T // R
-        q = np.full(max(1, R - 1), q_len, dtype=np.int64)
-    else:
-        num_tokens = T - max(1, T // 4) if T > 2 else T
-        num_reqs = min(max(1, R - max(1, R // 3)), max(1, num_tokens // 2)) if R > 1 else 1
-        num_reqs = max(num_reqs, -(-num_tokens // max_model_len))
-        num_tokens = min(num_tokens, num_reqs * max_model_len)
-        q = np.ones(num_reqs, dtype=np.int64)
-        extra = rng.integers(0, num_reqs, num_tokens - num_reqs)
-        np.add.at(q, extra, 1)
-        while q.max() > max_model_len:  # move tokens of an over-long request to the shortest one
-            q[int(np.argmax(q))] -= 1
-            q[int(np.argmin(q))] += 1
-    context = rng.integers(0, np.maximum(1, max_model_len - q + 1))
-    if (-(-(context + q) // block_size)).sum() > num_blocks - 1:  # too few blocks for random context
-        context[:] = 0
-    blocks = distinct_blocks(q + context, block_size, num_blocks, rng)
-    # The columns each request's computed tokens fall in: [first, last) per request.
-    first, last = context // block_size, -(-(context + q) // block_size)
-    scratch = np.unique(np.asarray(scratch_blocks, dtype=np.int64))
-    writes = bool(scratch.size) and int((last - first).sum()) <= scratch.size
-    if writes:
-        taken = iter(rng.permutation(scratch).tolist())
-        for i in range(len(q)):
-            for j in range(int(first[i]), int(last[i])):
-                blocks[i, j] = next(taken)
-    ids = rng.integers(0, vocab_size, int(q.sum()))
-    return Probe(StepBatch(q, q + context, ids, blocks), writes)
-
-
-def scratch_block_ids(blocks: Any, num_blocks: int) -> tuple[int, ...]:
-    """`blocks` (an engine's free block ids, given as `capture(scratch_blocks=...)`) checked and as ints.
-
-    `TypeError` for anything but a collection of integers; `ValueError` naming a block outside
-    `[1, num_blocks)` (block 0 is the null block, which capture writes anyway).
-    """
-    if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Iterable):
-        raise TypeError(f"scratch_blocks must be a list of block ids; got {type(blocks).__name__}")
-    out = []
-    for block in blocks:
-        if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or not 1 <= block < num_blocks:
-            raise ValueError(
-                f"scratch_blocks holds {block!r}; scratch blocks are ids of free KV-cache blocks in "
-                f"[1, {num_blocks}) (kv_cache.num_blocks; block 0 is the null block, written anyway)"
-            )
-        out.append(int(block))
-    return tuple(out)
-
-
-def distinct_blocks(seq_lens: np.ndarray, block_size: int, num_blocks: int, rng: np.random.Generator) -> np.ndarray:
-    """A block table giving every request its own blocks (random, never the null block 0).
-
-    Request i gets `ceil(seq_lens[i] / block_size)` blocks, so no two tokens share a KV slot.
-    When the cache has fewer blocks than that in all, blocks are reused from the start (a test
-    batch on a tiny cache; its slots may then collide).
-    """
-    need = -(-np.asarray(seq_lens, dtype=np.int64) // block_size)
-    usable = num_blocks - 1
-    table = np.zeros((len(need), max(1, int(need.max(initial=1)))), dtype=np.int64)
-    order = rng.permutation(usable) + 1
-    start = 0
-    for i, count in enumerate(need.tolist()):
-        taken = order[start : start + count] if start + count <= usable else order[:count]
-        table[i, :count] = taken
-        start += count
-    return table
+def step_or_idle(batch: StepBatch | None) -> StepBatch:
+    """`batch`, or for None (an idle data-parallel rank) an empty step; `TypeError` for anything else."""
+    if batch is None:
+        return _IDLE
+    if not isinstance(batch, StepBatch):
+        raise TypeError(f"expected a StepBatch (or None for an idle rank); got {type(batch).__name__}")
+    return batch
 
 
 def check_seq_lens(q: np.ndarray, s: np.ndarray) -> None:
@@ -307,12 +206,12 @@ def check_token_ids(ids: np.ndarray) -> None:
         raise BatchError(f"input_ids[{t}] is {int(ids[t])}; token ids are >= 0")
 
 
-def check_block_ids(table: np.ndarray) -> None:
+def check_block_ids(table: np.ndarray, name: str = "block_table") -> None:
     """Block ids within int32 and `>= 0`."""
     if unsigned_max(table) > INT32_MAX:
-        _check_int32(table, "block_table")
+        _check_int32(table, name)
         i, j = np.argwhere(table < 0)[0]
-        raise BatchError(f"block_table[{i}, {j}] is {int(table[i, j])}; block ids are >= 0")
+        raise BatchError(f"{name}[{i}, {j}] is {int(table[i, j])}; block ids are >= 0")
 
 
 def _check_int32(array: np.ndarray, name: str) -> None:
@@ -396,6 +295,29 @@ def _owned_extras(extras: Any) -> Mapping[str, np.ndarray]:
     return MappingProxyType(out)
 
 
+def _owned_group_tables(tables: Any, num_reqs: int) -> Mapping[str, Any]:
+    """Each group's table as `block_table` is taken: a `BlockTable` as is, an array checked and owned."""
+    if not isinstance(tables, Mapping):
+        raise BatchError(f"kv_groups must map group names to block tables; got {type(tables).__name__}")
+    out = {}
+    for name, table in tables.items():
+        if table is not None and not isinstance(table, BlockTable):
+            what = f"kv_groups[{name!r}]"
+            table = _converted(table, what, 2)
+            check_block_ids(table, what)
+            table = _owned_int32(table)
+            if table.shape[0] != num_reqs:
+                raise BatchError(
+                    f"kv_groups[{name!r}] has {table.shape[0]} rows but the batch has {num_reqs} requests; "
+                    "give one row per request"
+                )
+        out[name] = table
+    return MappingProxyType(out)
+
+
 def _short(array: np.ndarray) -> str:
     items = array.tolist()
     return str(items) if len(items) <= 8 else f"[{', '.join(map(str, items[:8]))}, ...]"
+
+
+_IDLE = StepBatch([], [])

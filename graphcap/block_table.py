@@ -38,6 +38,9 @@ class BlockTable:
     request count must be empty, because padded requests read the pad block
     (`clear` requests that leave the step, as vLLM removes unscheduled requests).
 
+    Block ids are `1..num_blocks-1`: block 0 is the null block. The table of a KV-cache group
+    with a `sliding_window` (`null_ok`) also takes 0, for columns the window has left.
+
     Made by `PersistentBuffers` (`buffers.block_table`, `CaptureManager.block_table`); not
     thread-safe (writes go under the manager's lock when threads share it).
     """
@@ -51,6 +54,7 @@ class BlockTable:
         max_model_len: int | None,
         pad_block: int,
         before_write: Callable[[], None],
+        null_ok: bool = False,
     ) -> None:
         self._rows = rows  # [max_num_reqs, max_blocks_per_req] int32: the staged buffer's rows
         num_rows, width = rows.shape
@@ -58,6 +62,7 @@ class BlockTable:
         self._num_blocks = num_blocks
         self._pad = pad_block
         self._before_write = before_write
+        self._lowest = 0 if null_ok else 1  # a sliding-window group points columns its window left at block 0
         # Tokens a row's blocks can hold, capped at max_model_len: a step's request fits its row
         # when 1 <= seq_len <= capacity, i.e. (seq_len - 1) read as unsigned < capacity.
         self._max_len = INT32_MAX if max_model_len is None else max_model_len
@@ -167,6 +172,25 @@ class BlockTable:
             self.capacity[: self.top] = 0
             self.top = 0
 
+    def resize(self, num_blocks: int) -> None:
+        """The KV cache now holds `num_blocks` blocks: later writes are checked against the new bound.
+
+        Refuses (`BatchError` naming the row, column and block) when a row holds a block at or past
+        a smaller bound, before changing anything: clear or re-write such rows first.
+        """
+        top = self.top
+        if top:
+            held = self._columns < self.counts[:top, None]  # [top, width]: the columns each row holds
+            bad = np.argwhere(held & (self._rows[:top] >= num_blocks))
+            if bad.size:
+                i, j = (int(v) for v in bad[0])
+                raise BatchError(
+                    f"block_table row {i} holds block {int(self._rows[i, j])} (column {j}), outside the resized KV "
+                    f"cache [0, {num_blocks}) (kv_cache.num_blocks); clear or set_row every row holding blocks "
+                    "past the new bound before resize_kv"
+                )
+        self._num_blocks = num_blocks
+
     def _snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Copies of the rows that hold blocks (for `PersistentBuffers.table_set_aside`)."""
         top = self.top
@@ -246,10 +270,10 @@ class BlockTable:
             )
         limit = INT32_MAX + 1 if self._num_blocks is None else self._num_blocks
         if blocks.size:
-            bad = np.flatnonzero((blocks < 1) | (blocks >= limit))
+            bad = np.flatnonzero((blocks < self._lowest) | (blocks >= limit))
             if bad.size:
                 j = int(bad[0])
-                if blocks[j] == 0:
+                if blocks[j] == 0:  # only where null_ok is False
                     raise BatchError(
                         f"block_table.{what}: block id 0 at index {j} is the null block, which padded requests "
                         "and capture's dummy runs share (capture writes it); a request's blocks are 1 and up"

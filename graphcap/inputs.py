@@ -20,7 +20,16 @@ from graphcap.config.buffers import BufferConfig, buffer_problems
 from graphcap.fields import FIELDS
 from graphcap.keys import GraphKey
 
-__all__ = ["BufferSpec", "ForwardInputs", "HostView", "PreparePhase", "StagingLimits", "prepare_of"]
+__all__ = [
+    "BufferSpec",
+    "ForwardInputs",
+    "HostView",
+    "KVGroup",
+    "KVGroupView",
+    "PreparePhase",
+    "StagingLimits",
+    "prepare_of",
+]
 
 PreparePhase = Literal["capture", "replay", "eager"]
 """What a staging feeds, as `model.prepare(inputs, phase)` learns it: a graph being captured or
@@ -75,6 +84,45 @@ class BufferSpec:
         return np.dtype(self.dtype)
 
 
+class KVGroup(NamedTuple):
+    """An extra KV-cache group as staging sees it (from `kv_cache.groups`)."""
+
+    name: str
+    block_size: int
+    num_blocks: int
+    """Blocks of the group's cache, its null block 0 included."""
+    max_blocks_per_req: int
+    """Columns of its block table."""
+    sliding_window: int | None = None
+    """`kv_cache.groups[].sliding_window`: for the model, and for the null-block read rule of the `full` invariants."""
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def table_field(self) -> str:
+        """The name of its block table among the static inputs (`ForwardInputs.tensors()`)."""
+        return f"kv_groups.{self.name}.block_table"
+
+    @property
+    def slots_field(self) -> str:
+        """The name of its slot mapping among the static inputs."""
+        return f"kv_groups.{self.name}.slot_mapping"
+
+
+class KVGroupView(NamedTuple):
+    """One extra KV-cache group's rows of a step.
+
+    `inputs.kv_groups[name]` holds device tensors, `inputs.host.kv_groups[name]` numpy rows.
+    """
+
+    block_table: Any  # [R, max_blocks_per_req] int32: the group's block ids, the null block 0 in padded rows
+    slot_mapping: Any  # [T] int32: block * block_size + offset in the group's cache; the pad slot for padded tokens
+    block_size: int
+    sliding_window: int | None
+
+
 class HostView(NamedTuple):
     """Numpy views of the staged rows on the host (the rows `ForwardInputs` exposes)."""
 
@@ -86,6 +134,8 @@ class HostView(NamedTuple):
     block_table: np.ndarray  # [R, B]
     extras: Mapping[str, np.ndarray] = MappingProxyType({})
     """Engine buffers (`BufferSpec`) by name, padded rows included."""
+    kv_groups: Mapping[str, KVGroupView] = MappingProxyType({})
+    """Extra KV-cache groups by name (numpy rows)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +150,8 @@ class StagingLimits:
     pad: PadRules
     extras: tuple[BufferSpec, ...] = ()
     """The engine's buffers: their pad values and checks."""
+    kv_groups: tuple[KVGroup, ...] = ()
+    """The extra KV-cache groups (`kv_cache.groups`)."""
 
     @property
     def num_slots(self) -> int | None:
@@ -132,6 +184,8 @@ class ForwardInputs:
     limits: StagingLimits
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
     """Engine buffers (`BufferSpec`) by name: views of their padded rows."""
+    kv_groups: Mapping[str, KVGroupView] = field(default_factory=dict)
+    """Extra KV-cache groups (`kv_cache.groups`) by name: each one's `block_table` and `slot_mapping`."""
     _basic: Any = field(default=None, init=False, repr=False, compare=False)
     """Cached by `check_invariants`: the views and expected bytes of this step's basic rules."""
 
@@ -139,6 +193,9 @@ class ForwardInputs:
         """The static input tensors by name (built-ins in packed order, then the extras)."""
         out = {name: getattr(self, name) for name in FIELDS}
         out.update(self.extras)
+        for group in self.limits.kv_groups:
+            view = self.kv_groups[group.name]
+            out[group.table_field], out[group.slots_field] = view.block_table, view.slot_mapping
         return out
 
 

@@ -18,7 +18,8 @@ for every production step; `full` adds the O(tokens) checks on real rows.
 | real `positions == seq_len - query_len + offset` | full | rotary and cache slots come from them |
 | padded `positions`, `input_ids` per rule; ids in vocab | full | embedding and rotary lookups stay in range |
 | `block_table` in `[0, num_blocks)`; padded rows per rule | full | an out-of-range block is an illegal access |
-| real tokens write their own blocks, no slot twice; real requests never use block 0 | full | block 0 holds pad writes |
+| own block, no slot twice; real requests never read or write block 0 | full | `graphcap.kv_writes` |
+| every KV-cache group (`kv_cache.groups`): the same slot and table rules | basic, full | `graphcap.kv_writes` |
 
 Address checks (a static input replaced after capture) live with the graphs (`backends`).
 """
@@ -31,6 +32,7 @@ import numpy as np
 
 from graphcap.errors import InvariantViolation
 from graphcap.inputs import ForwardInputs
+from graphcap.kv_writes import check_group_rows, check_writes
 
 __all__ = ["LEVELS", "InvariantViolation", "check_invariants"]
 
@@ -63,11 +65,14 @@ def check_invariants(
         raise ValueError(f"level must be one of {', '.join(LEVELS)}; got {level!r}")
     if not _basic_holds(inputs):
         _check_basic(inputs)  # finds and names the first broken rule
+    lens = None
     if level == "full":
         lens = _lengths(inputs.host.query_start_loc)
         _check_full(inputs, lens, kv_writes)
         if kv_writes:
             _check_kv_writes(inputs, lens, dummy)
+    if inputs.limits.kv_groups:
+        check_group_rows(inputs, level, lens, dummy=dummy, kv_writes=kv_writes)
     if inputs.limits.extras:
         _check_extras(inputs, level)
 
@@ -328,8 +333,7 @@ def _check_full(inputs: ForwardInputs, lens: np.ndarray, kv_writes: bool = True)
 
 
 def _check_kv_writes(inputs: ForwardInputs, lens: np.ndarray, dummy: bool) -> None:
-    """Where real tokens write the KV cache: within max_model_len, in their own request's blocks, never
-    two tokens into one slot; no real request reads or writes the null block (O(tokens + R*B), vectorized)."""
+    """Where real tokens write the KV cache: within max_model_len, then the rules of `graphcap.kv_writes`."""
     host, key, lim = inputs.host, inputs.key, inputs.limits
     n, r = inputs.num_tokens, inputs.num_reqs
     if not n:
@@ -344,45 +348,10 @@ def _check_kv_writes(inputs: ForwardInputs, lens: np.ndarray, dummy: bool) -> No
             t = int(np.argmax(positions >= lim.max_model_len))
             why = "rotary tables end at max_model_len"
             _fail("positions", t, f"< {lim.max_model_len}", int(positions[t]), why, key)
-    bs = lim.block_size
-    slots, positions = host.slot_mapping[:n].astype(np.int64), host.positions[:n].astype(np.int64)
-    width = host.block_table.shape[1] * bs
-    if positions.max() >= width:
-        t = int(np.argmax(positions >= width))
-        _fail("positions", t, f"< {width}", int(positions[t]), "a position lies within the block table's columns", key)
-    req = np.repeat(np.arange(r), lens[:r])  # req: [n], the request of each real token
-    blocks = host.block_table[req, positions // bs].astype(np.int64)  # the block each token's position lies in
-    expected = blocks * bs + positions % bs
-    bad = np.flatnonzero(slots != expected)
-    if bad.size:
-        t = int(bad[0])
-        _fail(
-            "slot_mapping", t, int(expected[t]), int(slots[t]),
-            f"a real token writes its own request's block (request {int(req[t])}, block_table[{int(req[t])}, "
-            f"{int(positions[t] // bs)}] = {int(blocks[t])}); any other slot overwrites another request's KV cache",
-            key,
-        )  # fmt: skip
-    if dummy:
-        return
-    used = np.arange(host.block_table.shape[1]) < -(-host.seq_lens[:r].astype(np.int64) // bs)[:, None]  # [r, B]
-    null = np.argwhere(used & (host.block_table[:r] == 0))  # a column a real request reads or writes
-    if null.size:
-        i, j = (int(v) for v in null[0])
-        verb = "writes this step's keys into" if j >= (int(host.seq_lens[i]) - int(lens[i])) // bs else "reads"
-        _fail(
-            "block_table", f"{i}, {j}", "a block of the request's own", 0,
-            f"request {i} {verb} the null block 0, which padded rows and dummy runs share (capture writes it); "
-            "an engine never hands block 0 to a live request", key,
-        )  # fmt: skip
-    order = np.argsort(slots, kind="stable")
-    same = np.flatnonzero(slots[order[1:]] == slots[order[:-1]])
-    if same.size:
-        first, second = int(order[same[0]]), int(order[same[0] + 1])
-        _fail(
-            "slot_mapping", second, f"a slot no other token writes (token {first} writes it)", int(slots[second]),
-            f"two tokens of one step write one KV slot (requests {int(req[first])} and {int(req[second])} share "
-            "a block): one overwrites the other's keys and values", key,
-        )  # fmt: skip
+    check_writes(
+        host.slot_mapping[:n], host.positions[:n], host.block_table, lens[:r], lim.block_size, key,
+        dummy=dummy, seq_lens=host.seq_lens[:r],
+    )  # fmt: skip
 
 
 def _lengths(qsl: np.ndarray) -> np.ndarray:

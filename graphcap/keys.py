@@ -90,6 +90,8 @@ EAGER_REASONS = {
     "skipped": "its key failed to capture and was skipped (capture.on_error: skip)",
     "not_captured": "its key has not been captured yet (call capture() first)",
     "peer": "another data-parallel rank could not use a graph this step",
+    "released": "the graphs were released (manager.release()); capture() serves again",
+    "kv_resized": "the KV cache was resized (manager.resize_kv()); capture() again against the new cache",
 }
 """Why a step ran eagerly; the keys of `CaptureManager.stats.eager`."""
 
@@ -187,6 +189,8 @@ class KeyRegistry:
         self.planned: tuple[GraphKey, ...] = tuple(sorted(planned, key=_ascending))
         self.captured: set[GraphKey] = set()
         self.skipped: dict[GraphKey, str] = {}
+        self.uncaptured_reason = "not_captured"
+        """Why a planned key without a graph runs eagerly: `not_captured`, or what freed its graph."""
 
     @classmethod
     def from_config(cls, config) -> KeyRegistry:
@@ -226,10 +230,12 @@ class KeyRegistry:
         self.captured.discard(key)
         self.skipped[key] = reason
 
-    def reset(self) -> None:
-        """Forget capture state (keys stay planned)."""
+    def reset(self, reason: str = "not_captured") -> None:
+        """Forget capture state (keys stay planned); `reason`: why steps run eagerly until a capture
+        (`released`, `kv_resized`)."""
         self.captured.clear()
         self.skipped.clear()
+        self.uncaptured_reason = reason
 
     def dispatch(self, num_tokens: int, num_reqs: int, uniform: bool) -> Dispatch:
         """How a step of these counts runs: its captured key and mode, or eagerly with a reason.
@@ -277,7 +283,7 @@ class KeyRegistry:
         return Dispatch(Mode.EAGER, GraphKey(num_tokens, num_reqs, False), reason)
 
     def _state(self, key: GraphKey) -> str:
-        return "skipped" if key in self.skipped else "not_captured"
+        return "skipped" if key in self.skipped else self.uncaptured_reason
 
     def _check_planned(self, key: GraphKey) -> None:
         if key not in self.planned:
@@ -311,6 +317,12 @@ class StepStats:
     """`eager_op` calls run between the pieces of piecewise replays."""
     eager_op_copies: int = 0
     """Of those, calls whose result was copied into its static tensor (ops without `out=`)."""
+    captures: int = 0
+    """Capture passes completed (the first, then every re-capture)."""
+    releases: int = 0
+    """`release()` and `resize_kv()` calls (each frees every graph)."""
+    graphs_released: int = 0
+    """Graphs freed by `release()`, `resize_kv()` or a re-capture replacing them."""
 
     @property
     def piecewise_replays(self) -> int:
@@ -331,4 +343,7 @@ class StepStats:
             "padded_token_waste": self.padded_token_waste,
             "eager_op_calls": self.eager_op_calls,
             "eager_op_copies": self.eager_op_copies,
+            "captures": self.captures,
+            "releases": self.releases,
+            "graphs_released": self.graphs_released,
         }

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_device
-from graphcap.batch import StepBatch, scratch_block_ids
+from graphcap.batch import StepBatch, step_or_idle
 from graphcap.block_table import BlockTable
 from graphcap.capture import CapturePass, gc_frozen, uncompiled_warnings
 from graphcap.config import CaptureConfig
@@ -34,10 +34,13 @@ from graphcap.guard import StaticGuard
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
 from graphcap.invariants import check_invariants
 from graphcap.keys import GraphKey, KeyRegistry, Mode, StepStats
+from graphcap.lifecycle import LiveGraphs, PassHistory, check_kv_fits, resize_plan
 from graphcap.outputs import OutputRows
 from graphcap.piecewise import running
-from graphcap.report import CaptureReport, GraphRecord, check_report_path, format_bytes
+from graphcap.probe import group_scratch_ids, scratch_block_ids
+from graphcap.report import CaptureReport, check_report_path, format_bytes, write_report
 from graphcap.staging import PersistentBuffers
+from graphcap.staging.extras import merged_specs
 
 __all__ = ["CaptureManager"]
 
@@ -77,17 +80,20 @@ class CaptureManager:
         self._capture_context = capture_context or nullcontext
         """Entered around the captures of a pass, verification after it exits (an engine's
         `graph_capture()` that sets up custom all-reduce buffers and registers them at exit)."""
+        check_kv_fits(config, model)
         self.model = model
         self.config = config
         self.device = resolve_device(config) if device is None else torch.device(device)
-        self.buffers = PersistentBuffers.from_config(config, self.device, extras=_buffer_specs(config, buffers))
+        self.buffers = PersistentBuffers.from_config(config, self.device, extras=merged_specs(config.buffers, buffers))
         self.registry = KeyRegistry.from_config(config)
         # A backend passed in may hold other managers' graphs: only one built here is reset.
-        self._owns_backend = not isinstance(backend, GraphBackend)
+        owns_backend = not isinstance(backend, GraphBackend)
         self.backend = (
-            get_backend(backend, self.device, sync_debug=config.checks.sync_debug) if self._owns_backend else backend
+            get_backend(backend, self.device, sync_debug=config.checks.sync_debug) if owns_backend else backend
         )
-        self.graphs: dict[GraphKey, CapturedGraph] = {}
+        self._guard = StaticGuard()
+        self._live = LiveGraphs(self.backend, owns_backend, self.registry, self._guard)
+        self.graphs: dict[GraphKey, CapturedGraph] = self._live.graphs
         self.stats = StepStats()
         self.progress = progress
         self._level = config.checks.invariants
@@ -101,7 +107,7 @@ class CaptureManager:
         self._failures = FailurePolicy(config.capture.on_error, self._sync)
         self._counting = True
         self._in_step: str | None = None
-        self._guard = StaticGuard()
+        self._history = PassHistory()
         self.last_key: GraphKey | None = None
         """The key the last `execute`/`eager` step ran with (a captured key, or the unpadded
         eager key); read it instead of dispatching the same batch twice."""
@@ -120,61 +126,66 @@ class CaptureManager:
     def block_table(self) -> BlockTable:
         """The persistent block table: rows written as they change, named by a step instead of a fresh table.
 
-        `manager.block_table.set_row(i, blocks)` / `append` / `move` / `swap` / `clear` as requests
-        come, grow, move and go; `StepBatch(q, s, ids, block_table=manager.block_table)` then reads
-        request i's blocks from row i (see `BlockTable`). With several threads, write rows under
-        `lock`. A capture pass sets the rows aside and puts them back.
+        `set_row(i, blocks)` / `append` / `move` / `swap` / `clear` as requests come, grow, move and go;
+        `StepBatch(q, s, ids, block_table=manager.block_table)` reads request i's blocks from row i (see
+        `BlockTable`). With several threads, write rows under `lock`. A capture sets them aside.
         """
         return self.buffers.block_table
 
     @property
-    def lock(self) -> threading.RLock:
-        """The re-entrant lock every step and capture holds.
+    def kv_group_tables(self) -> Mapping[str, BlockTable]:
+        """Each extra KV-cache group's persistent block table by name (`kv_cache.groups`), kept as `block_table`."""
+        return self.buffers.kv_groups.tables
 
-        Hold it around `execute` and the use of its result when several threads share the
-        manager: another thread's next step overwrites the returned view.
-        """
+    @property
+    def lock(self) -> threading.RLock:
+        """The re-entrant lock every step and capture holds: hold it around `execute` and the use of
+        its result when several threads share the manager (another thread's step overwrites the view)."""
         return self._lock
 
     # -- capture -------------------------------------------------------------------------
 
-    def capture(self, *, scratch_blocks: Iterable[int] = ()) -> CaptureReport:
+    def capture(
+        self, *, scratch_blocks: Iterable[int] = (), group_scratch_blocks: Mapping[str, Iterable[int]] | None = None
+    ) -> CaptureReport:
         """Capture every planned key (largest first), verify each, and return the report.
 
         Replaces graphs from an earlier pass. `capture.on_error: raise`: the first failure releases
         every graph of this pass and raises `CaptureError` naming the key and a hint; `skip`: the key
         is recorded as skipped and runs eagerly. A sticky CUDA error ends the pass under either
         policy. On every exit path GC is restored and no partial graph stays registered.
-        `ConfigError` when `capture.num_warmups` is below what the backend needs (cuda: 1), or when
-        `report.path` cannot be written (checked first; the report is written atomically after).
+        `ConfigError` when `capture.num_warmups` is below what the backend needs (cuda: 1), when
+        `report.path` cannot be written (checked first; written atomically after), or when the
+        model's KV cache holds fewer blocks than `kv_cache.num_blocks`.
 
-        The pass writes graphcap's persistent buffers, the null block 0 of the KV cache, what the
-        model writes for pad-slot tokens, and the `scratch_blocks` (free block ids from the engine,
-        where verification then writes its keys and values); nothing else the engine owns, so a
-        re-capture mid-serving leaves every live KV block bit-identical (README: "What capture()
-        writes").
+        Writes nothing the engine owns but the null block 0 of each KV-cache group, what the model
+        writes for pad-slot tokens, `scratch_blocks` (free block ids the engine hands over) and
+        `group_scratch_blocks[name]` of each extra group (README: "What capture() writes").
         """
         report_path = self.config.report.path
         if report_path:
             check_report_path(report_path)
         scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
+        group_scratch = group_scratch_ids(group_scratch_blocks, self.buffers.limits.kv_groups)
         with self._lock, self._step("capture"):
             self._check_warmups()
-            self._release_all()
+            check_kv_fits(self.config, self.model)  # a cache re-allocated smaller without resize_kv
+            replaced = len(self.graphs)
+            self._live.release_all()
             self._guard.arm(self._guard.collect(self.model, self.buffers.storage()), self.model)
             start = time.perf_counter()
             try:
                 with gc_frozen(), logging_redirect_tqdm(), self.buffers.table_set_aside():
                     self.backend.empty_cache()  # once per pass; the graphs then share the pool
                     memory_before = self.backend.memory_in_use()
-                    job = self._capture_pass(scratch)
+                    job = self._capture_pass(scratch, group_scratch)
                     records, graphs = job.run(
                         self.registry.capture_order(), context=self._capture_context, progress=self.progress
                     )
             except BaseException:
-                self._release_all()
+                self._live.release_all()
                 raise
-            self._install(records, graphs)
+            self._live.install(records, graphs)
             report = CaptureReport(
                 records=records,
                 backend=self.backend.name,
@@ -183,9 +194,10 @@ class CaptureManager:
                 pool_bytes=max(0, self.backend.memory_in_use() - memory_before),
                 config=self.config.to_dict(),
                 warnings=uncompiled_warnings(self.graphs.values(), self.backend.name),
+                recapture=self._history.completed(replaced, self.stats),
             )
             if report_path:
-                self._write_report(report, report_path)
+                write_report(report, report_path, undo=self._live.release_all)
         log.info(
             "captured %d graphs in %.2f s (%s)",
             len(report.captured),
@@ -194,7 +206,7 @@ class CaptureManager:
         )
         return report
 
-    def _capture_pass(self, scratch_blocks: tuple[int, ...] = ()) -> CapturePass:
+    def _capture_pass(self, scratch_blocks: tuple[int, ...] = (), group_scratch: Any = None) -> CapturePass:
         return CapturePass(
             backend=self.backend,
             registry=self.registry,
@@ -206,28 +218,9 @@ class CaptureManager:
             failures=self._failures,
             scratch_blocks=scratch_blocks,
             outputs=self._outputs,
+            kv_groups=self.buffers.limits.kv_groups,
+            group_scratch=group_scratch or {},
         )
-
-    def _install(self, records: list[GraphRecord], graphs: dict[GraphKey, CapturedGraph]) -> None:
-        """Keep what a pass produced: its graphs (captured and verified), and the keys it skipped."""
-        self.graphs.update(graphs)
-        for record in records:
-            if record.key in graphs:
-                self.registry.mark_captured(record.key)
-            elif record.status == "skipped":
-                self.registry.mark_skipped(record.key, record.reason)
-
-    def _write_report(self, report: CaptureReport, path: str) -> None:
-        try:
-            report.write(path)
-        except BaseException as exc:  # the pass is all or nothing: undo it, as for a failed key
-            self._release_all()
-            if not isinstance(exc, Exception):
-                raise
-            raise CaptureError(
-                f"captured {len(report.captured)} graphs, but writing the report to {path} failed "
-                f"({type(exc).__name__}: {exc}); the graphs were released, the old report is unchanged"
-            ) from exc
 
     def _check_warmups(self) -> None:
         """A backend that needs plain warmups before capture (cuda) refuses `num_warmups: 0`."""
@@ -241,7 +234,7 @@ class CaptureManager:
     def dispatch(self, batch: StepBatch | None) -> GraphKey | None:
         """The captured key `batch` replays with, or None (eager). Collective with a group."""
         with self._lock, self._step("dispatch"):  # with a group, a step's collective must not interleave
-            mode, key, _ = self._dispatch(_or_empty(batch))
+            mode, key, _ = self._dispatch(step_or_idle(batch))
             return None if mode is Mode.EAGER else key
 
     def execute(self, batch: StepBatch | None) -> Any:
@@ -256,7 +249,7 @@ class CaptureManager:
         read or clone them first. `None` is an idle data-parallel rank: it joins the agreed key
         with no real rows.
         """
-        batch = _or_empty(batch)
+        batch = step_or_idle(batch)
         with self._lock, self._step("execute"):
             mode, key, reason = self._dispatch(batch)
             if mode is Mode.EAGER:
@@ -285,7 +278,7 @@ class CaptureManager:
 
     def eager(self, batch: StepBatch) -> Any:
         """The reference: the model on the same staging path, unpadded, with no graph."""
-        batch = _or_empty(batch)
+        batch = step_or_idle(batch)
         with self._lock, self._step("eager"):
             return self._run_eager(batch)
 
@@ -311,7 +304,7 @@ class CaptureManager:
         buffers = self.buffers
         inputs = buffers.stage(batch, key, upload=False)
         if not kv_writes:
-            inputs.host.slot_mapping[: inputs.num_tokens] = buffers.limits.pad.slot
+            buffers.silence_kv_writes(inputs)
         if self._prepare is not None:
             self._prepare(inputs, phase)
         try:
@@ -362,38 +355,40 @@ class CaptureManager:
         finally:
             self._in_step = None
 
-    def _release_all(self) -> None:
-        """Drop every graph of this manager and, when the backend is ours, its memory pool."""
-        for graph in self.graphs.values():
-            graph.release()
-        self.graphs.clear()
-        self.registry.reset()
-        self._guard.disarm()
-        if self._owns_backend:
-            self.backend.reset()
-
     def reset(self) -> None:
         """Release every graph; later steps run eagerly until `capture()` runs again."""
         with self._lock, self._step("reset"):
-            self._release_all()
+            self._history.freed("reset()", self._live.release_all())
+
+    def release(self) -> int:
+        """Free every graph and its pool memory (an engine going to sleep); returns how many.
+
+        Keeps the buffers, block table rows and registrations: `capture()` serves again, on the same
+        addresses; steps between run eagerly (reason `released`). On CUDA the memory goes back to
+        the device and later captures use a fresh pool (never one whose graphs were freed).
+        """
+        with self._lock, self._step("release"):
+            count = self._live.release_all("released")
+            self.backend.empty_cache()
+            return self._history.freed("release()", count, self.stats)
+
+    def resize_kv(self, num_blocks: int, tensors: Any = None, *, group: str | None = None, block_dim: int = 0) -> int:
+        """The engine re-allocated its KV cache (of `group`; None: `kv_cache`) to `num_blocks` blocks.
+
+        Releases every graph (steps run eagerly, reason `kv_resized`, until `capture()`); later steps
+        and captures use the new bound. `tensors`: the new cache tensors (a tensor, list or mapping),
+        dim `block_dim` counting blocks, checked and registered like `register_static`. Refusals
+        change nothing: `ConfigError` naming the key for a count the config refuses or a cache that
+        holds fewer blocks; `BatchError` naming a block table row that holds a block past the bound.
+        Returns the number of graphs released (docs/lifecycle.md).
+        """
+        with self._lock, self._step("resize_kv"):
+            config, named = resize_plan(self.config, self.model, num_blocks, tensors, group, block_dim)
+            self.buffers.resize_kv(num_blocks, group)
+            self.config = config
+            for name, tensor in named.items():
+                self._guard.register(name, tensor)
+            return self._history.freed("resize_kv()", self._live.release_all("kv_resized"), self.stats)
 
     def __repr__(self) -> str:
         return f"CaptureManager({len(self.graphs)} graphs, backend={self.backend.name}, device={self.device})"
-
-
-def _buffer_specs(config: CaptureConfig, buffers: Iterable[BufferSpec]) -> tuple[BufferSpec, ...]:
-    """The engine buffers: those of the config's `buffers:` list, then those passed in."""
-    if isinstance(buffers, BufferSpec) or not isinstance(buffers, Iterable):
-        raise TypeError(f"buffers must be a list of graphcap.BufferSpec; got {type(buffers).__name__}")
-    return (*map(BufferSpec.from_config, config.buffers), *buffers)
-
-
-_EMPTY = StepBatch([], [])
-
-
-def _or_empty(batch: StepBatch | None) -> StepBatch:
-    if batch is None:
-        return _EMPTY
-    if not isinstance(batch, StepBatch):
-        raise TypeError(f"expected a StepBatch (or None for an idle rank); got {type(batch).__name__}")
-    return batch

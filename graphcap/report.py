@@ -16,6 +16,7 @@ import platform
 import re
 import secrets
 import stat
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -23,7 +24,7 @@ from typing import Any, Literal
 import yaml
 
 from graphcap.config.fingerprint import config_fingerprint
-from graphcap.errors import ConfigError, ConfigProblem
+from graphcap.errors import CaptureError, ConfigError, ConfigProblem
 from graphcap.keys import GraphKey
 from graphcap.version import version
 
@@ -37,6 +38,7 @@ __all__ = [
     "environment",
     "format_bytes",
     "may_overwrite",
+    "write_report",
 ]
 
 REPORT_MARKER = "graphcap_report"
@@ -120,6 +122,10 @@ class CaptureReport:
     """The command line that made the report (set by the CLI)."""
     config_fingerprint: str = ""
     """`graphcap.config.fingerprint.config_fingerprint` of `config`: equal configs, equal fingerprints."""
+    recapture: dict[str, Any] | None = None
+    """A re-capture (None for a manager's first pass): `pass` (its number), `after` (what freed the
+    graphs before it: `capture()` replacing them, `release()`, `resize_kv()` or `reset()`),
+    `graphs_released` (how many) and `reused` (what the pass kept rather than rebuilt)."""
 
     def __post_init__(self) -> None:
         if not self.created:
@@ -157,6 +163,7 @@ class CaptureReport:
             "memory_meaning": MEMORY_MEANING.get(self.backend, {}),
             "graphs": [r.to_dict() for r in self.records],
             "warnings": list(self.warnings),
+            "recapture": self.recapture,
             "config_fingerprint": self.config_fingerprint,
             "config": self.config,
         }
@@ -211,11 +218,34 @@ class CaptureReport:
             f"total capture time: {self.total_seconds:.2f} s",
             f"{memory}; largest graph {format_bytes(self.largest_graph_bytes)}",
         ]
+        if self.recapture:
+            again = self.recapture
+            lines.append(
+                f"re-capture (pass {again['pass']}) after {again['after']}, which released {again['graphs_released']} "
+                f"graphs; kept: {', '.join(again['reused'])}"
+            )
         if self.skipped:
             skipped = ", ".join(f"{r.key}" for r in self.skipped)
             lines.append(f"skipped ({len(self.skipped)}, these sizes run eagerly): {skipped}")
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+def write_report(report: CaptureReport, path: str, *, undo: Callable[[], object]) -> None:
+    """Write a pass's report; if that fails, `undo()` the pass (it is all or nothing) and raise `CaptureError`.
+
+    A `KeyboardInterrupt` or `SystemExit` propagates unchanged after the undo.
+    """
+    try:
+        report.write(path)
+    except BaseException as exc:
+        undo()
+        if not isinstance(exc, Exception):
+            raise
+        raise CaptureError(
+            f"captured {len(report.captured)} graphs, but writing the report to {path} failed "
+            f"({type(exc).__name__}: {exc}); the graphs were released, the old report is unchanged"
+        ) from exc
 
 
 def environment(device: str) -> dict[str, Any]:

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from graphcap.batch import StepBatch, distinct_blocks, dummy_batch
+from graphcap.batch import StepBatch, dummy_batch
 from graphcap.config import CaptureConfig
 from graphcap.keys import GraphKey, KeyRegistry
+from graphcap.probe import distinct_blocks
 
 __all__ = ["Request", "Workload", "fill_batch"]
 

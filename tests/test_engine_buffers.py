@@ -23,6 +23,7 @@ from graphcap import (
     InvariantViolation,
     StepBatch,
 )
+from graphcap.cli._common import parse_overrides
 from graphcap.config import ConfigError, config_from_text
 from graphcap.invariants import check_invariants
 from graphcap.models import build_model
@@ -263,7 +264,11 @@ def test_yaml_buffers_reach_the_manager():
         build_model(config), config, progress=False, buffers=[BufferSpec("lora_index", "tokens", pad=-1)]
     )
     assert [s.name for s in manager.buffers.extras] == ["temperature", "lora_index"]
-    with pytest.raises(ValueError, match="'temperature' is declared twice"):
+    with pytest.raises(
+        ConfigError,
+        match=r"buffers\[0\]: 'temperature' is also passed in code as a BufferSpec, declared differently "
+        r"\(dtype 'float32' vs 'int32', pad 1.0 vs 0; config vs code\)",
+    ):
         CaptureManager(build_model(config), config, progress=False, buffers=[BufferSpec("temperature", "reqs")])
 
 
@@ -311,3 +316,25 @@ def test_verification_runs_a_none_buffer_with_sampled_values_and_names_a_frozen_
     manager = CaptureManager(model, config, progress=False, buffers=[_whole_spec((6,))])
     with pytest.raises(CaptureError, match=r"replay differs from eager .*froze a host value at capture"):
         manager.capture()
+
+
+def test_a_buffer_declared_alike_in_yaml_and_code_is_one_buffer_with_the_codes_sample_and_check():
+    config = make_config({"buffers": [{"name": "temperature", "rows": "reqs", "dtype": "float32", "pad": 1.0}]})
+    checked = []
+    spec = BufferSpec(
+        "temperature", "reqs", dtype="float32", pad=1.0, check=lambda view, rows: checked.append(rows),
+        sample=lambda rng, rows: rng.uniform(0.5, 1.5, rows),
+    )  # fmt: skip
+    manager = CaptureManager(build_model(config), config, progress=False, buffers=[spec])
+    assert manager.buffers.extras == (spec,) and manager.buffers.extras[0].check is spec.check
+    manager.execute(StepBatch([1, 2], [3, 4], extras={"temperature": [0.7, 1.3]}))
+    assert checked == [2]
+
+
+def test_buffers_are_reachable_by_overrides_and_set():
+    entry = {"name": "lora_index", "rows": "tokens", "pad": -1}
+    assert [b.name for b in make_config({"buffers": [entry]}).buffers] == ["lora_index"]
+    overrides = parse_overrides(["buffers=[{name: lora_index, rows: tokens, pad: -1}]"])  # --set
+    assert make_config(overrides).buffers == make_config({"buffers": [entry]}).buffers
+    with pytest.raises(ConfigError, match=r"override: buffers\[0\]\.rows: expected tokens \| reqs \| none"):
+        make_config({"buffers": [{"name": "lora_index", "rows": "token"}]})

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from graphcap import BufferSpec, CaptureError, CaptureManager, StepBatch
+from graphcap import BatchError, BufferSpec, CaptureError, CaptureManager, StaticInputMovedError, StepBatch
+from graphcap.config import ConfigError
 from graphcap.models import build_model
 from graphcap.testing import make_config, make_manager
 
@@ -193,3 +194,182 @@ def test_a_model_that_reads_its_writes_back_by_slot_needs_scratch_and_is_told_so
     manager.capture(scratch_blocks=range(50, 72))
     changed = set(torch.nonzero(before.view(72, 4) != manager.model.cache.view(72, 4)).flatten().tolist()[::2])
     assert changed <= {0, *range(50, 72)}
+
+
+# -- release, wake, resize ---------------------------------------------------------------------
+
+
+def _decode(manager: CaptureManager, seq: list[int]) -> StepBatch:
+    """A decode step of the requests in the persistent table's first rows."""
+    return StepBatch(np.ones(len(seq), np.int32), np.array(seq, np.int32), np.arange(len(seq)) + 5, manager.block_table)
+
+
+def test_release_frees_every_graph_keeps_buffers_and_registrations_and_capture_serves_again():
+    config = make_config()
+    manager = make_manager(config)
+    extra = torch.zeros(4)
+    manager.register_static("extra", extra)
+    first = manager.capture()
+    num_graphs = len(first.captured)
+    packed, registry, plans = manager.buffers.storage()["packed"], manager.registry, manager.buffers.plans
+    rotations = manager.backend.pool.num_rotations
+    manager.block_table.set_row(0, [1, 2, 3])
+    manager.block_table.set_row(1, [4, 5])
+    batch = _decode(manager, [9, 6])
+    served = manager.execute(batch).clone()
+
+    assert manager.release() == num_graphs
+    assert manager.graphs == {} and manager.backend.graphs == () and manager.backend.memory_in_use() == 0
+    assert manager.backend.pool.num_rotations > rotations  # the next capture goes to a fresh pool
+    asleep = manager.execute(batch).clone()  # eagerly, on the same rows
+    assert manager.stats.eager["released"] == 1 and manager.dispatch(batch) is None
+    torch.testing.assert_close(asleep, served)
+
+    again = manager.capture()
+    assert len(again.captured) == num_graphs and all(r.verified for r in again.captured)
+    assert again.recapture == {
+        "pass": 2, "after": "release()", "graphs_released": num_graphs,
+        "reused": ["key schedule", "persistent buffers", "block table rows", "registered statics"],
+    }  # fmt: skip
+    assert f"re-capture (pass 2) after release(), which released {num_graphs} graphs" in again.summary()
+    # Nothing rebuilt: the same schedule, buffers (same address), plans and table rows.
+    assert manager.registry is registry and manager.buffers.plans is plans
+    assert manager.buffers.storage()["packed"].data_ptr() == packed.data_ptr()
+    assert manager.block_table.row(1).tolist() == [4, 5]
+    torch.testing.assert_close(manager.execute(batch), served)
+    assert manager.dispatch(batch) is not None
+    stats = manager.stats.as_dict()
+    assert (stats["captures"], stats["releases"], stats["graphs_released"]) == (2, 1, num_graphs)
+    manager.register_static("extra", torch.zeros(4))  # a registration kept by release is checked again
+    with pytest.raises(StaticInputMovedError, match=r"static\.extra"):
+        manager.execute(batch)
+
+
+def test_a_recapture_says_it_replaced_the_graphs_of_the_pass_before():
+    manager = make_manager(make_config())
+    assert manager.capture().recapture is None
+    report = manager.capture()
+    assert report.recapture["after"] == "capture()" and report.recapture["graphs_released"] == len(report.captured)
+    assert manager.stats.graphs_released == len(report.captured) and manager.stats.releases == 0
+
+
+def test_release_of_a_shared_backend_rotates_its_pool_only_when_no_graph_is_left():
+    config = make_config(capture__sizes=[4])
+    one = make_manager(config)
+    two = CaptureManager(build_model(config), config, backend=one.backend, progress=False)
+    one.capture()
+    two.capture()
+    rotations = one.backend.pool.num_rotations
+    two.release()
+    assert one.backend.pool.num_rotations == rotations and one.graphs  # one's graphs still use the pool
+    one.release()
+    assert one.backend.pool.num_rotations > rotations
+
+
+def test_a_config_larger_than_the_models_cache_is_refused_naming_both_counts():
+    small = build_model(make_config(kv_cache__num_blocks=40))
+    with pytest.raises(
+        ConfigError, match=r"kv_cache\.num_blocks: 72 blocks, but the KV cache is smaller: model\.kv_cache holds 40"
+    ):
+        CaptureManager(small, make_config(), progress=False)
+    manager = CaptureManager(small, make_config(kv_cache__num_blocks=40), progress=False)
+    manager.model.resize_kv_cache(30)  # re-allocated without telling graphcap
+    with pytest.raises(ConfigError, match=r"model\.kv_cache holds 30"):
+        manager.capture()
+
+
+def test_resize_kv_grows_the_bound_and_every_later_step_and_capture_uses_it():
+    config = make_config()
+    manager = make_manager(config)
+    manager.capture()
+    model = manager.model
+    with pytest.raises(BatchError, match=r"block id 95 at index 2 is outside the KV cache \[0, 72\)"):
+        manager.block_table.set_row(0, [1, 2, 95])
+    model.resize_kv_cache(120)
+    with pytest.raises(StaticInputMovedError, match=r"model\.kv_cache"):  # the graphs read the old cache
+        manager.execute(_decode(manager, []))
+    assert manager.resize_kv(120) == len(manager.registry.planned)
+    manager.block_table.set_row(0, [1, 2, 95])
+    manager.block_table.set_row(1, [110, 119])
+    batch = _decode(manager, [9, 6])
+    eager = manager.execute(batch).clone()
+    assert manager.stats.eager["kv_resized"] == 1
+    report = manager.capture(scratch_blocks=range(100, 110))
+    assert report.recapture["after"] == "resize_kv()" and all(r.verified for r in report.captured)
+    torch.testing.assert_close(manager.execute(batch), eager)
+    assert manager.dispatch(batch) is not None and manager.config.kv_cache.num_blocks == 120
+
+
+def test_resize_kv_checks_the_tensors_it_is_given_and_address_checks_them_after():
+    config = make_config()
+    manager = make_manager(config)
+    cache = torch.zeros(2, 60, 4)  # [k/v, blocks, slots]: blocks on dim 1
+    with pytest.raises(
+        ConfigError,
+        match=r"kv_cache\.num_blocks: 70 blocks, but the KV cache is smaller: cache holds 60; "
+        r"block ids up to 69 would index past it",
+    ):
+        manager.resize_kv(70, {"cache": cache}, block_dim=1)
+    assert manager.config.kv_cache.num_blocks == 72  # refused: nothing changed
+    manager.resize_kv(60, {"cache": cache}, block_dim=1)
+    manager.capture()
+    manager.register_static("cache", torch.zeros(2, 60, 4))  # the engine re-allocated without resize_kv
+    with pytest.raises(StaticInputMovedError, match=r"static\.cache"):
+        manager.execute(_decode(manager, []))
+
+
+def test_resize_kv_to_fewer_blocks_refuses_rows_past_the_bound_by_name_and_changes_nothing():
+    manager = make_manager(make_config())
+    manager.capture()
+    table = manager.block_table
+    table.set_row(0, [1, 2])
+    table.set_row(3, [5, 60])
+    graphs = dict(manager.graphs)
+    with pytest.raises(
+        BatchError, match=r"block_table row 3 holds block 60 \(column 1\), outside the resized KV cache \[0, 50\)"
+    ):
+        manager.resize_kv(50)
+    assert manager.graphs == graphs and manager.config.kv_cache.num_blocks == 72
+    table.clear(3)
+    manager.resize_kv(50)
+    with pytest.raises(BatchError, match=r"block id 55 at index 0 is outside the KV cache \[0, 50\)"):
+        table.set_row(3, [55])
+    with pytest.raises(BatchError, match=r"block_table\[0, 1\] is 60, outside the KV cache \[0, 50\)"):
+        table.clear(0)
+        manager.execute(StepBatch([1], [5], [3], np.array([[1, 60]])))
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "match"),
+    [
+        (1, r"kv_cache\.num_blocks: must be >= 2; got 1"),
+        (8, r"kv_cache\.max_model_len: 32 tokens do not fit the KV cache"),
+        (True, r"kv_cache\.num_blocks: must be an integer; got True"),
+    ],
+)
+def test_resize_kv_refuses_a_count_the_config_rules_refuse(num_blocks, match):
+    manager = make_manager(make_config())
+    with pytest.raises(ConfigError, match=match):
+        manager.resize_kv(num_blocks)
+    with pytest.raises(ConfigError, match=r"kv_cache\.groups: no group named 'window'; groups: none"):
+        manager.resize_kv(80, group="window")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_release_on_cuda_gives_the_pool_back_and_capture_after_it_works():
+    """The allocator side the emulated backend cannot show: freed pool memory, a fresh pool for the next pass."""
+    config = make_config(device="cuda", capture__sizes=[2, 4, 8, 16])
+    manager = make_manager(config)
+    manager.capture()
+    held = torch.cuda.memory_reserved()
+    handle = manager.backend.pool.handle
+    manager.release()
+    assert torch.cuda.memory_reserved() < held and manager.backend.pool.handle != handle
+    for _ in range(3):  # captures into a rotated pool never meet the allocator's `use_count > 0` assertion
+        report = manager.capture()
+        assert all(r.verified for r in report.captured)
+        manager.release()
+    manager.capture()
+    batch = StepBatch([1, 1], [3, 4], [5, 6], [[1], [2]])
+    torch.testing.assert_close(manager.execute(batch).clone(), manager.eager(batch))

@@ -1,7 +1,7 @@
 """Capture-time verification runs padded rows and catches host values frozen into a graph.
 
 After the replay of the dummy batch, each key is verified on a second, partly filled batch
-(`graphcap.batch.probe_batch`): fewer real requests and tokens, other ids, lengths and blocks.
+(`graphcap.probe.probe_batch`): fewer real requests and tokens, other ids, lengths and blocks.
 A forward that reads a Python value from the step (frozen at capture) passes the first check
 and fails this one, at capture instead of on the first real step.
 """
@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap import CaptureError, GraphKey
-from graphcap.batch import probe_batch
 from graphcap.capture import CapturePass
 from graphcap.models import build_model
+from graphcap.probe import probe_batch
 from graphcap.testing import make_config, make_manager
 from graphcap.testing.fuzz import Limits
 

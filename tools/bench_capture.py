@@ -14,17 +14,31 @@ sizes 1, 8 and 64, through the full step path (staging and invariants included).
 chunked-prefill scheduler with a 512-token budget), three seeds each. No timing: the numbers
 are exact for the histograms.
 
+`--recapture` times, per round on a fresh manager, its first capture, a re-capture after a weight
+swap (`lm_head` replaced, as an RL weight sync does) and a capture after `release()` (a wake-up),
+side by side, rounds interleaved; a first warm-up round is dropped (the process's own lazy set-up).
+
     python tools/bench_capture.py [--config PATH] [--steps N] [--threads N] [--quick]
     python tools/bench_capture.py --padding [--seeds N]
+    python tools/bench_capture.py --recapture [--rounds N] [--config PATH] [--quick]
+    python tools/bench_capture.py --recapture --gc-full   # ... and re-captures with a full collection after
+
+`--gc-full` adds re-captures whose collection after the pass walks the whole heap (as before the
+young-generation collection), interleaved with ones that walk the young generations only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import sys
+from collections.abc import Iterator
 
+import numpy as np
 import torch
 
+import graphcap.manager as manager_module
 from graphcap import CaptureManager, load_config
 from graphcap.models import build_model
 from graphcap.size_choice import SizeConstraints, choose_sizes
@@ -44,9 +58,18 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="sizes up to 8, 3 steps (a smoke run)")
     parser.add_argument("--padding", action="store_true", help="padding of chosen vs default ladders, then exit")
     parser.add_argument("--seeds", type=int, default=3, help="with --padding: seeds per traffic shape")
+    parser.add_argument("--recapture", action="store_true", help="first capture vs re-capture vs wake, then exit")
+    parser.add_argument("--rounds", type=int, default=5, help="with --recapture: timed rounds")
+    parser.add_argument("--gc-full", action="store_true", help="with --recapture: also a full collection after")
     args = parser.parse_args()
     if args.padding:
         return padding(args.seeds)
+    if args.recapture:
+        rounds = 2 if args.quick else args.rounds
+        status = recapture(args.config, rounds, args.quick, args.threads)
+        if args.gc_full:
+            status = status or collections(args.config, rounds, args.quick, args.threads)
+        return status
     if args.threads:
         torch.set_num_threads(args.threads)
     overrides = {} if args.config else {"device": "cpu"}
@@ -87,6 +110,88 @@ def main() -> int:
             if key.num_tokens == size and timing is not None:
                 kind = "uniform" if key.uniform else "mixed"
                 print(f"{size:>5} {kind:<8} {timing.replay_ms:>10.3f} {timing.eager_ms:>9.3f} {timing.speedup:>7.2f}x")
+    return 0
+
+
+def recapture(path: str | None, rounds: int, quick: bool, threads: int | None) -> int:
+    """First capture, re-capture after a weight swap, capture after release(): seconds per round, side by side."""
+    torch.set_num_threads(threads or 1)
+    overrides = {} if path else {"device": "cpu", "capture.max_size": 8 if quick else 16}
+    config = load_config(path, overrides)
+    kinds = ("first", "after swap", "after release")
+    seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for index in range(rounds + 1):  # round 0 warms the process up and is dropped
+        model = build_model(config)
+        manager = CaptureManager(model, config, progress=False)
+        first = manager.capture()
+        with torch.no_grad():
+            model.lm_head = torch.nn.Parameter(model.lm_head.detach().clone(), requires_grad=False)
+        swapped = manager.capture()
+        manager.release()
+        woken = manager.capture()
+        if swapped.recapture["after"] != "capture()" or woken.recapture["after"] != "release()":
+            raise SystemExit("bench_capture: a re-capture was not reported as one")
+        if index:
+            for kind, report in zip(kinds, (first, swapped, woken)):
+                seconds[kind].append(report.total_seconds)
+        manager.release()
+    ratios = {kind: np.array(seconds[kind]) / np.array(seconds["first"]) for kind in kinds[1:]}
+    print(
+        f"capture passes ({first.backend} backend on {first.device}, {torch.get_num_threads()} thread(s), "
+        f"{len(first.captured)} graphs, {rounds} rounds after a warm-up round)"
+    )
+    print(f"{'pass':<14} {'median s':>9} {'min-max s':>13} {'/ first (per round)':>20}")
+    for kind in kinds:
+        values = np.array(seconds[kind])
+        ratio = (
+            ""
+            if kind == "first"
+            else f"{np.median(ratios[kind]):.2f} ({ratios[kind].min():.2f}-{ratios[kind].max():.2f})"
+        )
+        print(f"{kind:<14} {np.median(values):>9.2f} {values.min():>6.2f}-{values.max():<6.2f} {ratio:>20}")
+    print("kept by every re-capture: " + ", ".join(woken.recapture["reused"]))
+    return 0
+
+
+@contextlib.contextmanager
+def _full_collection_after() -> Iterator[None]:
+    """`graphcap.capture.gc_frozen` as it was: a full collection after the pass."""
+    was_enabled, was_frozen = gc.isenabled(), gc.get_freeze_count() > 0
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if not was_frozen:
+            gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+        gc.collect()
+
+
+def collections(path: str | None, rounds: int, quick: bool, threads: int | None) -> int:
+    """Re-captures after a weight swap: young-generation collection after the pass vs a full one, interleaved."""
+    torch.set_num_threads(threads or 1)
+    config = load_config(path, {} if path else {"device": "cpu", "capture.max_size": 8 if quick else 16})
+    model = build_model(config)
+    manager = CaptureManager(model, config, progress=False)
+    manager.capture()
+    seconds: dict[str, list[float]] = {"young": [], "full": []}
+    young = manager_module.gc_frozen
+    for index in range(2 * rounds):
+        kind = ("young", "full")[index % 2]
+        manager_module.gc_frozen = young if kind == "young" else _full_collection_after
+        model.lm_head = torch.nn.Parameter(model.lm_head.detach().clone(), requires_grad=False)
+        seconds[kind].append(manager.capture().total_seconds)
+    manager_module.gc_frozen = young
+    ratio = np.array(seconds["young"]) / np.array(seconds["full"])
+    print()
+    print(f"re-capture after a weight swap, collection after the pass ({rounds} pairs, interleaved)")
+    print(f"{'collection':<10} {'median s':>9} {'min-max s':>13}")
+    for kind, values in seconds.items():
+        print(f"{kind:<10} {np.median(values):>9.2f} {min(values):>6.2f}-{max(values):<6.2f}")
+    print(f"young / full per pair: median {np.median(ratio):.2f} ({ratio.min():.2f}-{ratio.max():.2f})")
     return 0
 
 

@@ -10,6 +10,7 @@ per-request Python builder (lists filled in a loop per request and token, then o
     python tools/bench_stage.py --quick    # a few repetitions, to see that it runs
     python tools/bench_stage.py --compare  # graphcap vs a vLLM-style host step (tools/vllm_prep.py)
     python tools/bench_stage.py --compare --peer-copies on   # ... with both sides' uploads
+    python tools/bench_stage.py --groups   # a second KV-cache group: kv_cache.groups vs engine buffers
 
 `--compare` times graphcap's two per-step paths against a numpy re-implementation of vLLM
 v1's host-side input preparation (`tools/vllm_prep.py`; its docstring lists the vLLM steps
@@ -44,6 +45,7 @@ import torch
 from _sampling import measure
 from vllm_prep import VllmStylePrep, graphcap_real_rows, load_step, metadata_mismatches
 
+from graphcap import BufferSpec
 from graphcap.batch import StepBatch
 from graphcap.config import CaptureConfig, PadRules, load_config
 from graphcap.invariants import check_invariants
@@ -349,6 +351,91 @@ def compare(rounds: int, calls: int, warmup: int, peer_copies: bool) -> int:
     return 0
 
 
+GROUP_BLOCK_SIZE = 32
+"""Block size of the second KV-cache group of `--groups` (the built-in group's is 16)."""
+
+
+def group_steps(config: CaptureConfig, registry: KeyRegistry, case: Case):
+    """A decode step with a second KV-cache group, two ways, over the same real rows.
+
+    `group`: the group declared in `kv_cache.groups`, its persistent table's rows written once, the
+    step naming both persistent tables; staging computes the group's slots from the positions.
+    `buffers`: the same group declared as two engine buffers (its table `[R, B2]` and slot mapping
+    `[T]`), the engine computing the slots each step and passing both arrays, copied and scanned.
+    Returns the two step functions and a check that they staged the same group rows.
+    """
+    kv = config.kv_cache
+    width = -(-kv.max_model_len // GROUP_BLOCK_SIZE)
+    rng = np.random.default_rng(1)
+    r = len(case.query_lens)
+    second = rng.permutation(np.arange(1, r * width + 1, dtype=np.int32)).reshape(r, width)
+    group = {"name": "g2", "block_size": GROUP_BLOCK_SIZE, "num_blocks": r * width + 1}
+    grouped = PersistentBuffers.from_config(load_config(overrides={**COMPARE_OVERRIDES, "kv_cache.groups": [group]}))
+    specs = [
+        BufferSpec("g2_block_table", "reqs", shape=(width,), pad=0),
+        BufferSpec("g2_slot_mapping", "tokens", pad=config.padding.slot),
+    ]
+    plain = PersistentBuffers.from_config(config, extras=specs)
+    for buffers in (grouped, plain):
+        for row, blocks in enumerate(case.block_table):
+            buffers.block_table.set_row(row, blocks)
+    g2 = grouped.kv_groups.tables["g2"]
+    for row, blocks in enumerate(second):
+        g2.set_row(row, blocks)
+    q, s, ids, key = case.query_lens, case.seq_lens, case.input_ids, case.key
+    rows, bs = np.arange(r), GROUP_BLOCK_SIZE
+    table, table2, stage, stage_plain = grouped.block_table, plain.block_table, grouped.stage, plain.stage
+
+    def group_step() -> None:
+        check_invariants(stage(StepBatch(q, s, ids, table, kv_groups={"g2": g2}), key), "basic")
+
+    def buffer_step() -> None:
+        pos = s - 1  # the engine's own slot computation for its second group
+        slots = second[rows, pos // bs] * bs + pos % bs
+        extras = {"g2_block_table": second, "g2_slot_mapping": slots}
+        check_invariants(stage_plain(StepBatch(q, s, ids, table2, extras=extras), key), "basic")
+
+    def same_rows() -> bool:
+        group_step()
+        buffer_step()
+        staged = grouped.host["kv_groups.g2.slot_mapping"][:r], grouped.host["kv_groups.g2.block_table"][:r]
+        theirs = plain.host["g2_slot_mapping"][:r], plain.host["g2_block_table"][:r]
+        return all(np.array_equal(a, b) for a, b in zip(staged, theirs))
+
+    return group_step, buffer_step, same_rows
+
+
+def groups(rounds: int, calls: int, warmup: int) -> int:
+    """A second KV-cache group as a `kv_cache.groups` entry vs as two engine buffers, interleaved."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    config = load_config(overrides=COMPARE_OVERRIDES)
+    registry = KeyRegistry.from_config(config)
+    print(
+        f"# bench_stage --groups: torch {torch.__version__}, numpy {np.__version__}, python {platform.python_version()}"
+    )
+    print(f"# decode steps with a second KV-cache group (block size {GROUP_BLOCK_SIZE}), persistent built-in table")
+    print("# group: kv_cache.groups, its persistent table named by the step, slots staged from positions")
+    print("# buffers: the group as two BufferSpecs, slots computed by the engine and both arrays passed each step")
+    print(f"# interleaved: {rounds} rounds x {calls} calls each, after {warmup} warm-up calls each")
+    header = f"{'case':<18} {'group med':>10} {'p90':>7} {'buffers med':>12} {'p90':>7} {'ratio':>6}"
+    header += f" {'round ratio p10-p90':>20}"
+    print(header)
+    print("-" * len(header))
+    for case in make_compare_cases(config, registry)[:-1]:  # the decode steps
+        group_step, buffer_step, same_rows = group_steps(config, registry, case)
+        if not same_rows():
+            raise SystemExit(f"bench_stage: {case.name}: the two forms staged different group rows")
+        g, b = interleaved([group_step, buffer_step], rounds, calls, warmup)
+        per_round = np.median(g, axis=1) / np.median(b, axis=1)
+        lo, hi = np.percentile(per_round, [10, 90])
+        print(
+            f"{case.name:<18} {np.median(g):>8.1f}us {np.percentile(g, 90):>5.1f}us {np.median(b):>10.1f}us "
+            f"{np.percentile(b, 90):>5.1f}us {np.median(g) / np.median(b):>6.2f} {lo:>14.2f}-{hi:<4.2f}"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few repetitions (seconds, for tests)")
@@ -363,7 +450,12 @@ def main(argv: list[str] | None = None) -> int:
         help="--compare: off (default): the vLLM-style step computes the metadata only; on: it also uploads "
         "(six copies, two tail fills) and graphcap also does its one upload copy",
     )
+    parser.add_argument(
+        "--groups", action="store_true", help="a second KV-cache group: kv_cache.groups vs two engine buffers"
+    )
     args = parser.parse_args(argv)
+    if args.groups:
+        return groups(4, 10, 5) if args.quick else groups(args.rounds, args.calls, warmup=200)
     if args.compare:
         copies = args.peer_copies == "on"
         if args.quick:

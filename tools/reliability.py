@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import yaml
 
-from graphcap import CaptureError, CaptureManager, StaticInputMovedError, StepBatch
+from graphcap import BatchError, CaptureError, CaptureManager, StaticInputMovedError, StepBatch
 from graphcap.config import (
     BatchingConfig,
     CaptureSectionConfig,
@@ -116,10 +116,13 @@ class Scale:
     """None: every case of `graphcap.testing.cli_cases` (the quick run takes the first of each area)."""
     interrupts: int
     dp_worlds: tuple[int, ...]
+    lifecycle_seeds: int
+    lifecycle_steps: int
+    lifecycle_cycles: int
 
 
-FULL = Scale(2000, 300, 5000, 8, 6, 4, 2500, 20, 5, None, 12, (2, 3))
-QUICK = Scale(60, 20, 200, 1, 2, 1, 150, 2, 1, 1, 1, (2,))
+FULL = Scale(2000, 300, 5000, 8, 6, 4, 2500, 20, 5, None, 12, (2, 3), 3, 60, 10)
+QUICK = Scale(60, 20, 200, 1, 2, 1, 150, 2, 1, 1, 1, (2,), 1, 24, 2)
 
 
 @dataclasses.dataclass
@@ -198,12 +201,15 @@ def field_edits() -> list[tuple[str, Any, str]]:
                 edits += [(key, "bogus", "not one of the choices"), (key, True, "a boolean for a choice")]
             if str in options:
                 edits.append((key, 17, "a number for a string"))
-            if any(typing.get_origin(o) is tuple for o in options):
+            tuples = [typing.get_args(o)[0] for o in options if typing.get_origin(o) is tuple]
+            if int in tuples:
                 edits += [
                     (key, [8, 4], "sizes not ascending"),
                     (key, [0, 4], "a size of 0"),
                     (key, [2.5], "a float size"),
                 ]
+            elif tuples:  # a list of mappings (kv_cache.groups): each entry's own keys are named by index
+                edits += [(key, "window", "a word for a list"), (key, {"name": "window"}, "a mapping for a list")]
             if meta.get("min") is not None:
                 edits.append((key, meta["min"] - 1, "below the minimum"))
             if meta.get("max") is not None:
@@ -902,6 +908,77 @@ def dp_config_rows(scale: Scale, workdir: Path) -> list[Row]:
     ]
 
 
+# -- lifecycle ---------------------------------------------------------------------------
+
+
+def lifecycle_rows(scale: Scale) -> list[Row]:
+    """The mini engine's whole life against a run without it; release/capture and resize_kv cycles."""
+    import mini_engine  # tools/: the engine the README describes
+
+    engine = Tally()
+    for seed in range(scale.lifecycle_seeds):
+        with engine.trial(f"seed {seed}"):
+            plain = mini_engine.run(scale.lifecycle_steps, seed)
+            lived = mini_engine.run(scale.lifecycle_steps, seed, lifecycle=True)
+            if lived.digest != plain.digest:
+                raise AssertionError(f"token streams differ: {lived.digest} != {plain.digest}")
+            stats = lived.manager.stats
+            if (len(lived.engine.refused), stats.captures, stats.eager["released"]) != (1, 5, 3):
+                raise AssertionError(f"lifecycle not run as planned: {lived.events}")
+    cycles, resized = Tally(), Tally()
+    manager = make_manager(make_config())
+    packed = manager.buffers.storage()["packed"].data_ptr()
+    for cycle in range(scale.lifecycle_cycles):
+        with cycles.trial(f"release cycle {cycle}"):
+            manager.capture()
+            released = manager.release()
+            if released != len(manager.registry.planned) or manager.backend.memory_in_use() or manager.graphs:
+                raise AssertionError(f"released {released}; {manager.backend.memory_in_use()} bytes left")
+            asleep = manager.execute(PROBE_STEP).clone()
+            report = manager.capture()
+            if report.recapture["after"] != "release()" or manager.buffers.storage()["packed"].data_ptr() != packed:
+                raise AssertionError(f"not a re-capture on the same buffers: {report.recapture}")
+            torch.testing.assert_close(manager.execute(PROBE_STEP).clone(), asleep)
+    manager = make_manager(make_config())
+    manager.capture()
+    grown = 72 + 24 * (1 + np.arange(scale.lifecycle_cycles))
+    for cycle, num_blocks in enumerate(grown.tolist()):
+        with resized.trial(f"resize cycle {cycle}"):
+            manager.model.resize_kv_cache(num_blocks)
+            manager.resize_kv(num_blocks)
+            manager.block_table.set_row(0, [num_blocks - 1, num_blocks - 2])
+            step = StepBatch([2], [6], [3, 4], manager.block_table)
+            eager = manager.execute(step).clone()
+            manager.capture(scratch_blocks=range(1, 40))
+            torch.testing.assert_close(manager.execute(step).clone(), eager)
+            try:
+                manager.resize_kv(num_blocks - 1)
+            except BatchError as exc:
+                if f"holds block {num_blocks - 1}" not in str(exc) or not manager.graphs:
+                    raise AssertionError(f"refused without naming the block, or changed: {exc}") from None
+            else:
+                raise AssertionError("shrank past a live block")
+            manager.block_table.clear(0)
+    return [
+        engine.row(
+            "lifecycle",
+            f"mini engine (hybrid: 2 KV groups) with a weight swap, a re-capture, release and wake, the KV cache "
+            f"grown with resize_kv: {scale.lifecycle_seeds} seeds x {scale.lifecycle_steps} steps",
+            "every step graph == eager == dense, token streams identical to a run without any of it",
+        ),
+        cycles.row(
+            "lifecycle",
+            "release() then capture() cycles on one manager, a step between",
+            "every graph and its memory freed, the step eager and equal, capture serves again on the same buffers",
+        ),
+        resized.row(
+            "lifecycle",
+            "resize_kv cycles: the cache grown, steps on the new blocks, captured again, a shrink past a live block",
+            "graph == eager on the new blocks; the shrink refused naming the block, nothing changed",
+        ),
+    ]
+
+
 # -- report ------------------------------------------------------------------------------
 
 
@@ -964,6 +1041,9 @@ def render(rows: list[Row], command: str, seconds: float) -> str:
         "- outputs, engine buffers, null block: the checks of `graphcap/testing/outputs.py` (also run by",
         "  `tests/reliability/test_outputs_and_buffers.py`). A per-request output is a forward's",
         "  `logits[query_start_loc[1:] - 1]`, the rows engines sample.",
+        "- lifecycle: `tools/mini_engine.py --lifecycle` against the same seed without it (the digest of",
+        "  every token stream); release and resize cycles on the test configuration, each step compared",
+        "  with an eager run.",
     ]
     failed = [r for r in rows if not r.ok]
     if failed:
@@ -1000,6 +1080,7 @@ def main(argv: list[str] | None = None) -> int:
             ("moved inputs", lambda: moved_rows(scale)),
             ("command line", lambda: cli_rows(scale, Path(workdir))),
             ("outputs and engine buffers", lambda: shape_rows(scale, rng)),
+            ("lifecycle", lambda: lifecycle_rows(scale)),
         ]
         for name, run in sections:
             t0 = time.perf_counter()

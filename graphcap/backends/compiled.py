@@ -51,25 +51,49 @@ def eager_only() -> Iterator[list[str]]:
 
 @contextlib.contextmanager
 def _watch(wrapper_file: str, entered: list[str]) -> Iterator[None]:
-    """Note every call of dynamo's compile wrapper in this thread (a profile hook, chained)."""
-    previous = sys.getprofile()
+    """Note every call of dynamo's compile wrapper in this thread, beside any profiler or tracer.
+
+    The watch is a profile hook that chains a Python profile function already set (every event
+    still reaches it). A C-level profiler (`cProfile`, `torch.profiler` with stacks) is an object
+    Python cannot call: it stays in place and the watch uses the trace slot instead, as a global
+    trace function that chains a debugger's or coverage's (whose local tracers it returns). With
+    both slots held by C-level hooks nothing is noted (a report then misses the warning).
+    """
     seen: set[int] = set()
 
-    def hook(frame: Any, event: str, arg: Any) -> None:
+    def note(frame: Any) -> None:
         code = frame.f_code
-        if event == "call" and code.co_name == _WRAPPER and code.co_filename == wrapper_file:
+        if code.co_name == _WRAPPER and code.co_filename == wrapper_file:
             fn = frame.f_locals.get("fn")
             if id(fn) not in seen:
                 seen.add(id(fn))
                 entered.append(_describe(fn))
-        if previous is not None:
-            previous(frame, event, arg)
 
-    sys.setprofile(hook)
+    profiler, tracer = sys.getprofile(), sys.gettrace()
+    if profiler is None or callable(profiler):
+
+        def hook(frame: Any, event: str, arg: Any) -> None:
+            if event == "call":
+                note(frame)
+            if profiler is not None:
+                profiler(frame, event, arg)
+
+        slot, previous = sys.setprofile, profiler
+    elif tracer is None or callable(tracer):
+
+        def hook(frame: Any, event: str, arg: Any) -> Any:  # the global trace function: "call" events
+            note(frame)
+            return None if tracer is None else tracer(frame, event, arg)
+
+        slot, previous = sys.settrace, tracer
+    else:
+        yield
+        return
+    slot(hook)
     try:
         yield
     finally:
-        sys.setprofile(previous)
+        slot(previous)
 
 
 def _describe(fn: Any) -> str:

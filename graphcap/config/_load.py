@@ -20,6 +20,7 @@ from graphcap.config._schema import show_value
 from graphcap.config._yaml import YamlSyntaxError, read_yaml
 from graphcap.config.buffers import BufferConfig
 from graphcap.config.root import SECTIONS, CaptureConfig
+from graphcap.config.sections import KVGroupConfig
 from graphcap.errors import ConfigError, ConfigFileNotFoundError, ConfigProblem
 
 __all__ = ["DEFAULT_CONFIG", "MAX_CONFIG_BYTES", "bundled_configs", "config_from_text", "load_config", "report_outside"]
@@ -171,8 +172,11 @@ def _from_text(
             cls = SECTIONS[name]
             valid = [f.name for f in fields(cls) if f.init]
             problems += [_unknown(k, name, valid) for k in value if k not in valid]
+            given = {k: v for k, v in value.items() if k in valid}
+            if name == "kv_cache" and "groups" in given:
+                given["groups"] = _entries(given["groups"], KVGroupConfig, "kv_cache.groups", problems)
             try:
-                kwargs[name] = cls(**{k: v for k, v in value.items() if k in valid})
+                kwargs[name] = cls(**given)
             except ConfigError as exc:
                 problems += exc.problems
     failed = {_section_of(p.key) for p in problems}
@@ -196,26 +200,35 @@ def _from_text(
 
 def _buffers(value: Any, problems: list[ConfigProblem]) -> tuple[BufferConfig, ...]:
     """The `buffers:` list, each entry validated like a section (keys `buffers[i].field`)."""
+    return _entries(value, BufferConfig, "buffers", problems)
+
+
+def _entries(value: Any, cls: type, key: str, problems: list[ConfigProblem]) -> tuple:
+    """A list of mappings (`buffers`, `kv_cache.groups`), each built as `cls` (keys `KEY[i].field`)."""
     if value is None:
         return ()
-    if not isinstance(value, list):
-        problems.append(ConfigProblem("buffers", f"must be a list of buffer mappings; got {show_value(value)}"))
+    noun, names = ("buffer", "ForwardInputs.extras") if cls is BufferConfig else ("group", "ForwardInputs.kv_groups")
+    if not isinstance(value, (list, tuple)):
+        problems.append(ConfigProblem(key, f"must be a list of {noun} mappings; got {show_value(value)}"))
         return ()
-    valid = [f.name for f in fields(BufferConfig) if f.init]
+    valid = [f.name for f in fields(cls) if f.init]
     out = []
     for i, entry in enumerate(value):
-        where = f"buffers[{i}]"
+        where = f"{key}[{i}]"
+        if isinstance(entry, cls):  # given in code (overrides)
+            out.append(entry)
+            continue
         if not isinstance(entry, dict):
             problems.append(ConfigProblem(where, f"must be a mapping ({', '.join(valid)}); got {show_value(entry)}"))
             continue
         problems += [_unknown(k, where, valid) for k in entry if k not in valid]
         if "name" not in entry:
-            problems.append(ConfigProblem(f"{where}.name", "is required: it names ForwardInputs.extras[name]"))
+            problems.append(ConfigProblem(f"{where}.name", f"is required: it names {names}[name]"))
             continue
         try:
-            out.append(BufferConfig(**{k: v for k, v in entry.items() if k in valid}))
+            out.append(cls(**{k: v for k, v in entry.items() if k in valid}))
         except ConfigError as exc:
-            problems += [p._replace(key=p.key.replace("buffers[]", where)) for p in exc.problems]
+            problems += [p._replace(key=p.key.replace(f"{key}[]", where)) for p in exc.problems]
     return tuple(out)
 
 
@@ -255,8 +268,8 @@ def _apply_overrides(data: dict, overrides: Mapping[str, Any], problems: list[Co
             model.pop(replaced.partition(".")[2], None)
     for dotted, value in overrides.items():
         parts = str(dotted).split(".")
-        if len(parts) == 1 and parts[0] == "device":
-            data["device"] = value
+        if len(parts) == 1 and parts[0] in ("device", "buffers"):
+            data[parts[0]] = value
         elif len(parts) == 2 and parts[0] in SECTIONS:
             section = data.get(parts[0])
             if section is None:
@@ -265,7 +278,7 @@ def _apply_overrides(data: dict, overrides: Mapping[str, Any], problems: list[Co
                 continue  # the section's own problem is reported
             section[parts[1]] = value
         else:
-            valid = ["device", *(f"{s}.KEY" for s in SECTIONS)]
+            valid = ["device", "buffers", *(f"{s}.KEY" for s in SECTIONS)]
             message = f"not a config key; overrides look like {', '.join(valid)}"
             problems.append(ConfigProblem(str(dotted), message, "override"))
             continue

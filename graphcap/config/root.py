@@ -124,6 +124,14 @@ class CaptureConfig(Section):
                     )
                 )
             seen.setdefault(buffer.name, i)
+        for i, group in enumerate(kv.groups):  # padded rows of every group's table hold the pad block too
+            if pad.block_id >= group.num_blocks:
+                where = f"kv_cache.groups[{i}].num_blocks {group.num_blocks}"
+                out.append(
+                    problem(
+                        "padding.block_id", f"{pad.block_id} is not a valid block ({where})", involves=("kv_cache",)
+                    )
+                )
         if out:
             return out
         sizes = _schedule(cap, bat.max_num_tokens)
@@ -182,5 +190,5 @@ def _section_dict(section: Section) -> dict[str, Any]:
 
 def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
-        return list(value)
+        return [_section_dict(v) if isinstance(v, Section) else v for v in value]
     return dict(value) if isinstance(value, MappingProxyType) else value

@@ -28,6 +28,7 @@ __all__ = [
     "CaptureSectionConfig",
     "ChecksConfig",
     "KVCacheConfig",
+    "KVGroupConfig",
     "PadRules",
     "ReportConfig",
 ]
@@ -62,11 +63,49 @@ class BatchingConfig(Section):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class KVGroupConfig(Section):
+    """One extra KV-cache group (an entry of `kv_cache.groups`): its own blocks, block table and slots.
+
+    Hybrid models keep several groups (sliding-window and full attention layers, attention and
+    state-space layers), each paged with its own block size. A group's block table has
+    `ceil(kv_cache.max_model_len / block_size)` columns; its block 0 is its null block.
+    """
+
+    _key: ClassVar[str] = "kv_cache.groups[]"
+    name: str = ""
+    """Names `ForwardInputs.kv_groups[name]` and `StepBatch(kv_groups={name: ...})`; a Python identifier."""
+    block_size: int = spec(16, min=1, max=1 << 16)
+    """Token slots per block of this group (at most 65536)."""
+    num_blocks: int = spec(256, min=2, max=INT32_MAX)
+    """Blocks of this group's cache, its null block 0 included."""
+    sliding_window: int | None = spec(None, min=1, max=1 << 24)
+    """Tokens a layer of this group attends back, null for all: a note the model reads
+    (`inputs.kv_groups[name].sliding_window`). The engine frees blocks that fall out of the window
+    and points their columns at the null block; staging needs only the block the window ends in."""
+
+    def _check(self) -> list[ConfigProblem]:
+        out = []
+        if not self.name.isidentifier():
+            out.append(
+                problem("name", f"must be a Python identifier (it names inputs.kv_groups[...]); got {self.name!r}")
+            )
+        if self.num_blocks * self.block_size > INT32_MAX:
+            out.append(problem("num_blocks", f"{self.num_blocks} blocks x block_size {self.block_size} exceed the "
+                               f"int32 range of slot_mapping ({INT32_MAX})"))  # fmt: skip
+        return out
+
+    def max_blocks_per_req(self, max_model_len: int) -> int:
+        """Columns of the group's block table: `ceil(max_model_len / block_size)`."""
+        return -(-max_model_len // self.block_size)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class KVCacheConfig(Section):
     """The paged KV cache: `num_blocks` blocks of `block_size` token slots each.
 
     Block 0 is the null block: padded rows point at it and dummy runs write into it, so
-    an engine must never hand block 0 to a live request.
+    an engine must never hand block 0 to a live request. These keys are the first KV-cache
+    group (`ForwardInputs.block_table`, `slot_mapping`); `groups` lists the others.
     """
 
     _key: ClassVar[str] = "kv_cache"
@@ -76,6 +115,8 @@ class KVCacheConfig(Section):
     """Blocks in the cache, the null block 0 included."""
     max_model_len: int = spec(512, min=1, max=1 << 24)
     """Longest sequence (prompt + generated) one request may reach (at most 16777216 tokens)."""
+    groups: tuple[KVGroupConfig, ...] = ()
+    """Further KV-cache groups (hybrid models), each staged, padded and checked like the first."""
 
     def _check(self) -> list[ConfigProblem]:
         out = []
@@ -99,6 +140,27 @@ class KVCacheConfig(Section):
                     f"{INT32_MAX // self.block_size}",
                 )
             )
+        return out + self._group_problems()
+
+    def _group_problems(self) -> list[ConfigProblem]:
+        """Each group's name is its own; its cache holds one request of max_model_len (or one window)."""
+        out, seen = [], {}
+        for i, group in enumerate(self.groups):
+            where = f"kv_cache.groups[{i}]"
+            if group.name in seen:
+                out.append(
+                    problem(f"{where}.name", f"{group.name!r} is declared twice (also groups[{seen[group.name]}])")
+                )
+            seen.setdefault(group.name, i)
+            span = self.max_model_len if group.sliding_window is None else min(group.sliding_window, self.max_model_len)
+            need = -(-span // group.block_size) + (group.sliding_window is not None) + 1  # a window straddles one more
+            if group.num_blocks < need:
+                what = "max_model_len" if group.sliding_window is None else f"a sliding window of {span}"
+                message = (
+                    f"{group.num_blocks} blocks of {group.block_size} slots cannot hold one request's {what} "
+                    f"tokens plus the null block 0: raise it to {need}"
+                )
+                out.append(problem(f"{where}.num_blocks", message))
         return out
 
     @property

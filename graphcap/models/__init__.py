@@ -29,8 +29,18 @@ from graphcap.config import CaptureConfig
 from graphcap.errors import ConfigError, ConfigProblem
 from graphcap.models.llama import TinyLlama
 from graphcap.models.reference import dense_reference
+from graphcap.models.window import WindowedMemory, window_reference
 
-__all__ = ["MODELS", "TinyLlama", "build_model", "dense_reference", "load_factory", "resolve_device"]
+__all__ = [
+    "MODELS",
+    "TinyLlama",
+    "WindowedMemory",
+    "build_model",
+    "dense_reference",
+    "load_factory",
+    "resolve_device",
+    "window_reference",
+]
 
 MODELS: Mapping[str, Callable[[CaptureConfig, torch.device], nn.Module]] = MappingProxyType({"tiny-llama": TinyLlama})
 """Built-in models: `model.name` -> builder(config, device). Must match `config.BUILTIN_MODELS`."""

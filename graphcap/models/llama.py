@@ -167,6 +167,28 @@ class TinyLlama(nn.Module):
         self.register_buffer("_plane_offsets", planes.view(-1, 1, 1), persistent=False)  # [2*KV, 1, 1]
 
     @property
+    def kv_cache_num_blocks(self) -> int:
+        """Blocks the cache holds, the null block included (what `CaptureManager` checks the config against)."""
+        return self.kv_cache.shape[3] - 1
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Re-allocate the cache with `num_blocks` blocks, keeping the blocks both sizes hold.
+
+        A new tensor, as an engine re-allocates after a memory profile: graphs captured before read
+        the old one (the manager's guard refuses their replays); call `manager.resize_kv(num_blocks)`.
+        """
+        old = self.kv_cache
+        shape = list(old.shape)
+        shape[3] = num_blocks + 1  # + the scratch block PAD tokens write
+        cache = old.new_zeros(shape)
+        kept = min(num_blocks, old.shape[3] - 1)
+        cache[:, :, :, :kept] = old[:, :, :, :kept]
+        self.num_slots = num_blocks * self.block_size
+        self.kv_cache = cache
+        planes = torch.arange(2 * self.num_kv_heads, device=cache.device) * (num_blocks + 1)
+        self._plane_offsets = planes.view(-1, 1, 1)
+
+    @property
     def scratch_slot(self) -> int:
         """The slot PAD tokens write: row 0 of the scratch block `num_blocks`."""
         return self.num_slots

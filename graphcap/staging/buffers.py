@@ -12,6 +12,7 @@ plans and scratch) and `BlockTable`; the passes (`staging.passes`) are functions
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
@@ -22,9 +23,10 @@ from graphcap.batch import StepBatch
 from graphcap.block_table import BlockTable
 from graphcap.config import PadRules
 from graphcap.fields import FIELD_TABLE
-from graphcap.inputs import BufferSpec, ForwardInputs, StagingLimits
+from graphcap.inputs import BufferSpec, ForwardInputs, KVGroup, StagingLimits
 from graphcap.keys import GraphKey
 from graphcap.staging.extras import check_extras, full_shape, pad_extra
+from graphcap.staging.groups import GroupStaging
 from graphcap.staging.layout import Entry, PackedLayout
 from graphcap.staging.padding import PadWriter
 from graphcap.staging.passes import stage_decode, stage_general
@@ -62,6 +64,7 @@ class PersistentBuffers:
         pad_rules: PadRules | None = None,
         poison: bool = False,
         extras: Iterable[BufferSpec] = (),
+        kv_groups: Iterable[KVGroup] = (),
     ) -> None:
         for name, value in (
             ("max_num_reqs", max_num_reqs),
@@ -78,7 +81,10 @@ class PersistentBuffers:
         self.max_blocks_per_req = max_blocks_per_req
         self.device = torch.device(device)
         pad = pad_rules or PadRules()
-        self.limits = StagingLimits(block_size, max_blocks_per_req, num_blocks, vocab_size, max_model_len, pad, extras)
+        groups = tuple(kv_groups)
+        self.limits = StagingLimits(
+            block_size, max_blocks_per_req, num_blocks, vocab_size, max_model_len, pad, extras, groups
+        )
         self.extras = extras
         self.poison = poison
         R, T, B = max_num_reqs, max_num_tokens, max_blocks_per_req
@@ -89,6 +95,11 @@ class PersistentBuffers:
             Entry(f.name, (counts[f.rows], B) if f.width else (counts[f.rows],), i32, f.rows) for f in FIELD_TABLE
         ]
         entries[-1:-1] = [Entry(s.name, full_shape(s, T, R), s.np_dtype, s.rows, s.row_dim) for s in extras]
+        for g in groups:  # before the built-in block table too: one upload prefix still covers a key's rows
+            entries[-1:-1] = [
+                Entry(g.slots_field, (T,), i32, "tokens"),
+                Entry(g.table_field, (R, g.max_blocks_per_req), i32, "reqs"),
+            ]
         self.layout = PackedLayout(entries, self.device)
         host = self.layout.host
         self.host: Mapping[str, np.ndarray] = host
@@ -102,8 +113,9 @@ class PersistentBuffers:
             before_write=self._before_table_write,
         )
         self.pad = PadWriter(host, pad, T, R)
-        self.plans = PlanCache(self.layout, self.block_table, self.limits, T, R)
-        self._plain = not extras  # the decode pass serves steps of buffers without engine buffers
+        self.kv_groups = GroupStaging(groups, host, pad, max_model_len, self._before_group_write)
+        self.plans = PlanCache(self.layout, self.block_table, self.limits, T, R, self.kv_groups.views)
+        self._plain = not extras and not groups  # the decode pass serves steps without engine buffers or groups
         self._upload_now = True
         self._pending_upload: tuple[torch.Tensor, torch.Tensor] | None = None  # staged, not yet uploaded
         for spec in extras:
@@ -128,6 +140,10 @@ class PersistentBuffers:
             pad_rules=config.padding,
             poison=config.checks.poison_padding,
             extras=extras,
+            kv_groups=(
+                KVGroup(g.name, g.block_size, g.num_blocks, g.max_blocks_per_req(kv.max_model_len), g.sliding_window)
+                for g in kv.groups
+            ),
         )
 
     # -- staging ---------------------------------------------------------------------------
@@ -144,7 +160,7 @@ class PersistentBuffers:
         checks the host rows in between).
         """
         self._upload_now = upload
-        decode = batch.max_query_len == 1 and self._plain and not batch.extras
+        decode = batch.max_query_len == 1 and self._plain and not batch.extras and not batch.kv_groups
         if decode:
             plan = self.plans.decode_plans.get((key, batch.num_reqs))
             if plan is not None:
@@ -177,6 +193,13 @@ class PersistentBuffers:
     def forget_padding(self) -> None:
         """Trust no padded row: the next step rewrites them all (after a check found staged rows broken)."""
         self.pad.forget(kept_table=self.block_table.top > 0)
+        self.kv_groups.forget()
+
+    def silence_kv_writes(self, inputs: ForwardInputs) -> None:
+        """The staged real tokens write no KV slot in any group (a verification batch reading live blocks)."""
+        inputs.host.slot_mapping[: inputs.num_tokens] = self.limits.pad.slot
+        if self.kv_groups:
+            self.kv_groups.silence(inputs.num_tokens)
 
     def upload_nbytes(self, key: GraphKey, num_reqs: int | None = None) -> int:
         """Bytes one step of `key` uploads on CUDA: the packed prefix that holds every row of the key.
@@ -186,22 +209,49 @@ class PersistentBuffers:
         R = key.num_reqs if key.num_reqs is not None else (num_reqs or 0)
         return self.layout.views(key.num_tokens, R).end
 
+    def resize_kv(self, num_blocks: int, group: str | None = None) -> None:
+        """The KV cache (of `group`; None: the built-in one) now holds `num_blocks` blocks.
+
+        Later steps, checks and block-table writes use the new bound. `BatchError` naming the row,
+        before any change, when the persistent block table holds a block past a smaller bound.
+        """
+        if group is not None:
+            self.kv_groups.resize(group, num_blocks)
+            self.limits = dataclasses.replace(self.limits, kv_groups=self.kv_groups.specs)
+        else:
+            self.block_table.resize(num_blocks)
+            self.limits = dataclasses.replace(self.limits, num_blocks=num_blocks)
+        self.plans.set_limits(self.limits)  # plans hold the ForwardInputs of the old limits
+        self.pad.qsl_written = None
+
     # -- the persistent block table --------------------------------------------------------
 
     def _before_table_write(self) -> None:
         """Called by `block_table` before it writes a row: the rows must be ours to write."""
+        self._before_group_write()
+        self.pad.claim_table_rows()
+
+    def _before_group_write(self) -> None:
+        """Called before a group's persistent table writes a row: no upload may still read the rows."""
         if self.layout.upload_pending:
             self.layout.wait()
-        self.pad.claim_table_rows()
 
     @contextmanager
     def table_set_aside(self) -> Iterator[None]:
-        """Keep the persistent block table's rows out of the way of steps that bring their own table.
+        """Keep the persistent block tables' rows (every group's) out of the way of steps that bring their own.
 
-        Inside, the table is empty (dummy batches of a capture pass can stage fresh tables);
+        Inside, the tables are empty (dummy batches of a capture pass can stage fresh tables);
         on exit every row holds its blocks again. O(rows held) copies each way.
         """
-        table = self.block_table
+        with self._set_aside(self.block_table, self.pad.claim_table_rows):
+            if not self.kv_groups:
+                yield
+                return
+            with self.kv_groups.tables_set_aside(lambda table: self._set_aside(table, table._before_write)):
+                yield
+
+    @contextmanager
+    def _set_aside(self, table: BlockTable, claim) -> Iterator[None]:
         if not table.top:
             yield
             return
@@ -212,7 +262,7 @@ class PersistentBuffers:
         finally:
             if self.layout.upload_pending:
                 self.layout.wait()
-            self.pad.claim_table_rows()
+            claim()
             table._restore(saved)
 
     # -- poison ----------------------------------------------------------------------------
@@ -223,18 +273,21 @@ class PersistentBuffers:
         `keep_table`: the persistent block table's rows stay (steps do not write them).
         """
         packed = self.layout.packed
-        if keep_table:
-            start, stop = self.layout.span("block_table")
-            packed[:start].fill(0xBE)
-            packed[stop:].fill(0xBE)
-        else:
-            packed.fill(0xBE)
+        kept = [self.layout.span("block_table")] if keep_table else []
+        if self.kv_groups:
+            kept += self.kv_groups.kept_spans(self.layout.span)
+        start = 0
+        for low, high in sorted(kept):
+            packed[start:low].fill(0xBE)
+            start = high
+        packed[start:].fill(0xBE)
         for entry in self.layout.entries:
             if entry.dtype.kind == "f":
                 self.host[entry.name].fill(np.nan)
             elif entry.dtype.kind == "b":
                 self.host[entry.name].fill(True)
         self.pad.forget(keep_table)
+        self.kv_groups.forget()
 
     # -- storage ---------------------------------------------------------------------------
 

@@ -6,14 +6,56 @@ does with them, so the built-in hot path stays free of it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from graphcap.errors import BatchError
+from graphcap.config.buffers import BufferConfig
+from graphcap.errors import BatchError, ConfigError, ConfigProblem
 from graphcap.inputs import BufferSpec
 
-__all__ = ["check_extras", "check_extras_fit", "full_shape", "pad_extra", "rows", "sampled", "stage_extra"]
+__all__ = [
+    "check_extras",
+    "check_extras_fit",
+    "full_shape",
+    "merged_specs",
+    "pad_extra",
+    "rows",
+    "sampled",
+    "stage_extra",
+]
+
+_DECLARED = ("rows", "shape", "dtype", "pad", "row_dim")
+
+
+def merged_specs(entries: tuple[BufferConfig, ...], specs: Iterable[BufferSpec]) -> tuple[BufferSpec, ...]:
+    """The engine buffers of a manager: the config's `buffers:` list merged by name with those passed in code.
+
+    A name in both is one buffer when both declare it alike (the code's spec is kept: it may carry
+    `check` and `sample`); declared differently, it is a `ConfigError` naming both. Code-only
+    buffers follow the config's, in the order given.
+    """
+    if isinstance(specs, BufferSpec) or not isinstance(specs, Iterable):
+        raise TypeError(f"buffers must be a list of graphcap.BufferSpec; got {type(specs).__name__}")
+    specs = tuple(specs)
+    by_name = {spec.name: spec for spec in specs if isinstance(spec, BufferSpec)}
+    out, taken, problems = [], set(), []
+    for i, entry in enumerate(entries):
+        spec = by_name.get(entry.name)
+        if spec is None:
+            out.append(BufferSpec.from_config(entry))
+            continue
+        differ = [f"{f} {getattr(entry, f)!r} vs {getattr(spec, f)!r}" for f in _DECLARED
+                  if getattr(entry, f) != getattr(spec, f)]  # fmt: skip
+        if differ:
+            problems.append(ConfigProblem(f"buffers[{i}]", f"{entry.name!r} is also passed in code as a BufferSpec, "
+                            f"declared differently ({', '.join(differ)}; config vs code): declare it in one place, "
+                            "or alike in both"))  # fmt: skip
+        out.append(spec)
+        taken.add(id(spec))
+    if problems:
+        raise ConfigError(problems)
+    return (*out, *(spec for spec in specs if id(spec) not in taken))
 
 
 def check_extras(extras: tuple[BufferSpec, ...]) -> None:

@@ -26,6 +26,7 @@ from graphcap.fields import INT32_MAX
 from graphcap.inputs import BufferSpec, ForwardInputs, StagingLimits
 from graphcap.keys import GraphKey
 from graphcap.staging.extras import check_extras_fit, stage_extra
+from graphcap.staging.groups import GroupStaging
 from graphcap.staging.layout import PackedLayout
 from graphcap.staging.padding import PadWriter
 from graphcap.staging.plans import Plan, PlanCache
@@ -41,6 +42,7 @@ class Parts(Protocol):
     pad: PadWriter
     plans: PlanCache
     block_table: BlockTable
+    kv_groups: GroupStaging
     limits: StagingLimits
     extras: tuple[BufferSpec, ...]
     poison: bool
@@ -170,6 +172,11 @@ def stage_general(bufs: Parts, batch: StepBatch, key: GraphKey, R: int) -> Forwa
         _refuse(bufs, batch, key)
     if batch.extras or bufs.extras:
         check_extras_fit(bufs.extras, batch.extras, n, r)
+    groups = bufs.kv_groups
+    if groups.specs or batch.kv_groups:
+        if not groups:
+            raise BatchError(f"the step gives kv_groups {sorted(batch.kv_groups)}, but kv_cache.groups declares none")
+        sources = groups.check(batch, R)
     layout = bufs.layout
     if layout.upload_pending:
         layout.wait()
@@ -208,6 +215,8 @@ def stage_general(bufs: Parts, batch: StepBatch, key: GraphKey, R: int) -> Forwa
     host = bufs.layout.host
     for spec in bufs.extras:
         stage_extra(host[spec.name], spec, batch.extras.get(spec.name), T, R, n, r)
+    if groups.specs:
+        groups.stage(sources, batch, p.positions, T, R)
     if p.upload is not None:
         bufs.upload_or_defer(p.upload)
     return p.inputs

@@ -9,7 +9,7 @@ checked against the key, so a cached plan is proof that those counts fit.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 import numpy as np
@@ -46,8 +46,17 @@ class PlanCache:
     with (shifts and masks when block sizes are powers of two).
     """
 
-    def __init__(self, layout: PackedLayout, table: BlockTable, limits: StagingLimits, max_tokens: int, max_reqs: int):
+    def __init__(
+        self,
+        layout: PackedLayout,
+        table: BlockTable,
+        limits: StagingLimits,
+        max_tokens: int,
+        max_reqs: int,
+        group_views: Callable[[Mapping, Mapping], tuple[Mapping, Mapping]] | None = None,
+    ):
         self.layout, self.table, self.limits = layout, table, limits
+        self._group_views = group_views  # the `kv_groups` of a ForwardInputs and its HostView (extra KV groups)
         B, bs = limits.max_blocks_per_req, limits.block_size
         R = max_reqs
         size = max(max_tokens, max_reqs) + 1
@@ -88,6 +97,13 @@ class PlanCache:
         self.decode_plans: dict[tuple[GraphKey, int], Plan] = {}
         self.general_plans: dict[tuple[GraphKey, int, int], Plan] = {}
 
+    def set_limits(self, limits: StagingLimits) -> None:
+        """New staging limits (a resized KV cache): plans made under the old ones are dropped."""
+        self.limits = limits
+        self.num_blocks = INT32_MAX + 1 if limits.num_blocks is None else limits.num_blocks
+        self.decode_plans.clear()
+        self.general_plans.clear()
+
     def decode(self, key: GraphKey, R: int, r: int, qsl_tail: np.ndarray) -> Plan:
         """A new plan for a decode step of `r` requests (one token each) padded to `(key.num_tokens, R)`."""
         p = self._plan(key, R, r, r)
@@ -127,7 +143,7 @@ class PlanCache:
         views = self.layout.views(T, R)
         p = Plan()
         p.key, p.T, p.R, p.n, p.r = key, T, R, n, r
-        p.inputs = _inputs(views.tensors, views.host, key, n, r, self.limits)
+        p.inputs = _inputs(views.tensors, views.host, key, n, r, self.limits, self._group_views)
         p.upload = self.layout.rows_for(views.end)
         p.ok, p.ok_r, p.pos = self._scratch_ok[:n], self._scratch_ok[:r], self._scratch_pos[:n]
         p.idx, p.tmp = self._scratch_idx[:n], self._scratch_tmp[:n]
@@ -147,16 +163,20 @@ class PlanCache:
         return p
 
 
-def _inputs(tensors: Mapping, host: Mapping, key: GraphKey, n: int, r: int, limits: StagingLimits) -> ForwardInputs:
-    """The `ForwardInputs` of one plan, built by keyword from the field table and the engine buffers."""
+def _inputs(
+    tensors: Mapping, host: Mapping, key: GraphKey, n: int, r: int, limits: StagingLimits, group_views
+) -> ForwardInputs:
+    """The `ForwardInputs` of one plan, built by keyword from the field table, the engine buffers and the groups."""
     names = [spec.name for spec in limits.extras]
     host_extras = MappingProxyType({name: host[name] for name in names})
+    groups, host_groups = group_views(tensors, host) if limits.kv_groups else (MappingProxyType({}),) * 2
     return ForwardInputs(
         **{name: tensors[name] for name in FIELDS},
         num_tokens=n,
         num_reqs=r,
         key=key,
-        host=HostView(**{name: host[name] for name in FIELDS}, extras=host_extras),
+        host=HostView(**{name: host[name] for name in FIELDS}, extras=host_extras, kv_groups=host_groups),
         limits=limits,
         extras=MappingProxyType({name: tensors[name] for name in names}),
+        kv_groups=groups,
     )

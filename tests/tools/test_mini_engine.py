@@ -28,15 +28,35 @@ def test_a_short_run_agrees_every_step_and_prints_its_summary():
     assert re.search(r"padded-token waste of replayed steps: \d+\.\d%", out)
 
 
-def test_a_recapture_with_requests_in_flight_leaves_the_token_streams_unchanged():
+@pytest.fixture(scope="module")
+def baseline_digest() -> str:
+    """The token streams of a 45-step run that never re-captured."""
+    result = run_tool("mini_engine.py", "--steps", "45", "--seed", "1", "--quiet", timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return re.search(r"token streams digest: (\w+)", result.stdout).group(1)
+
+
+def test_a_recapture_with_requests_in_flight_leaves_the_token_streams_unchanged(baseline_digest):
     """Two re-captures mid-run, live blocks in flight: every step still agrees and the streams are identical."""
-    digests = []
-    for extra in ((), ("--recapture-at", "15", "--recapture-at", "31")):
-        result = run_tool("mini_engine.py", "--steps", "45", "--seed", "1", "--quiet", *extra, timeout=300)
-        assert result.returncode == 0, result.stdout + result.stderr
-        digests.append(re.search(r"token streams digest: (\w+)", result.stdout).group(1))
+    extra = ("--recapture-at", "15", "--recapture-at", "31")
+    result = run_tool("mini_engine.py", "--steps", "45", "--seed", "1", "--quiet", *extra, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
     assert "(2 re-captures)" in result.stdout
-    assert digests[0] == digests[1]
+    assert re.search(r"token streams digest: (\w+)", result.stdout).group(1) == baseline_digest
+
+
+def test_an_engines_whole_lifecycle_leaves_the_token_streams_unchanged(baseline_digest):
+    """Weight swap refused, re-capture, release and wake, KV grown, a second KV group: the same streams."""
+    result = run_tool("mini_engine.py", "--steps", "45", "--seed", "1", "--lifecycle", timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out, events = result.stdout, result.stderr
+    assert re.search(r"token streams digest: (\w+)", out).group(1) == baseline_digest
+    assert "lifecycle: 1 weight swap refused by the guard, 5 captures, 2 releases" in out, out
+    assert "KV cache grown to 60 blocks, a second KV group throughout" in out
+    assert re.search(r"eager: 3 \(\{'released': 3\}\)", out), out
+    for event in ("the guard refused the replay (model.llama.lm_head was replaced)", "captured again with",
+                  "released 11 graphs", "woke, captured 11 graphs", "KV cache grown to 60 blocks"):  # fmt: skip
+        assert event in events, events
 
 
 def test_an_engine_that_hands_out_the_null_block_is_stopped_before_the_model_runs(monkeypatch):
@@ -49,6 +69,11 @@ def test_an_engine_that_hands_out_the_null_block_is_stopped_before_the_model_run
 def test_steps_must_be_positive():
     result = run_tool("mini_engine.py", "--steps", "0")
     assert result.returncode == 2 and "--steps must be >= 1; got 0" in result.stderr
+
+
+def test_lifecycle_needs_room_for_its_events():
+    result = run_tool("mini_engine.py", "--steps", "8", "--lifecycle")
+    assert result.returncode == 2 and "--lifecycle needs --steps >= 12" in result.stderr
 
 
 def test_recapture_at_must_be_a_step_of_the_run():

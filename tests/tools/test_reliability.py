@@ -28,6 +28,7 @@ def test_quick_campaign_writes_a_complete_table(tmp_path):
         "command line",
         "outputs",
         "engine buffers",
+        "lifecycle",
     }
     for row in rows:
         passed, total = map(int, re.search(r": (\d+)/(\d+)", row).groups())

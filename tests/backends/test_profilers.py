@@ -1,0 +1,112 @@
+"""Capturing under a profiler, a tracer or both: the compile watch (`graphcap.backends.compiled`)
+keeps every hook it finds working, Python-level or C-level, and still notes compiled code."""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import sys
+import warnings
+
+import pytest
+import torch
+
+from graphcap import CaptureManager
+from graphcap.testing import make_config
+
+
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1
+
+
+class _CompiledModel(torch.nn.Module):
+    """The built-in shape of a model whose logits go through a torch.compile'd function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(128, 16)
+        self._scaled = torch.compile(_scaled, backend="eager")
+
+    def forward(self, inputs) -> torch.Tensor:
+        return self._scaled(self.embed(inputs.input_ids.long())) @ self.embed.weight.t()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    sys.setprofile(None)
+    sys.settrace(None)
+
+
+def _manager() -> CaptureManager:
+    config = make_config({"capture.sizes": [2, 4], "capture.mode": "full_decode_only"})
+    return CaptureManager(_CompiledModel(), config, backend="emulated", progress=False)
+
+
+def _capture(manager: CaptureManager):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the uncompiled-capture warning, read from the report
+        report = manager.capture()
+    assert len(report.captured) == 2 and all(r.verified for r in report.captured)
+    (warning,) = report.warnings  # the watch still saw the compiled function
+    assert "_CompiledModel" not in warning and "_scaled (" in warning
+    return report
+
+
+def test_capture_under_cprofile_run_profiles_the_capture():
+    manager = _manager()
+    profile = cProfile.Profile()
+    profile.runctx("report = capture(manager)", {"capture": _capture, "manager": manager}, {})
+    names = {func[2] for func in pstats.Stats(profile).stats}  # (file, line, function name) keys
+    assert {"capture", "_capture", "replay"} <= names  # the profiler saw the whole pass
+
+
+def test_capture_under_a_python_profile_function_passes_every_event_on():
+    events = []
+    sys.setprofile(lambda frame, event, arg: events.append((frame.f_code.co_name, event)))
+    _capture(_manager())
+    sys.setprofile(None)
+    assert ("capture", "call") in events and ("replay", "return") in events
+
+
+class _Debugger:
+    """A tracer like pdb's: a global trace function returning a local one that counts lines."""
+
+    def __init__(self) -> None:
+        self.lines: dict[str, int] = {}
+
+    def __call__(self, frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "capture_batch":
+            return self.local
+        return None
+
+    def local(self, frame, event, arg):
+        if event == "line":
+            self.lines[frame.f_code.co_name] = self.lines.get(frame.f_code.co_name, 0) + 1
+        return self.local
+
+
+@pytest.mark.parametrize("profiled", [False, True], ids=["trace_only", "trace_under_cprofile"])
+def test_capture_under_a_tracer_keeps_its_local_tracing(profiled):
+    debugger = _Debugger()
+    profile = cProfile.Profile() if profiled else None
+    sys.settrace(debugger)
+    if profile is not None:
+        profile.enable()
+    try:
+        _capture(_manager())
+    finally:
+        if profile is not None:
+            profile.disable()
+        sys.settrace(None)
+    assert debugger.lines.get("capture_batch", 0) >= 4  # its local tracer ran line by line
+    if profile is not None:
+        assert "capture_batch" in {func[2] for func in pstats.Stats(profile).stats}
+
+
+def test_capture_under_torch_profiler_with_stacks():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
+        _capture(_manager())
+    assert any("aten::" in event.name for event in prof.events())
