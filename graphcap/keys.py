@@ -92,6 +92,9 @@ EAGER_REASONS = {
     "peer": "another data-parallel rank could not use a graph this step",
     "released": "the graphs were released (manager.release()); capture() serves again",
     "kv_resized": "the KV cache was resized (manager.resize_kv()); capture() again against the new cache",
+    "pending": "capture.strategy is lazy and its key is not captured yet (manager.capture_pending() captures it)",
+    "over_budget": "its graph would take the graphs past capture.memory_budget",
+    "no_speedup": "its replay was not capture.min_speedup times faster than eager at capture",
 }
 """Why a step ran eagerly; the keys of `CaptureManager.stats.eager`."""
 
@@ -189,18 +192,25 @@ class KeyRegistry:
         self.planned: tuple[GraphKey, ...] = tuple(sorted(planned, key=_ascending))
         self.captured: set[GraphKey] = set()
         self.skipped: dict[GraphKey, str] = {}
+        self.declined: dict[GraphKey, str] = {}
+        """Of `skipped`, keys left uncaptured by choice: the eager reason (`over_budget`, `no_speedup`)."""
         self.uncaptured_reason = "not_captured"
-        """Why a planned key without a graph runs eagerly: `not_captured`, or what freed its graph."""
+        """Why a planned key without a graph runs eagerly: `not_captured`, `pending`, or what freed its graph."""
+        self.demand: Counter = Counter()
+        """Eager steps per planned key that was not captured (the traffic lazy capture orders keys by)."""
 
     @classmethod
     def from_config(cls, config) -> KeyRegistry:
-        return cls(
+        registry = cls(
             config.capture_sizes,
             config.capture.mode,
             config.capture.uniform_query_len,
             config.batching.max_num_seqs,
             config.kv_cache.max_model_len,
         )
+        if config.capture.strategy == "lazy":
+            registry.uncaptured_reason = "pending"
+        return registry
 
     def capture_order(self) -> list[GraphKey]:
         """Largest first (smaller graphs then reuse the pool); uniform before mixed; more rows first."""
@@ -225,16 +235,24 @@ class KeyRegistry:
         self.skipped.pop(key, None)
         self.captured.add(key)
 
-    def mark_skipped(self, key: GraphKey, reason: str) -> None:
+    def mark_skipped(self, key: GraphKey, reason: str, eager_reason: str = "skipped") -> None:
+        """`key` runs eagerly from now on (`reason`: the report's words; `eager_reason`: its `stats.eager` key)."""
         self._check_planned(key)
         self.captured.discard(key)
         self.skipped[key] = reason
+        if eager_reason != "skipped":
+            self.declined[key] = eager_reason
+
+    def pending(self) -> list[GraphKey]:
+        """Planned keys neither captured nor skipped, in `capture_order`."""
+        return [key for key in self.capture_order() if key not in self.captured and key not in self.skipped]
 
     def reset(self, reason: str = "not_captured") -> None:
         """Forget capture state (keys stay planned); `reason`: why steps run eagerly until a capture
         (`released`, `kv_resized`)."""
         self.captured.clear()
         self.skipped.clear()
+        self.declined.clear()
         self.uncaptured_reason = reason
 
     def dispatch(self, num_tokens: int, num_reqs: int, uniform: bool) -> Dispatch:
@@ -253,6 +271,8 @@ class KeyRegistry:
             key = self._uniform[num_tokens]
             if key is not None and key in self.captured:
                 return Dispatch(Mode.FULL, key, "")
+            if key is not None:  # traffic for its uniform key, whatever replays instead
+                self.demand[key] += 1
             fallback = key
         else:
             fallback = None
@@ -263,7 +283,8 @@ class KeyRegistry:
             return self._eager(num_tokens, num_reqs, self._state(piece))
         keys = self._mixed[num_tokens]
         if not keys:  # full_decode_only plans no mixed keys
-            return self._eager(num_tokens, num_reqs, "decode_only" if fallback is None else self._state(fallback))
+            reason = "decode_only" if fallback is None else self._state(fallback, count=False)
+            return self._eager(num_tokens, num_reqs, reason)
         fits = None  # the fewest rows that hold the step; a larger captured one replays instead
         for key in keys:
             if key.num_reqs >= num_reqs:
@@ -282,8 +303,13 @@ class KeyRegistry:
     def _eager(self, num_tokens: int, num_reqs: int, reason: str) -> Dispatch:
         return Dispatch(Mode.EAGER, GraphKey(num_tokens, num_reqs, False), reason)
 
-    def _state(self, key: GraphKey) -> str:
-        return "skipped" if key in self.skipped else self.uncaptured_reason
+    def _state(self, key: GraphKey, *, count: bool = True) -> str:
+        """Why a step whose key is `key` (not captured) runs eagerly; counts the step in `demand`."""
+        if key in self.skipped:
+            return self.declined.get(key, "skipped")
+        if count:
+            self.demand[key] += 1
+        return self.uncaptured_reason
 
     def _check_planned(self, key: GraphKey) -> None:
         if key not in self.planned:

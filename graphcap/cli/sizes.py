@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from typing import Any
 
+from graphcap import byte_counts
 from graphcap.cli._common import UserError, add_common, config_from_args
 from graphcap.cli._histogram import read_histogram
 from graphcap.sizes import CaptureSizes, default_capture_sizes
@@ -288,16 +288,9 @@ def _parse_max_graphs(text: str | None) -> int:
     return value
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
-_BYTES = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
-
-
 def parse_bytes(text: str, flag: str) -> int:
-    """`4GiB` -> 4294967296: bytes, or a number with B, KB/MB/GB/TB (powers of 1000) or
-    KiB/MiB/GiB/TiB (powers of 1024), case-insensitive; `UserError` naming `flag` otherwise."""
-    match = _BYTES.fullmatch(text)
-    unit = _UNITS.get(match.group(2).lower()) if match else None
-    if unit is None or float(match.group(1)) * unit < 1 or float(match.group(1)) * unit >= 1 << 62:
-        raise UserError(f"{flag}: expected bytes or a size such as 4GiB, 512MiB or 8GB (at least 1 byte); got {text!r}")
-    return int(float(match.group(1)) * unit)
+    """`graphcap.byte_counts.parse_bytes`, with `UserError` naming `flag`."""
+    try:
+        return byte_counts.parse_bytes(text)
+    except ValueError as exc:
+        raise UserError(f"{flag}: {exc}") from None

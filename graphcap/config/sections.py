@@ -11,11 +11,13 @@ use for it. Every other section is `<Name>Config`.
 
 from __future__ import annotations
 
+import contextlib
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
 
+from graphcap.byte_counts import MAX_BYTES, parse_bytes
 from graphcap.config._schema import Section, problem, spec
 from graphcap.errors import ConfigProblem
 from graphcap.fields import INT32_MAX, INT32_MIN
@@ -197,16 +199,32 @@ class CaptureSectionConfig(Section):
     """Tokens per request in a uniform decode step (> 1 for speculative decoding)."""
     on_error: Literal["raise", "skip"] = "raise"
     """A size that fails to capture: `raise` stops; `skip` records it and runs it eagerly."""
+    strategy: Literal["upfront", "lazy"] = "upfront"
+    """`upfront`: `capture()` captures every key before the first step; `lazy`: the manager serves at once
+    (uncaptured keys run eagerly, reason `pending`) and `capture_pending()` captures keys in idle time."""
+    memory_budget: int | str | None = None
+    """Bytes the graphs may hold (`4GiB`, `512MiB` or an integer), by graphcap's estimate; a key that would
+    cross it is not captured (eager reason `over_budget`). Null: no budget."""
+    min_speedup: float | None = spec(None, gt=0)
+    """Keep a graph only if its replay is at least this many times faster than eager at capture (else it
+    is released, eager reason `no_speedup`). Null: keep every graph."""
 
     def __post_init__(self) -> None:
         if isinstance(self.mode, str) and self.mode.lower() in _MODES:
             object.__setattr__(self, "mode", self.mode.lower())
+        if isinstance(self.memory_budget, str):  # a size such as 4GiB: bytes from here on
+            with contextlib.suppress(ValueError):  # `_check` names the key and the value
+                object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
         Section.__post_init__(self)
         if self.max_size is None:
             resolved = DEFAULT_MAX_SIZE if self.sizes == "auto" else max(self.sizes)
             object.__setattr__(self, "max_size", resolved)
 
     def _check(self) -> list[ConfigProblem]:
+        budget = self.memory_budget
+        if isinstance(budget, str) or (budget is not None and not 1 <= budget < MAX_BYTES):
+            shown = repr(budget) if isinstance(budget, str) else str(budget)
+            return [problem("memory_budget", f"expected bytes >= 1 or a size such as 4GiB or 512MiB; got {shown}")]
         if self.sizes == "auto":
             try:
                 default_capture_sizes(
