@@ -24,10 +24,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from tqdm.contrib.logging import logging_redirect_tqdm
 
+from graphcap.capture import gc_frozen
 from graphcap.config import CaptureConfig
 from graphcap.errors import ConfigError, ConfigProblem
-from graphcap.keys import GraphKey, KeyRegistry, StepStats
+from graphcap.keys import EAGER_REASONS, GraphKey, KeyRegistry, StepStats
 
 __all__ = ["REUSED", "LiveGraphs", "PassHistory", "check_kv_fits", "kv_tensors", "resize_plan", "resized_config"]
 
@@ -48,6 +50,33 @@ class LiveGraphs:
         self.graphs: dict[GraphKey, Any] = {}
         self._backend, self._owns_backend, self._registry, self._guard = backend, owns_backend, registry, guard
 
+    def add(
+        self, job: Any, keys: list[GraphKey], *, config: Any, budget: Any, set_aside: Any, context: Any, progress: Any
+    ) -> tuple[list, int]:
+        """Capture and verify `keys` with `job` (a `CapturePass`) within `budget`, and keep what passed.
+
+        GC is frozen and the block table set aside (`set_aside()`) meanwhile; the budget is reserved in
+        the pool once (`GraphBackend.reserve`). Returns every key's record, in `keys` order, and the
+        device memory the capture added. On an exception the graphs of `keys` are released, those
+        kept before stay.
+        """
+        admitted, declined = budget.split(config, keys, self._registry.captured)
+        with gc_frozen(), logging_redirect_tqdm(), set_aside():
+            if not self.graphs:
+                self._backend.empty_cache()  # once per pass; the graphs then share the pool
+            self.reserve(budget)
+            memory_before = self._backend.memory_in_use()
+            records, graphs = job.run(admitted, context=context, progress=progress)
+        self.install(records + declined, graphs)
+        order = {key: i for i, key in enumerate(keys)}
+        records = sorted(records + declined, key=lambda record: order[record.key])
+        return records, max(0, self._backend.memory_in_use() - memory_before)
+
+    def reserve(self, budget: Any) -> None:
+        """Reserve `budget.limit` in the backend's pool, once (until the graphs are all released)."""
+        if budget.limit is not None and self._backend.reserved_bytes is None:
+            self._backend.reserve(budget.limit)
+
     def install(self, records: list, graphs: dict[GraphKey, Any]) -> None:
         """Keep what a pass produced: its graphs (captured and verified), and the keys it skipped."""
         self.graphs.update(graphs)
@@ -55,7 +84,8 @@ class LiveGraphs:
             if record.key in graphs:
                 self._registry.mark_captured(record.key)
             elif record.status == "skipped":
-                self._registry.mark_skipped(record.key, record.reason)
+                code = record.reason.partition(":")[0]  # a key left out by choice names its eager reason first
+                self._registry.mark_skipped(record.key, record.reason, code if code in EAGER_REASONS else "skipped")
 
     def release_all(self, reason: str = "not_captured") -> int:
         """Drop every graph (steps then run eagerly with `reason`) and the pool they used; how many."""

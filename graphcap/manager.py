@@ -1,12 +1,9 @@
-"""`CaptureManager`: capture every planned key, then dispatch, stage, check and replay each step.
+"""`CaptureManager`: capture the planned keys, then dispatch, stage, check and replay each step.
 
-Capture walks the keys largest first. For each key a dummy batch goes through the same
-`PersistentBuffers.stage` as real steps, its invariants are checked, the model runs
-`num_warmups` times eagerly and the backend captures, all inside the engine's
-`capture_context`. After the context exits (an engine registers its graph buffers there),
-each graph is verified (`checks.verify_replay`): one replay of the dummy batch and one of a
-partly filled probe batch, each compared with an eager run. A pass is all or nothing under
-`capture.on_error: raise`; under `skip` a failing key is recorded and runs eagerly.
+Upfront capture walks every key largest first before serving; lazy capture (`graphcap.lazy`) serves
+at once and captures in idle time. Either way a key goes through `CapturePass` (`graphcap.capture`):
+its dummy batch staged as real steps are, warmups, capture inside the engine's `capture_context`,
+verification after it exits, within `capture.memory_budget` (`graphcap.budget`).
 """
 
 from __future__ import annotations
@@ -19,12 +16,12 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_device
 from graphcap.batch import StepBatch, step_or_idle
 from graphcap.block_table import BlockTable
-from graphcap.capture import CapturePass, gc_frozen, uncompiled_warnings
+from graphcap.budget import MemoryBudget
+from graphcap.capture import CapturePass, uncompiled_warnings
 from graphcap.config import CaptureConfig
 from graphcap.config.fingerprint import compared_items, fingerprint_int
 from graphcap.distributed import DataParallelSync
@@ -34,6 +31,7 @@ from graphcap.guard import StaticGuard
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
 from graphcap.invariants import check_invariants
 from graphcap.keys import GraphKey, KeyRegistry, Mode, StepStats
+from graphcap.lazy import LazyCapture, check_time_limits
 from graphcap.lifecycle import LiveGraphs, PassHistory, check_kv_fits, resize_plan
 from graphcap.outputs import OutputRows
 from graphcap.piecewise import running
@@ -78,8 +76,7 @@ class CaptureManager:
                 f"@contextlib.contextmanager function); got {type(capture_context).__name__}"
             )
         self._capture_context = capture_context or nullcontext
-        """Entered around the captures of a pass, verification after it exits (an engine's
-        `graph_capture()` that sets up custom all-reduce buffers and registers them at exit)."""
+        """Entered around a pass's captures, verification after it exits (an engine's `graph_capture()`)."""
         check_kv_fits(config, model)
         self.model = model
         self.config = config
@@ -105,6 +102,8 @@ class CaptureManager:
         if self._sync is not None:  # ranks with different configs would plan different keys: refuse now
             self._sync.agree_on_config(fingerprint_int(config), compared_items(config))
         self._failures = FailurePolicy(config.capture.on_error, self._sync)
+        self._budget = MemoryBudget(config, self.backend.name)
+        self._lazy = LazyCapture(self.registry, self.stats, self._sync, is_lazy=config.capture.strategy == "lazy")
         self._counting = True
         self._in_step: str | None = None
         self._history = PassHistory()
@@ -124,12 +123,9 @@ class CaptureManager:
 
     @property
     def block_table(self) -> BlockTable:
-        """The persistent block table: rows written as they change, named by a step instead of a fresh table.
-
-        `set_row(i, blocks)` / `append` / `move` / `swap` / `clear` as requests come, grow, move and go;
-        `StepBatch(q, s, ids, block_table=manager.block_table)` reads request i's blocks from row i (see
-        `BlockTable`). With several threads, write rows under `lock`. A capture sets them aside.
-        """
+        """The persistent block table: rows written as they change (`set_row`, `append`, `move`, `swap`, `clear`),
+        named by a step (`StepBatch(q, s, ids, block_table=manager.block_table)`: request i's blocks are row i)
+        instead of a fresh table. With several threads, write rows under `lock`. A capture sets them aside."""
         return self.buffers.block_table
 
     @property
@@ -150,13 +146,13 @@ class CaptureManager:
     ) -> CaptureReport:
         """Capture every planned key (largest first), verify each, and return the report.
 
-        Replaces graphs from an earlier pass. `capture.on_error: raise`: the first failure releases
-        every graph of this pass and raises `CaptureError` naming the key and a hint; `skip`: the key
-        is recorded as skipped and runs eagerly. A sticky CUDA error ends the pass under either
-        policy. On every exit path GC is restored and no partial graph stays registered.
-        `ConfigError` when `capture.num_warmups` is below what the backend needs (cuda: 1), when
-        `report.path` cannot be written (checked first; written atomically after), or when the
-        model's KV cache holds fewer blocks than `kv_cache.num_blocks`.
+        Replaces graphs from an earlier pass; under `capture.strategy: lazy` captures nothing (the report
+        lists the pending keys; `capture_pending` captures them). `capture.on_error: raise`: the first
+        failure releases every graph of this pass and raises `CaptureError` naming the key and a hint;
+        `skip`: the key is recorded as skipped and runs eagerly. A sticky CUDA error ends the pass under
+        either policy; no partial graph stays registered. `ConfigError` when `capture.num_warmups` is
+        below what the backend needs (cuda: 1), when `report.path` cannot be written (checked first;
+        written atomically after), or when the KV cache holds fewer blocks than `kv_cache.num_blocks`.
 
         Writes nothing the engine owns but the null block 0 of each KV-cache group, what the model
         writes for pad-slot tokens, `scratch_blocks` (free block ids the engine hands over) and
@@ -165,69 +161,91 @@ class CaptureManager:
         report_path = self.config.report.path
         if report_path:
             check_report_path(report_path)
-        scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
-        group_scratch = group_scratch_ids(group_scratch_blocks, self.buffers.limits.kv_groups)
+        job = self._capture_pass(scratch_blocks, group_scratch_blocks)  # checks the scratch blocks first
         with self._lock, self._step("capture"):
-            self._check_warmups()
-            check_kv_fits(self.config, self.model)  # a cache re-allocated smaller without resize_kv
+            self._check_ready()
             replaced = len(self.graphs)
-            self._live.release_all()
-            self._guard.arm(self._guard.collect(self.model, self.buffers.storage()), self.model)
-            start = time.perf_counter()
+            self._live.release_all("pending" if self._lazy.is_lazy else "not_captured")
+            start, records, pool_bytes = time.perf_counter(), [], 0
             try:
-                with gc_frozen(), logging_redirect_tqdm(), self.buffers.table_set_aside():
-                    self.backend.empty_cache()  # once per pass; the graphs then share the pool
-                    memory_before = self.backend.memory_in_use()
-                    job = self._capture_pass(scratch, group_scratch)
-                    records, graphs = job.run(
-                        self.registry.capture_order(), context=self._capture_context, progress=self.progress
-                    )
+                if self._lazy.is_lazy:  # serve now: capture_pending() captures in idle time
+                    self._live.reserve(self._budget)
+                else:
+                    records, pool_bytes = self._capture_keys(job, self.registry.capture_order(), self.progress)
             except BaseException:
                 self._live.release_all()
                 raise
-            self._live.install(records, graphs)
             report = CaptureReport(
                 records=records,
                 backend=self.backend.name,
                 device=str(self.device),
                 total_seconds=time.perf_counter() - start,
-                pool_bytes=max(0, self.backend.memory_in_use() - memory_before),
+                pool_bytes=pool_bytes,
                 config=self.config.to_dict(),
                 warnings=uncompiled_warnings(self.graphs.values(), self.backend.name),
                 recapture=self._history.completed(replaced, self.stats),
+                pending=[str(key) for key in self.registry.pending()] if self._lazy.is_lazy else [],
+                memory_budget=self._budget.to_dict(self.config, self.registry.captured, pool_bytes, self.backend),
             )
             if report_path:
                 write_report(report, report_path, undo=self._live.release_all)
-        log.info(
-            "captured %d graphs in %.2f s (%s)",
-            len(report.captured),
-            report.total_seconds,
-            format_bytes(report.pool_bytes),
-        )
+        memory = format_bytes(report.pool_bytes)
+        log.info("captured %d graphs in %.2f s (%s)", len(report.captured), report.total_seconds, memory)
         return report
 
-    def _capture_pass(self, scratch_blocks: tuple[int, ...] = (), group_scratch: Any = None) -> CapturePass:
+    def capture_pending(
+        self,
+        max_seconds: float | None = None,
+        *,
+        max_keys: int | None = None,
+        scratch_blocks: Iterable[int] = (),
+        group_scratch_blocks: Mapping[str, Iterable[int]] | None = None,
+    ) -> int:
+        """Capture keys with no graph yet (`capture.strategy: lazy`), most traffic first; returns how many.
+
+        Starts keys while `max_seconds` (None: no limit) have not passed and fewer than `max_keys` were taken;
+        0 when none is pending. Each key is captured and verified as by `capture()` (`scratch_blocks` too),
+        within `capture.memory_budget`; a failure follows `capture.on_error`. Collective with a group."""
+        check_time_limits(max_seconds, max_keys)
+        job = self._capture_pass(scratch_blocks, group_scratch_blocks)
+        with self._lock, self._step("capture_pending"):
+            self._check_ready()
+            return self._lazy.run(
+                lambda key: self._capture_keys(job, [key], False) and key in self.graphs, max_seconds, max_keys
+            )
+
+    def _capture_keys(self, job: CapturePass, keys: list[GraphKey], progress: bool | None) -> tuple[list, int]:
+        """Capture `keys` into the live graphs within the budget (arming the guard first); records, pool growth."""
+        if not self.graphs:
+            self._guard.arm(self._guard.collect(self.model, self.buffers.storage()), self.model)
+        kwargs = {"set_aside": self.buffers.table_set_aside, "context": self._capture_context, "progress": progress}
+        return self._live.add(job, keys, config=self.config, budget=self._budget, **kwargs)
+
+    def _capture_pass(self, scratch_blocks: Iterable[int] = (), group_scratch_blocks: Any = None) -> CapturePass:
+        scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
+        group_scratch = group_scratch_ids(group_scratch_blocks, self.buffers.limits.kv_groups)
         return CapturePass(
             backend=self.backend,
             registry=self.registry,
             config=self.config,
             stage=self._stage,
             forward=self._forward,
-            static_inputs=self._static_inputs,
+            static_inputs=lambda inputs: self._guard.collect(self.model, inputs.tensors()),
             extras=self.buffers.extras,
             failures=self._failures,
-            scratch_blocks=scratch_blocks,
+            scratch_blocks=scratch,
             outputs=self._outputs,
             kv_groups=self.buffers.limits.kv_groups,
             group_scratch=group_scratch or {},
         )
 
-    def _check_warmups(self) -> None:
-        """A backend that needs plain warmups before capture (cuda) refuses `num_warmups: 0`."""
+    def _check_ready(self) -> None:
+        """`ConfigError`: `num_warmups: 0` where the backend needs warmups (cuda), or a KV cache that shrank."""
         try:
             self.backend.check_warmups(self.config.capture.num_warmups)
         except ValueError as exc:
             raise ConfigError([ConfigProblem("capture.num_warmups", str(exc))]) from None
+        check_kv_fits(self.config, self.model)
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -324,21 +342,12 @@ class CaptureManager:
     # -- bookkeeping ---------------------------------------------------------------------
 
     def register_static(self, name: str, tensor: torch.Tensor) -> None:
-        """Add a tensor the graphs read that is not a parameter or buffer of an `nn.Module` model.
-
-        A KV cache held in a plain list (as vLLM holds it), a plain tensor attribute, any tensor
-        of a non-Module model, an engine buffer: registered tensors are address-checked like
-        parameters, at capture and before every replay, and errors name them (`static.NAME`).
-        Register before `capture()`. Registering `name` again with a tensor at another address,
-        or replacing a registered tensor's storage (`t.data = ...`, `set_`), makes every replay
-        raise `StaticInputMovedError` until `capture()` runs again. A name first registered
-        after capture is checked from then on at its current address.
-        """
+        """Add a tensor the graphs read that is not a parameter or buffer of an `nn.Module` model (a KV cache
+        in a plain list, an engine buffer): address-checked like parameters at capture and before every replay,
+        named `static.NAME` in errors. Register before `capture()`; a tensor re-registered at another address
+        or whose storage was replaced makes replays raise `StaticInputMovedError` until `capture()` again."""
         with self._lock:
             self._guard.register(name, tensor)
-
-    def _static_inputs(self, inputs: ForwardInputs) -> dict[str, torch.Tensor]:
-        return self._guard.collect(self.model, inputs.tensors())
 
     @contextmanager
     def _step(self, what: str) -> Iterator[None]:
@@ -363,10 +372,9 @@ class CaptureManager:
     def release(self) -> int:
         """Free every graph and its pool memory (an engine going to sleep); returns how many.
 
-        Keeps the buffers, block table rows and registrations: `capture()` serves again, on the same
-        addresses; steps between run eagerly (reason `released`). On CUDA the memory goes back to
-        the device and later captures use a fresh pool (never one whose graphs were freed).
-        """
+        Keeps the buffers, block table rows and registrations: `capture()` (or, lazy, `capture_pending()`)
+        serves again on the same addresses; steps between run eagerly (reason `released`). On CUDA the memory
+        goes back to the device and later captures use a fresh pool (never one whose graphs were freed)."""
         with self._lock, self._step("release"):
             count = self._live.release_all("released")
             self.backend.empty_cache()
@@ -375,13 +383,11 @@ class CaptureManager:
     def resize_kv(self, num_blocks: int, tensors: Any = None, *, group: str | None = None, block_dim: int = 0) -> int:
         """The engine re-allocated its KV cache (of `group`; None: `kv_cache`) to `num_blocks` blocks.
 
-        Releases every graph (steps run eagerly, reason `kv_resized`, until `capture()`); later steps
-        and captures use the new bound. `tensors`: the new cache tensors (a tensor, list or mapping),
-        dim `block_dim` counting blocks, checked and registered like `register_static`. Refusals
-        change nothing: `ConfigError` naming the key for a count the config refuses or a cache that
-        holds fewer blocks; `BatchError` naming a block table row that holds a block past the bound.
-        Returns the number of graphs released (docs/lifecycle.md).
-        """
+        Releases every graph (steps run eagerly, reason `kv_resized`, until `capture()`/`capture_pending()`);
+        later steps and captures use the new bound. `tensors`: the new cache tensors (a tensor, list or mapping),
+        dim `block_dim` counting blocks, checked and registered like `register_static`. Refusals change nothing:
+        `ConfigError` naming the key for a count the config refuses or a cache that holds fewer blocks;
+        `BatchError` naming a block table row holding a block past the bound. Returns the graphs released."""
         with self._lock, self._step("resize_kv"):
             config, named = resize_plan(self.config, self.model, num_blocks, tensors, group, block_dim)
             self.buffers.resize_kv(num_blocks, group)

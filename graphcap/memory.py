@@ -35,7 +35,7 @@ from typing import Any
 
 from graphcap.report import format_bytes
 
-__all__ = ["GraphMemory", "MemoryEstimate", "available_memory", "estimate_memory"]
+__all__ = ["GraphMemory", "MemoryEstimate", "available_memory", "estimate_memory", "graphs_bytes"]
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _BUFFER_BYTES = {
@@ -168,7 +168,7 @@ def estimate_memory(
         notes.append(f"model {config.model.factory} not estimated (give the factory an estimate_memory attribute)")
     parts["buffers"] = _buffers(config, backend, (*config.buffers, *buffers))
     if config.model.factory is None:  # a factory model's graphs are in its own estimate, or unknown
-        parts["graphs"] = _held_by_graphs(graphs, backend)
+        parts["graphs"] = graphs_bytes(graphs, backend)
     transient = max((g.transient if backend == "emulated" else 0 for g in graphs), default=0)
     return MemoryEstimate(backend, parts, build_transient, transient, graphs, tuple(notes))
 
@@ -182,7 +182,8 @@ _PIECEWISE_NOTES = {
 }
 
 
-def _held_by_graphs(graphs: Iterable[GraphMemory], backend: str) -> int:
+def graphs_bytes(graphs: Iterable[GraphMemory], backend: str) -> int:
+    """The `graphs` part of an estimate over `graphs`: what they hold together (cuda: one pool; emulated: outputs)."""
     graphs = list(graphs)
     if backend == "cuda":  # one shared pool whose outputs later graphs reuse: the largest key's working set
         return max((g.activations + g.output for g in graphs), default=0)

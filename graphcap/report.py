@@ -8,6 +8,7 @@ each memory number measures: the CUDA pool and the emulated backend count differ
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import json
@@ -86,6 +87,8 @@ class GraphRecord:
     key; 0 when skipped."""
     eager_ops: int = 0
     """`eager_op` calls a replay runs between the pieces (0 for a full graph)."""
+    speedup: float | None = None
+    """Eager time over replay time of the key's dummy batch, timed at capture (median of a few runs each)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -126,6 +129,10 @@ class CaptureReport:
     """A re-capture (None for a manager's first pass): `pass` (its number), `after` (what freed the
     graphs before it: `capture()` replacing them, `release()`, `resize_kv()` or `reset()`),
     `graphs_released` (how many) and `reused` (what the pass kept rather than rebuilt)."""
+    pending: list[str] = field(default_factory=list)
+    """Keys left for `capture_pending()` (`capture.strategy: lazy`)."""
+    memory_budget: dict[str, Any] | None = None
+    """With `capture.memory_budget`: `budget_bytes`, `estimate_bytes`, measured `pool_bytes`, `reserved_bytes`."""
 
     def __post_init__(self) -> None:
         if not self.created:
@@ -164,6 +171,8 @@ class CaptureReport:
             "graphs": [r.to_dict() for r in self.records],
             "warnings": list(self.warnings),
             "recapture": self.recapture,
+            "pending": list(self.pending),
+            "memory_budget": self.memory_budget,
             "config_fingerprint": self.config_fingerprint,
             "config": self.config,
         }
@@ -227,6 +236,7 @@ class CaptureReport:
         if self.skipped:
             skipped = ", ".join(f"{r.key}" for r in self.skipped)
             lines.append(f"skipped ({len(self.skipped)}, these sizes run eagerly): {skipped}")
+        lines += [f"pending ({len(self.pending)}): capture_pending() captures them"] if self.pending else []
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -280,13 +290,10 @@ def _nvidia_driver() -> str | None:
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as handle:
+        for line in handle:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 

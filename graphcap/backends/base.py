@@ -66,6 +66,8 @@ class GraphBackend:
         """The memory pool of this backend's graphs (shared with others only on request)."""
         self._graphs: list[CapturedGraph] = []
         self._is_capturing = False
+        self.reserved_bytes: int | None = None
+        """Bytes `reserve` set aside for the graphs (None: nothing reserved since the last `reset`)."""
 
     @property
     def graphs(self) -> tuple[CapturedGraph, ...]:
@@ -193,11 +195,21 @@ class GraphBackend:
         for graph in self._graphs:
             graph.release()
         self._graphs = []
+        self.reserved_bytes = None
         self.pool.rotate()
         # After a sticky CUDA error every CUDA call fails with it: the reset must not replace
         # the error that ended the pass with a second copy of it.
         with contextlib.suppress(Exception):
             self.empty_cache()
+
+    def reserve(self, num_bytes: int) -> int:
+        """Set `num_bytes` aside for later captures into this backend's pool (`capture.memory_budget`).
+
+        Returns the device memory the reservation took. This backend allocates nothing (its graphs own
+        private memory): it records the number, and the manager keeps the budget by graphcap's estimate.
+        """
+        self.reserved_bytes = num_bytes
+        return 0
 
     def synchronize(self) -> None:
         """Wait until the device has finished all queued work."""

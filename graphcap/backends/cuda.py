@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -200,6 +201,38 @@ class CUDAGraphBackend(GraphBackend):
     def _piece_session(self, name: str) -> CUDAPieceSession:
         self.synchronize()  # staged uploads and warmups are done; nothing else runs during capture
         return CUDAPieceSession(self, name)
+
+    def reserve(self, num_bytes: int) -> int:
+        """Allocate `num_bytes` inside the graph pool once and free them there: the caching allocator keeps
+        those segments for the pool (an empty graph captured into it holds the pool until `reset`), so
+        later captures, lazy ones late in the engine's life included, take memory the pool already holds.
+
+        Returns the growth of `torch.cuda.memory_reserved()` (the bytes the pool took from the device).
+        """
+        self._check_not_capturing("reserve()")
+        self.synchronize()
+        before = torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        stream, caller = self.pool.stream, torch.cuda.current_stream(self.device)
+        stream.wait_stream(caller)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "the CUDA graph is empty": it only holds memory
+            graph.capture_begin(pool=self.pool.handle)
+            try:
+                torch.empty(num_bytes, dtype=torch.uint8, device=self.device)  # freed at once, kept by the pool
+            finally:
+                graph.capture_end()
+        caller.wait_stream(stream)
+        self._reservation = (graph, self.pool.hold())  # counted as a live graph: the pool does not rotate away
+        self.reserved_bytes = num_bytes
+        return torch.cuda.memory_reserved(self.device) - before
+
+    def reset(self) -> None:
+        reservation, self._reservation = getattr(self, "_reservation", None), None
+        if reservation is not None:
+            reservation[0].reset()
+            self.pool.drop(reservation[1])
+        super().reset()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

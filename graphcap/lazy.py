@@ -1,0 +1,112 @@
+"""Lazy capture: which keys still wait for a graph, and the order `capture_pending` takes them in.
+
+With `capture.strategy: lazy` the manager serves from its first step: a step whose key has no
+graph yet runs eagerly (reason `pending`), and the engine hands graphcap idle time between steps
+with `CaptureManager.capture_pending(max_seconds)`. Each call captures pending keys one at a time,
+each verified exactly as upfront capture verifies it (one `CapturePass` per key), the key that
+paid most first: the most traffic seen for it (eager steps that wanted it, `KeyRegistry.demand`,
+plus replays before a release, `StepStats.graph_hits`), ties and the time before any traffic in
+the order upfront capture uses (largest first). A key captured, skipped by `capture.on_error`,
+over the memory budget or too slow to pay is no longer pending; `release()`, `resize_kv()` and
+`capture()` make every key pending again.
+
+With data-parallel ranks a call is a collective: before each key the ranks all-reduce (MAX) one
+pair, "this rank stops" (its time is up, or nothing is pending) and its choice encoded as traffic
+then capture order; every rank takes the key with the most traffic on any rank, or every rank
+stops. So no key is ever captured on one rank only, and dispatch agreement never meets one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from graphcap.errors import DistributedTimeoutError
+from graphcap.keys import GraphKey, KeyRegistry, StepStats
+
+__all__ = ["LazyCapture", "check_time_limits"]
+
+_POSITION_BITS = 20  # capture-order positions below 2**20 (keys of 65536 sizes at most, a few per size)
+_MAX_TRAFFIC = (1 << 40) - 1  # traffic counts saturate here: the pair stays within int64
+
+
+class LazyCapture:
+    """The pending keys of one manager and the order, agreed with data-parallel peers, they are captured in.
+
+    Does not capture: `run` calls the manager's `capture_key(key) -> bool` (True when a graph was kept).
+    """
+
+    def __init__(self, registry: KeyRegistry, stats: StepStats, sync: Any = None, *, is_lazy: bool = True) -> None:
+        self._registry, self._stats, self._sync = registry, stats, sync
+        self.is_lazy = is_lazy
+        """`capture.strategy: lazy`: `capture()` leaves every key pending."""
+
+    def traffic(self, key: GraphKey) -> int:
+        """Steps that wanted `key`: eager steps while it had no graph, plus replays it served."""
+        return self._registry.demand[key] + self._stats.graph_hits[key]
+
+    def ordered(self) -> list[GraphKey]:
+        """The pending keys, most traffic first; equal traffic in upfront capture order (largest first)."""
+        pending = self._registry.pending()  # already in capture order: the stable sort keeps it for ties
+        return sorted(pending, key=lambda key: -self.traffic(key))
+
+    def run(
+        self,
+        capture_key: Callable[[GraphKey], bool],
+        max_seconds: float | None = None,
+        max_keys: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> int:
+        """Capture pending keys until none is left, `max_seconds` have passed or `max_keys` were taken.
+
+        A key is started only while time is left (one key may end past `max_seconds`); returns how
+        many keys got a graph. Collective with a group: every rank takes the same keys in this call.
+        """
+        start, taken, captured = clock(), 0, 0
+        while True:
+            stop = (max_keys is not None and taken >= max_keys) or (
+                max_seconds is not None and clock() - start >= max_seconds
+            )
+            key = self._next(stop)
+            if key is None:
+                return captured
+            taken += 1
+            captured += bool(capture_key(key))
+
+    def _next(self, stop: bool) -> GraphKey | None:
+        """The key to capture next (None: this call stops), agreed with every data-parallel rank."""
+        ordered = [] if stop else self.ordered()
+        if self._sync is None:
+            return ordered[0] if ordered else None
+        order = self._registry.capture_order()
+        choice = 0
+        if ordered:
+            position = order.index(ordered[0])
+            choice = (min(self.traffic(ordered[0]), _MAX_TRAFFIC) << _POSITION_BITS) | (
+                (1 << _POSITION_BITS) - 1 - position
+            )
+        any_stop, agreed = self._sync.reduce_max([int(not ordered), choice], "capture_pending")
+        if any_stop:
+            return None
+        key = order[(1 << _POSITION_BITS) - 1 - (agreed & ((1 << _POSITION_BITS) - 1))]
+        if key not in self._registry.pending():
+            raise DistributedTimeoutError(
+                f"capture_pending: the data-parallel ranks agreed to capture {key}, which this rank (rank "
+                f"{self._sync.rank}) already captured or skipped: the ranks are out of step; every rank must call "
+                "capture(), capture_pending(), release() and resize_kv() together, in the same order"
+            )
+        return key
+
+
+def check_time_limits(max_seconds: Any, max_keys: Any) -> None:
+    """`ValueError` naming the argument when `max_seconds` is not None or a number >= 0, or `max_keys`
+    not None or an integer >= 0."""
+    if max_seconds is not None and (
+        isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float)) or not max_seconds >= 0
+    ):
+        raise ValueError(
+            f"capture_pending(max_seconds=...) must be None (no limit) or seconds >= 0; got {max_seconds!r}"
+        )
+    if max_keys is not None and (isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 0):
+        raise ValueError(f"capture_pending(max_keys=...) must be None (no limit) or an integer >= 0; got {max_keys!r}")
