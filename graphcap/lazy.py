@@ -34,13 +34,15 @@ _MAX_TRAFFIC = (1 << 40) - 1  # traffic counts saturate here: the pair stays wit
 class LazyCapture:
     """The pending keys of one manager and the order, agreed with data-parallel peers, they are captured in.
 
-    Does not capture: `run` calls the manager's `capture_key(key) -> bool` (True when a graph was kept).
+    Does not capture: `run` calls the manager's `capture_key(key) -> [GraphRecord]` (the key's record).
     """
 
     def __init__(self, registry: KeyRegistry, stats: StepStats, sync: Any = None, *, is_lazy: bool = True) -> None:
         self._registry, self._stats, self._sync = registry, stats, sync
         self.is_lazy = is_lazy
         """`capture.strategy: lazy`: `capture()` leaves every key pending."""
+        self.records: dict[GraphKey, Any] = {}
+        """The latest `GraphRecord` of each key `run` took (captured, or skipped and why)."""
 
     def traffic(self, key: GraphKey) -> int:
         """Steps that wanted `key`: eager steps while it had no graph, plus replays it served."""
@@ -53,7 +55,7 @@ class LazyCapture:
 
     def run(
         self,
-        capture_key: Callable[[GraphKey], bool],
+        capture_key: Callable[[GraphKey], list],
         max_seconds: float | None = None,
         max_keys: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -72,7 +74,9 @@ class LazyCapture:
             if key is None:
                 return captured
             taken += 1
-            captured += bool(capture_key(key))
+            for record in capture_key(key):
+                self.records[record.key] = record
+                captured += record.status == "captured"
 
     def _next(self, stop: bool) -> GraphKey | None:
         """The key to capture next (None: this call stops), agreed with every data-parallel rank."""
