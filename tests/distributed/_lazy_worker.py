@@ -1,0 +1,90 @@
+"""One data-parallel rank of the lazy-capture test: steps, `capture_pending` calls, a pickled result.
+
+Each rank sends different traffic (rank 0 decodes 3 requests, the others 6), so the ranks' own
+orders of pending keys differ; `capture_pending` must still capture the same keys on every rank.
+Rank 0 asks for one key per call and the others for three: every rank stops with the first that
+stops. The result holds, after each call, the keys captured (in order), and every step's output
+beside its eager reference.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tests.configs import SMALL
+
+CONFIG = {**SMALL, "model.num_layers": 1, "capture.strategy": "lazy"}
+SLOW_S = 60.0  # store and dp timeouts: loaded CI machines are slow
+
+
+def _decode(num_reqs: int, seed: int):
+    from graphcap import StepBatch
+
+    rng = np.random.default_rng(seed)
+    table = np.arange(1, 1 + num_reqs * 4, dtype=np.int32).reshape(num_reqs, 4)
+    return StepBatch(np.ones(num_reqs, np.int32), rng.integers(2, 40, num_reqs), rng.integers(0, 512, num_reqs), table)
+
+
+def run_rank(rank: int, world_size: int, directory: str) -> None:
+    """Spawn target: run the scenario on this rank, write `rank{rank}.pkl`, exit."""
+    out = Path(directory)
+    try:
+        torch.set_num_threads(1)  # several ranks share two cores
+        result = _scenario(rank, world_size, out)
+    except BaseException:
+        result = {"error": traceback.format_exc()}
+    try:
+        tmp = out / f"rank{rank}.tmp"
+        tmp.write_bytes(pickle.dumps(result))
+        os.replace(tmp, out / f"rank{rank}.pkl")
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _scenario(rank: int, world_size: int, out: Path) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from graphcap import CaptureManager, load_config
+    from graphcap.models import build_model
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=SLOW_S),
+    )  # fmt: skip
+    config = load_config(overrides=CONFIG)
+    manager = CaptureManager(build_model(config), config, group=dist.group.WORLD, progress=False, dp_timeout=SLOW_S)
+    result: dict[str, Any] = {"rank": rank, "calls": [], "mismatches": [], "keys": []}
+    manager.capture()
+    step = 0
+
+    def serve(num_steps: int) -> None:
+        nonlocal step
+        for _ in range(num_steps):
+            batch = _decode(3 if rank == 0 else 6, seed=1000 * rank + step)
+            output = manager.execute(batch).clone()
+            result["keys"].append(manager.last_key)
+            expected = manager.eager(batch)
+            if not torch.allclose(output, expected, atol=1e-5, rtol=1e-5):
+                result["mismatches"].append(step)
+            step += 1
+
+    serve(3)
+    for max_keys in (1, 1, None):
+        count = manager.capture_pending(max_keys=max_keys if rank == 0 else (3 if max_keys else None))
+        result["calls"].append((count, sorted(manager.graphs)))
+        serve(2)
+    result["eager"] = dict(manager.stats.eager)
+    result["planned"] = len(manager.registry.planned)
+    dist.destroy_process_group()
+    return result

@@ -1,0 +1,70 @@
+"""Lazy capture across real processes (gloo, 2 ranks): `capture_pending` is a collective.
+
+Every call captures the same keys on every rank, although each rank saw other traffic and asked
+for another number of keys, so dispatch agreement never meets a key captured on one rank only;
+every step's output equals eager on every rank.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import pytest
+import torch.multiprocessing as mp
+
+from tests.distributed import _lazy_worker
+
+WORLD_TIMEOUT_S = 240.0  # spawn to exit; a hang fails here instead of blocking CI
+WORLD_SIZE = 2
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> list[dict]:
+    directory = tmp_path_factory.mktemp("lazy_dp")
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_lazy_worker.run_rank, args=(rank, WORLD_SIZE, str(directory)), daemon=True)
+        for rank in range(WORLD_SIZE)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + WORLD_TIMEOUT_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    for rank in hung:
+        procs[rank].kill()
+        procs[rank].join()
+    codes = [proc.exitcode for proc in procs]
+    assert not hung and codes == [0] * WORLD_SIZE, f"ranks hung: {hung}; exit codes: {codes}"
+    results = []
+    for rank in range(WORLD_SIZE):
+        path = directory / f"rank{rank}.pkl"
+        assert path.exists(), f"rank {rank} wrote no result"
+        result = pickle.loads(path.read_bytes())
+        if "error" in result:
+            pytest.fail(f"rank {rank} raised:\n{result['error']}")
+        results.append(result)
+    return results
+
+
+def test_every_capture_pending_call_captures_the_same_keys_on_every_rank(world):
+    first, *others = world
+    for other in others:
+        assert other["calls"] == first["calls"]
+
+
+def test_ranks_stop_with_the_first_rank_that_stops_and_take_the_busiest_key_first(world):
+    (one, after_one), (two, after_two), (rest, after_all) = world[0]["calls"]
+    assert (one, two) == (1, 1)  # rank 0 asked for one key per call; rank 1 for three
+    assert [(k.num_tokens, k.num_reqs, k.uniform) for k in after_one] == [(8, 8, True)]  # the 6 decodes of rank 1
+    assert len(after_all) == world[0]["planned"] and rest == world[0]["planned"] - 2
+
+
+def test_steps_replay_agreed_keys_and_equal_eager_on_every_rank(world):
+    for result in world:
+        assert result["mismatches"] == []
+        assert result["eager"].get("pending", 0) > 0  # the first steps ran before any capture
+    assert world[0]["keys"][-1] == world[1]["keys"][-1]
+    assert world[0]["keys"][-1].num_tokens == 8  # after capture every step replays the agreed key of 8 tokens
