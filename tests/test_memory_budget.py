@@ -1,0 +1,112 @@
+"""`capture.memory_budget`: the graphs' estimated memory never crosses it, upfront or lazy.
+
+A key whose graph would take the estimate (the `graphs` part of `estimate_memory`) past the
+budget is not captured: its record says `over_budget`, its steps run eagerly under that reason.
+On CPU the emulated backend accounts the estimate; on CUDA the budget is also reserved in the pool.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from graphcap import CaptureManager, ConfigError, StepBatch, load_config
+from graphcap.budget import MemoryBudget
+from graphcap.memory import estimate_memory
+from graphcap.testing import make_config, make_manager
+
+
+def _decode(num_reqs: int) -> StepBatch:
+    table = np.arange(1, 1 + num_reqs * 8, dtype=np.int32).reshape(num_reqs, 8)
+    return StepBatch(np.ones(num_reqs, np.int32), np.full(num_reqs, 9), np.arange(num_reqs), table)
+
+
+def _budget_of(config, keys) -> int:
+    return MemoryBudget(config, "emulated").estimate(config, keys)
+
+
+def test_the_estimate_of_every_key_is_the_graphs_part_of_estimate_memory():
+    config = make_config()
+    keys = make_manager(config).registry.planned
+    assert _budget_of(config, keys) == estimate_memory(config, backend="emulated").parts["graphs"]
+    assert (
+        MemoryBudget(config, "cuda").estimate(config, keys) == estimate_memory(config, backend="cuda").parts["graphs"]
+    )
+
+
+@pytest.mark.parametrize("strategy", ["upfront", "lazy"])
+def test_keys_past_the_budget_are_not_captured_and_run_eagerly_as_over_budget(strategy):
+    probe = make_config()
+    order = make_manager(probe).registry.capture_order()
+    budget = _budget_of(probe, order[:2])  # room for the two largest keys exactly
+    manager = make_manager(make_config(capture__memory_budget=budget, capture__strategy=strategy))
+    report = manager.capture()
+    if strategy == "lazy":
+        assert manager.capture_pending() == 2
+        records = list(manager._lazy.records.values())
+    else:
+        records = report.records
+        assert report.memory_budget["budget_bytes"] == budget
+        assert report.memory_budget["estimate_bytes"] == budget
+    assert set(manager.graphs) == set(order[:2])
+    over = [r for r in records if r.status == "skipped"]
+    assert {r.key for r in over} == set(order[2:])
+    assert all(r.reason.startswith("over_budget: the graphs would hold") for r in over)
+    assert _budget_of(manager.config, manager.graphs) <= budget
+    batch = _decode(3)  # the uniform key of 4 tokens: over the budget
+    torch.testing.assert_close(manager.execute(batch).clone(), manager.eager(batch))
+    assert manager.stats.eager["over_budget"] == 1
+    assert manager.capture_pending() == 0  # an over-budget key is not pending
+
+
+def test_a_budget_below_every_key_captures_nothing_and_says_why():
+    manager = make_manager(make_config(capture__memory_budget=1))
+    report = manager.capture()
+    assert not manager.graphs and len(report.skipped) == len(report.records) == 6
+    assert "over capture.memory_budget 1 B" in report.records[0].reason
+
+
+def test_a_budget_takes_sizes_such_as_gib_and_refuses_nonsense_naming_the_key():
+    assert make_config(capture__memory_budget="1.5KiB").capture.memory_budget == 1536
+    assert make_config(capture__memory_budget="4GiB").capture.memory_budget == 4 << 30
+    for bad in ["lots", "0B", "-1", 0]:
+        with pytest.raises(ConfigError, match=r"capture.memory_budget: expected bytes >= 1 or a size such as 4GiB"):
+            make_config(capture__memory_budget=bad)
+
+
+def test_a_budget_with_a_factory_model_is_refused_naming_the_key():
+    config = load_config(overrides={"device": "cpu", "model.factory": "pkg.mod:make", "capture.memory_budget": "1GiB"})
+
+    class Model(torch.nn.Module):
+        def forward(self, inputs):
+            return inputs.input_ids.float()
+
+    with pytest.raises(ConfigError, match=r"capture.memory_budget: model.factory pkg.mod:make has no per-graph"):
+        CaptureManager(Model(), config, progress=False)
+
+
+def test_the_emulated_backend_reserves_nothing_and_accounts_the_estimate():
+    manager = make_manager(make_config(capture__memory_budget="1MiB"))
+    report = manager.capture()
+    assert manager.backend.reserved_bytes == 1 << 20  # accounted, not allocated
+    assert report.memory_budget["reserved_bytes"] == 1 << 20
+    assert report.memory_budget["estimate_bytes"] == _budget_of(manager.config, manager.graphs)
+    manager.release()
+    assert manager.backend.reserved_bytes is None  # released with the graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_budget_is_reserved_in_the_graph_pool_before_capture():
+    budget = 256 << 20
+    config = make_config(device="cuda", capture__memory_budget=budget, capture__strategy="lazy")
+    manager = make_manager(config)
+    before = torch.cuda.memory_reserved()
+    manager.capture()  # lazy: reserves, captures nothing
+    assert manager.backend.reserved_bytes == budget
+    assert torch.cuda.memory_reserved() - before >= budget
+    held = torch.cuda.memory_reserved()
+    assert manager.capture_pending() == len(manager.registry.planned)
+    assert torch.cuda.memory_reserved() - held < budget  # the graphs took memory the pool held
+    batch = _decode(3)
+    torch.testing.assert_close(manager.execute(batch).clone(), manager.eager(batch))
