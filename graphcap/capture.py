@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from graphcap.backends import CapturedGraph, GraphBackend
@@ -37,6 +38,7 @@ from graphcap.piecewise import running
 from graphcap.probe import probe_batch
 from graphcap.report import GraphRecord, format_bytes
 from graphcap.staging.extras import sampled
+from graphcap.timing import replay_speedup
 from graphcap.verification import DUMMY_MISMATCH, compare_replay, probe_mismatch
 
 __all__ = ["CapturePass", "gc_frozen", "progress_bar", "uncompiled_warnings"]
@@ -66,6 +68,8 @@ class CapturePass:
     scratch_blocks: tuple[int, ...] = ()
     kv_groups: tuple[KVGroup, ...] = ()
     group_scratch: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    timer: Callable[[], float] | None = None
+    """What times each key's replay against eager (`replay_speedup`); None: CUDA events or perf_counter."""
 
     def run(
         self, keys: Iterable[GraphKey], *, context: Callable[[], AbstractContextManager], progress: bool | None
@@ -89,6 +93,11 @@ class CapturePass:
                     records[i] = self.verify(record, graphs.get(record.key))
                     if records[i].status == "skipped":
                         graphs.pop(record.key, None)  # the failure policy released it
+            for i, record in enumerate(records):  # what each graph buys (collective with capture.min_speedup)
+                if record.key in graphs:
+                    records[i] = self.measure(record, graphs[record.key])
+                    if records[i].status == "skipped":
+                        graphs.pop(record.key).release()
         except BaseException:
             for graph in graphs.values():
                 graph.release()
@@ -165,6 +174,35 @@ class CapturePass:
             return record
         eager_seconds += record.eager_seconds
         return dataclasses.replace(record, verified=True, capture_seconds=seconds, eager_seconds=eager_seconds)
+
+    def measure(self, record: GraphRecord, graph: CapturedGraph) -> GraphRecord:
+        """Time the key's replay against an eager run of its dummy batch (`replay_speedup`) into `speedup`.
+
+        Below `capture.min_speedup` (on any data-parallel rank) the record comes back skipped with the
+        reason `no_speedup: ...`; the caller releases the graph.
+        """
+        key = record.key
+        inputs = self.stage(self.capture_batch(key), key, phase="capture", dummy=True)
+        eager = self._reference_run(inputs, self.registry.mode_of(key))
+
+        def replay() -> None:
+            with running(inputs):
+                graph.replay()
+
+        with torch.inference_mode():
+            speedup = replay_speedup(replay, eager, self.backend, timer=self.timer)
+        least, sync = self.config.capture.min_speedup, self.failures.sync
+        slow, peer = least is not None and speedup < least, False
+        if least is not None and sync is not None:  # ranks keep the same keys: one slow rank drops it everywhere
+            first = sync.first_failed_rank(slow, f"{key}: capture.min_speedup")
+            slow, peer = first is not None, first is not None and not slow
+        if not slow:
+            return dataclasses.replace(record, speedup=speedup)
+        why = "another data-parallel rank's replay was" if peer else f"replay {speedup:.2f}x as fast as eager,"
+        reason = f"no_speedup: {why} below capture.min_speedup {least:g} (the graph was released)"
+        return dataclasses.replace(
+            record, status="skipped", memory_bytes=0, reason=reason, speedup=speedup, pieces=0, eager_ops=0
+        )
 
     def _check_outputs(self, key: GraphKey, graph: CapturedGraph, inputs: ForwardInputs) -> None:
         """The graph's output has the rows `model.output_rows` declares, and (with verification off) no

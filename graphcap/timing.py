@@ -12,12 +12,19 @@ exceeds 10% of its median (torch.utils.benchmark's own warning threshold) is `no
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from graphcap.keys import GraphKey
 from graphcap.workload import fill_batch
 
-__all__ = ["NOISY_IQR", "KeyTiming", "Spread", "time_key"]
+__all__ = ["NOISY_IQR", "SPEEDUP_REPS", "KeyTiming", "Spread", "replay_speedup", "time_key"]
+
+SPEEDUP_REPS = 3
+"""Runs of each side `replay_speedup` times at capture (the median of each is compared)."""
 
 NOISY_IQR = 0.1
 """A side is noisy when its interquartile range is above this fraction of its median."""
@@ -121,3 +128,43 @@ def time_key(manager, key: GraphKey, steps: int = 20, warmup: int = 3) -> KeyTim
             for side, timer in timers.items():
                 samples[side].append(timer.timeit(1).raw_times[0] * 1e3)
     return KeyTiming(key, Spread.of(samples["eager"]), Spread.of(samples["replay"]))
+
+
+def replay_speedup(
+    replay: Callable[[], Any],
+    eager: Callable[[], Any],
+    backend: Any,
+    reps: int = SPEEDUP_REPS,
+    timer: Callable[[], float] | None = None,
+) -> float:
+    """Eager time over replay time of one batch: the medians of `reps` runs of each side, interleaved.
+
+    Timed with CUDA events on the `cuda` backend, else with `timer` (default `time.perf_counter`)
+    around a `backend.synchronize()` on each side of the run. What capture records as a key's
+    `speedup` (`capture.min_speedup` compares with it); `inf` when the replay took no measurable time.
+    """
+    samples: dict[str, list[float]] = {"replay": [], "eager": []}
+    for _ in range(reps):
+        for side, run in (("replay", replay), ("eager", eager)):
+            samples[side].append(_elapsed(run, backend, timer))
+    replay_s, eager_s = statistics.median(samples["replay"]), statistics.median(samples["eager"])
+    return eager_s / replay_s if replay_s > 0 else float("inf")
+
+
+def _elapsed(run: Callable[[], Any], backend: Any, timer: Callable[[], float] | None) -> float:
+    """Seconds `run()` took on the device (CUDA events) or by `timer` between two synchronizations."""
+    if timer is None and backend.name == "cuda":
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    timer = timer or time.perf_counter
+    backend.synchronize()
+    began = timer()
+    run()
+    backend.synchronize()
+    return timer() - began
