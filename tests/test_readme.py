@@ -93,7 +93,14 @@ def _block_table_example(namespace: dict, out: str) -> None:
     assert namespace["logits"].shape[0] == 1
 
 
+def _lazy_example(namespace: dict, out: str) -> None:
+    manager = namespace["manager"]
+    assert manager.stats.eager["pending"] == 1 and sum(manager.stats.graph_hits.values()) == 1
+    assert manager.last_key.num_tokens == 4 and manager.registry.pending() == []
+
+
 CHECKS = {
+    "manager.capture_pending(max_seconds=0.05)": _lazy_example,
     "manager.dispatch(batch), manager.stats": _library_example,
     "@graphcap.eager_op": _piecewise_example,
     "check_capture_safe(": _capture_safe_example,

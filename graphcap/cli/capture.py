@@ -25,6 +25,8 @@ before anything is built (exit 2; --skip-memory-check to try anyway). The table 
 progress and logs to stderr. Exit 0 when graphs were captured (keys skipped under
 capture.on_error: skip are listed), 1 when capture failed, nothing was captured, or the report
 could not be written (the table is printed first), 2 for a config or usage error.
+With capture.strategy: lazy nothing is captured here: the summary lists the pending keys, which an
+engine captures in idle time with manager.capture_pending().
 """
 
 
@@ -77,6 +79,7 @@ def check_something_captured(report) -> None:
     """Exit 1 when keys were planned and every one was skipped: nothing would replay."""
     if report.records and not report.captured:
         raise CommandFailed(
-            f"nothing was captured: all {len(report.records)} keys were skipped (capture.on_error: skip); "
+            f"nothing was captured: all {len(report.records)} keys were skipped (capture.on_error: skip, "
+            "capture.memory_budget or capture.min_speedup); "
             "every step would run eagerly. The reasons are in the table above"
         )
