@@ -324,6 +324,9 @@ def gc_frozen() -> Iterator[None]:
     """
     was_enabled = gc.isenabled()
     was_frozen = gc.get_freeze_count() > 0
+    if was_frozen and not was_enabled:  # inside another frozen section (the keys of one capture_pending call)
+        yield
+        return
     gc.collect()
     gc.freeze()
     gc.disable()

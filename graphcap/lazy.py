@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from graphcap.capture import gc_frozen
 from graphcap.errors import DistributedTimeoutError
 from graphcap.keys import GraphKey, KeyRegistry, StepStats
 
@@ -66,17 +67,18 @@ class LazyCapture:
         many keys got a graph. Collective with a group: every rank takes the same keys in this call.
         """
         start, taken, captured = clock(), 0, 0
-        while True:
-            stop = (max_keys is not None and taken >= max_keys) or (
-                max_seconds is not None and clock() - start >= max_seconds
-            )
-            key = self._next(stop)
-            if key is None:
-                return captured
-            taken += 1
-            for record in capture_key(key):
-                self.records[record.key] = record
-                captured += record.status == "captured"
+        with gc_frozen():  # one collection per call, not per key
+            while True:
+                stop = (max_keys is not None and taken >= max_keys) or (
+                    max_seconds is not None and clock() - start >= max_seconds
+                )
+                key = self._next(stop)
+                if key is None:
+                    return captured
+                taken += 1
+                for record in capture_key(key):
+                    self.records[record.key] = record
+                    captured += record.status == "captured"
 
     def _next(self, stop: bool) -> GraphKey | None:
         """The key to capture next (None: this call stops), agreed with every data-parallel rank."""

@@ -22,6 +22,12 @@ side by side, rounds interleaved; a first warm-up round is dropped (the process'
     python tools/bench_capture.py --padding [--seeds N]
     python tools/bench_capture.py --recapture [--rounds N] [--config PATH] [--quick]
     python tools/bench_capture.py --recapture --gc-full   # ... and re-captures with a full collection after
+    python tools/bench_capture.py --lazy [--rounds N] [--config PATH] [--quick]
+
+`--lazy` times, per round, the time to the first served step (manager construction, `capture()`,
+one decode step of 3 requests; the model is built before the clock starts) with
+`capture.strategy: upfront` and `lazy`, the two interleaved in each round (which goes first
+alternates), and the lazy manager's `capture_pending()` of every key after that step.
 
 `--gc-full` adds re-captures whose collection after the pass walks the whole heap (as before the
 young-generation collection), interleaved with ones that walk the young generations only.
@@ -61,9 +67,12 @@ def main() -> int:
     parser.add_argument("--recapture", action="store_true", help="first capture vs re-capture vs wake, then exit")
     parser.add_argument("--rounds", type=int, default=5, help="with --recapture: timed rounds")
     parser.add_argument("--gc-full", action="store_true", help="with --recapture: also a full collection after")
+    parser.add_argument("--lazy", action="store_true", help="time to the first served step, lazy vs upfront")
     args = parser.parse_args()
     if args.padding:
         return padding(args.seeds)
+    if args.lazy:
+        return first_step(args.config, 2 if args.quick else args.rounds, args.quick, args.threads)
     if args.recapture:
         rounds = 2 if args.quick else args.rounds
         status = recapture(args.config, rounds, args.quick, args.threads)
@@ -110,6 +119,46 @@ def main() -> int:
             if key.num_tokens == size and timing is not None:
                 kind = "uniform" if key.uniform else "mixed"
                 print(f"{size:>5} {kind:<8} {timing.replay_ms:>10.3f} {timing.eager_ms:>9.3f} {timing.speedup:>7.2f}x")
+    return 0
+
+
+def first_step(path: str | None, rounds: int, quick: bool, threads: int | None) -> int:
+    """Seconds from manager construction to the first served step, upfront against lazy, rounds interleaved."""
+    import time
+
+    from graphcap import StepBatch
+
+    torch.set_num_threads(threads or 1)
+    overrides = {} if path else {"device": "cpu", "capture.max_size": 8 if quick else 64}
+    batch = StepBatch([1, 1, 1], [5, 9, 17], [11, 42, 7], np.array([[1, 0, 0], [2, 6, 0], [3, 4, 5]]))
+    seconds: dict[str, list[float]] = {"upfront": [], "lazy": [], "lazy: capture_pending()": []}
+    configs = {kind: load_config(path, {**overrides, "capture.strategy": kind}) for kind in ("upfront", "lazy")}
+    num_keys = 0
+    for index in range(rounds + 1):  # round 0 warms the process up and is dropped
+        for kind in ("upfront", "lazy") if index % 2 else ("lazy", "upfront"):
+            model = build_model(configs[kind])
+            began = time.perf_counter()
+            manager = CaptureManager(model, configs[kind], progress=False)
+            manager.capture()
+            manager.execute(batch)
+            served = time.perf_counter() - began
+            if kind == "lazy":
+                began = time.perf_counter()
+                num_keys = manager.capture_pending()
+                pending = time.perf_counter() - began
+            if index:
+                seconds[kind].append(served)
+                if kind == "lazy":
+                    seconds["lazy: capture_pending()"].append(pending)
+            manager.release()
+    where = f"{configs['lazy'].device}, {torch.get_num_threads()} thread(s), {num_keys} keys, {rounds} rounds"
+    print(f"time to the first served step ({where})")
+    print(f"{'strategy':<24} {'median s':>9} {'min-max s':>13} {'/ upfront (per round)':>22}")
+    for kind, values in seconds.items():
+        values = np.array(values)
+        ratios = values / np.array(seconds["upfront"])
+        ratio = "" if kind == "upfront" else f"{np.median(ratios):.3f} ({ratios.min():.3f}-{ratios.max():.3f})"
+        print(f"{kind:<24} {np.median(values):>9.3f} {values.min():>6.3f}-{values.max():<6.3f} {ratio:>22}")
     return 0
 
 
