@@ -160,7 +160,7 @@ class CaptureManager:
         with self._lock, self._step("capture"):
             self._check_warmups()
             self._release_all()
-            self._guard.arm(self._guard.collect(self.model, self.buffers.storage()), self.model)
+            self._guard.arm(self.model, self.buffers.storage())
             start = time.perf_counter()
             try:
                 with gc_frozen(), logging_redirect_tqdm(), self.buffers.table_set_aside():
@@ -263,12 +263,13 @@ class CaptureManager:
             self.last_key = key
             inputs = self._stage(batch, key, phase="replay")
             graph = self.graphs[key]
-            self._guard.check(sweep=self._level != "off")
+            self._guard.check_before_replay()  # what the graph writes: before the launch
             if mode is Mode.PIECEWISE:  # eager ops between pieces read the step through current_inputs()
                 with running(inputs):
                     output = graph.replay()
             else:  # a full graph runs no Python: skip the context (about 1 us per step)
                 output = graph.replay()
+            self._guard.check_after_replay()  # the weights it reads: while the launch runs, before returning
             if self._counting:
                 stats = self.stats
                 stats.graph_hits[key] += 1
