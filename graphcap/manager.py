@@ -307,6 +307,8 @@ class CaptureManager:
         """
         buffers = self.buffers
         inputs = buffers.stage(batch, key, upload=False)
+        if phase == "capture":  # an earlier forward may have resized a staged view: put it back first
+            self._restore_views(key.num_tokens, batch.num_reqs if key.num_reqs is None else key.num_reqs)
         if not kv_writes:
             inputs.host.slot_mapping[: inputs.num_tokens] = buffers.limits.pad.slot
         if self._prepare is not None:
@@ -318,6 +320,15 @@ class CaptureManager:
             raise
         buffers.upload()  # the rows just staged and checked
         return inputs
+
+    def _restore_views(self, num_tokens: int, num_reqs: int) -> None:
+        restored = self.buffers.layout.restore_views((num_tokens, num_reqs))
+        if restored:
+            log.warning(
+                "a forward changed the staged %s in place (resize_, set_ or as_strided_ on ForwardInputs); "
+                "graphcap put the views back before capturing %d tokens, %d requests",
+                ", ".join(restored), num_tokens, num_reqs,
+            )  # fmt: skip
 
     def _dispatch(self, batch: StepBatch) -> tuple[Mode, GraphKey, str]:
         registry = self.registry
