@@ -4,10 +4,8 @@ Every built-in field (`graphcap.fields.FIELD_TABLE`) and every engine buffer (`B
 lives at a 64-byte aligned offset of one byte buffer, the block table last, so one copy of a
 prefix uploads every staged row of a key. With CUDA the host side is one pinned array and the
 upload is asynchronous (an event guards the pinned rows until the copy has read them); on the
-CPU the device tensors *are* the host arrays (zero copy, no upload), over storage numpy owns,
-which torch cannot reallocate: a forward's `resize_` past the buffer raises instead of moving the
-memory the numpy views still point at. A view a forward changed in place (`resize_`, `set_`) is
-put back by `restore_views` (each capture does).
+CPU the device tensors *are* the host arrays (zero copy, no upload). A view a forward changed in
+place (`resize_`, `set_`) is put back by `restore_views` (each capture does).
 """
 
 from __future__ import annotations
@@ -62,12 +60,7 @@ class PackedLayout:
             self.offsets[entry.name] = total
             total += -(-int(np.prod(entry.shape)) * entry.dtype.itemsize // _ALIGN) * _ALIGN
         on_cuda = device.type == "cuda"
-        # On the CPU a non-resizable storage (numpy's): the device views are the host arrays.
-        self.host_tensor = (
-            torch.zeros(total, dtype=torch.uint8, pin_memory=True)
-            if on_cuda
-            else torch.from_numpy(np.zeros(total, dtype=np.uint8))
-        )
+        self.host_tensor = torch.zeros(total, dtype=torch.uint8, pin_memory=on_cuda)
         self.packed = self.host_tensor.numpy()
         """The packed host staging buffer as bytes."""
         self.host: Mapping[str, np.ndarray] = MappingProxyType(
