@@ -46,4 +46,3 @@ def test_a_fixed_model_captures_every_key_again_after_a_forward_broke_a_staged_v
     assert [r.status for r in report.records] == ["captured"] * len(report.records)
     assert "put the views back" in caplog.text
     torch.testing.assert_close(manager.execute(BATCH).clone(), manager.eager(BATCH))
-
