@@ -48,7 +48,7 @@ __all__ = ["StaticGuard"]
 _FIX = "write new values into the captured tensor in place (copy_), or call capture() again"
 _data_ptr = torch.Tensor.data_ptr
 _version = operator.attrgetter("_version")
-_getitem = operator.getitem
+_getitem, _is = operator.getitem, operator.is_
 
 
 class StaticGuard:
@@ -261,23 +261,42 @@ class _Sweep:
         """Rebuild the parallel lists from the entries (after `settle` recorded a change)."""
         slotted = [e for e in self.entries if e.container is not None]
         self.containers, self.keys = [e.container for e in slotted], [e.key for e in slotted]
-        self.ids = [id(e.value) for e in slotted]
-        versioned = [e for e in self.entries if e.version is not None]
-        self.tensors = [e.value for e in versioned]
-        self.ptrs, self.versions = [e.ptr for e in versioned], [e.version for e in versioned]
+        self.held = [e.value for e in slotted]
+        self.versioned = [e for e in self.entries if e.version is not None]
+        self.tensors = [e.value for e in self.versioned]
+        self.ptrs, self.versions = [e.ptr for e in self.versioned], [e.version for e in self.versioned]
         self.exact = [e for e in self.entries if e.ptr is not None and e.version is None]
 
     def holds(self) -> bool:
-        """True when every slot holds its object and every tensor its address and version (a few C calls each)."""
+        """True when every slot holds its object and every tensor its address, shape and strides.
+
+        Three C-level passes (identity, `data_ptr`, version counter); only a tensor whose version
+        moved on (an in-place write: a KV cache on every emulated replay, a weight update) has its
+        shape and strides read.
+        """
         try:
-            return (
-                list(map(id, map(_getitem, self.containers, self.keys))) == self.ids
-                and list(map(_data_ptr, self.tensors)) == self.ptrs
-                and list(map(_version, self.tensors)) == self.versions
-                and all(e.same_place() for e in self.exact)
-            )
+            if not all(map(_is, map(_getitem, self.containers, self.keys), self.held)):
+                return False
+            if list(map(_data_ptr, self.tensors)) != self.ptrs:
+                return False
+            versions = list(map(_version, self.tensors))
+            if versions != self.versions and not self._written_in_place(versions):
+                return False
+            return not self.exact or all(e.same_place() for e in self.exact)
         except (LookupError, TypeError, RuntimeError):  # a slot emptied, or holding something else now
             return False
+
+    def _written_in_place(self, versions: list[int]) -> bool:
+        """Whether every tensor whose version moved on kept its shape and strides (then its version is recorded)."""
+        changed = [i for i, (now, then) in enumerate(zip(versions, self.versions)) if now != then]
+        for i in changed:
+            entry = self.versioned[i]
+            if entry.value.shape != entry.shape or entry.value.stride() != entry.stride:
+                return False
+        for i in changed:
+            self.versioned[i].version = versions[i]
+        self.versions = versions
+        return True
 
     def settle(self) -> None:
         """Raise `StaticInputMovedError` for the first entry that moved; else record what changed harmlessly."""
@@ -286,8 +305,8 @@ class _Sweep:
             replaced |= entry.settle()
         if replaced:
             self.index()
-        else:  # in-place writes only (a KV cache, on every emulated replay): new version counts
-            self.versions = [e.version for e in self.entries if e.version is not None]
+        else:  # in-place writes only: new version counts
+            self.versions = [e.version for e in self.versioned]
 
 
 def _hook(guard: weakref.ref, slot: str):
