@@ -38,6 +38,7 @@ from graphcap.outputs import real_rows
 from graphcap.piecewise import running
 from graphcap.report import CaptureReport, GraphRecord, check_report_path, format_bytes
 from graphcap.staging import PersistentBuffers
+from graphcap.step_scope import StepScope
 
 __all__ = ["CaptureManager"]
 
@@ -93,13 +94,12 @@ class CaptureManager:
         self._level = config.checks.invariants
         self._forward: Callable[[ForwardInputs], Any] = model.forward
         self._prepare = prepare_of(model)
-        self._lock = threading.RLock()
         self._sync = DataParallelSync(group, timeout=dp_timeout) if group is not None else None
         if self._sync is not None:  # ranks with different configs would plan different keys: refuse now
             self._sync.agree_on_config(fingerprint_int(config), compared_items(config))
         self._failures = FailurePolicy(config.capture.on_error, self._sync)
         self._counting = True
-        self._in_step: str | None = None
+        self._scope = StepScope(threading.RLock())
         self._guard = StaticGuard()
         self.last_key: GraphKey | None = None
         """The key the last `execute`/`eager` step ran with (a captured key, or the unpadded
@@ -126,6 +126,9 @@ class CaptureManager:
         """
         return self.buffers.block_table
 
+    # The step scope holds the lock; a property, so a control experiment can swap in a no-op one.
+    _lock = property(lambda self: self._scope.lock, lambda self, lock: setattr(self._scope, "lock", lock))
+
     @property
     def lock(self) -> threading.RLock:
         """The re-entrant lock every step and capture holds.
@@ -133,7 +136,7 @@ class CaptureManager:
         Hold it around `execute` and the use of its result when several threads share the
         manager: another thread's next step overwrites the returned view.
         """
-        return self._lock
+        return self._scope.lock
 
     # -- capture -------------------------------------------------------------------------
 
@@ -157,7 +160,7 @@ class CaptureManager:
         if report_path:
             check_report_path(report_path)
         scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
-        with self._lock, self._step("capture"):
+        with self._scope("capture"):
             self._check_warmups()
             self._release_all()
             self._guard.arm(self.model, self.buffers.storage())
@@ -238,7 +241,7 @@ class CaptureManager:
 
     def dispatch(self, batch: StepBatch | None) -> GraphKey | None:
         """The captured key `batch` replays with, or None (eager). Collective with a group."""
-        with self._lock, self._step("dispatch"):  # with a group, a step's collective must not interleave
+        with self._scope("dispatch"):  # with a group, a step's collective must not interleave
             mode, key, _ = self._dispatch(_or_empty(batch))
             return None if mode is Mode.EAGER else key
 
@@ -253,7 +256,7 @@ class CaptureManager:
         rank: it joins the agreed key with no real rows.
         """
         batch = _or_empty(batch)
-        with self._lock, self._step("execute"):
+        with self._scope("execute"):
             mode, key, reason = self._dispatch(batch)
             if mode is Mode.EAGER:
                 output = self._run_eager(batch)
@@ -283,7 +286,7 @@ class CaptureManager:
     def eager(self, batch: StepBatch) -> Any:
         """The reference: the model on the same staging path, unpadded, with no graph."""
         batch = _or_empty(batch)
-        with self._lock, self._step("eager"):
+        with self._scope("eager"):
             return self._run_eager(batch)
 
     def _run_eager(self, batch: StepBatch) -> Any:
@@ -307,6 +310,8 @@ class CaptureManager:
         """
         buffers = self.buffers
         inputs = buffers.stage(batch, key, upload=False)
+        if phase == "capture":  # an earlier forward may have resized a staged view: put it back first
+            buffers.layout.restore_views((key.num_tokens, batch.num_reqs if key.num_reqs is None else key.num_reqs))
         if phase == "capture":  # an earlier forward may have resized a staged view: put it back first
             self._restore_views(key.num_tokens, batch.num_reqs if key.num_reqs is None else key.num_reqs)
         if not kv_writes:
@@ -355,21 +360,6 @@ class CaptureManager:
     def _static_inputs(self, inputs: ForwardInputs) -> dict[str, torch.Tensor]:
         return self._guard.collect(self.model, inputs.tensors())
 
-    @contextmanager
-    def _step(self, what: str) -> Iterator[None]:
-        """Refuse a step started from inside another one (prepare() or forward() calling back)."""
-        if self._in_step is not None:
-            raise CaptureError(
-                f"manager.{what}() was called from inside {self._in_step}() (from the model's prepare() or "
-                "forward()); steps do not nest: it would restage the persistent buffers under the outer "
-                f"step. Call {what}() outside the model, after the outer step returns"
-            )
-        self._in_step = what
-        try:
-            yield
-        finally:
-            self._in_step = None
-
     def _release_all(self) -> None:
         """Drop every graph of this manager and, when the backend is ours, its memory pool."""
         for graph in self.graphs.values():
@@ -382,7 +372,7 @@ class CaptureManager:
 
     def reset(self) -> None:
         """Release every graph; later steps run eagerly until `capture()` runs again."""
-        with self._lock, self._step("reset"):
+        with self._scope("reset"):
             self._release_all()
 
     def __repr__(self) -> str:

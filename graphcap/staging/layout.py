@@ -10,6 +10,7 @@ place (`resize_`, `set_`) is put back by `restore_views` (each capture does).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple
@@ -18,6 +19,8 @@ import numpy as np
 import torch
 
 __all__ = ["Entry", "KeyViews", "PackedLayout"]
+
+log = logging.getLogger("graphcap")
 
 _ALIGN = 64
 _MAX_CACHED_VIEWS = 1024
@@ -114,7 +117,7 @@ class PackedLayout:
         (the one every later step and capture of that shape is handed) with another shape or memory:
         every later capture of the shape would fail on it, the model fixed or not. `shape`: only the
         views of that `(T, R)`; None: all. The same tensor objects are restored, so every
-        `ForwardInputs` holding them is right again.
+        `ForwardInputs` holding them is right again. Logs a warning naming what it put back.
         """
         storage = self.device_tensor.untyped_storage()
         address = storage.data_ptr()
@@ -133,6 +136,12 @@ class PackedLayout:
                     with torch.no_grad():
                         tensor.set_(storage, offset, size, stride)
                     restored.append(name)
+        if restored:
+            log.warning(
+                "a forward changed the staged %s in place (resize_, set_ or as_strided_ on ForwardInputs); "
+                "graphcap put the views back",
+                ", ".join(restored),
+            )
         return restored
 
     # -- upload ----------------------------------------------------------------------------
