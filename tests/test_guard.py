@@ -16,7 +16,7 @@ import torch
 import graphcap
 from graphcap import CaptureManager, StaticInputMovedError, StepBatch
 from graphcap.guard import StaticGuard
-from graphcap.testing import make_config, make_manager
+from graphcap.testing import MOVES, make_config, make_manager
 
 BATCH = StepBatch([1, 1], [3, 4], [5, 6], [[1], [2]])
 
@@ -157,6 +157,20 @@ def test_a_moved_tensor_the_graph_writes_is_refused_before_the_launch_a_moved_we
     with pytest.raises(StaticInputMovedError, match=r"'model\.lm_head' moved after capture"):
         manager.execute(BATCH)
     assert launches == [1]  # launched, then refused before execute returned the stale output
+
+
+@pytest.mark.parametrize("move", MOVES, ids=lambda m: m.name.split(" (")[0])
+def test_every_move_is_refused_at_invariants_off_while_it_lasts(move):
+    manager = make_manager(make_config(checks__invariants="off"))
+    manager.register_static("extra", torch.zeros(8))
+    manager.capture()
+    manager.execute(BATCH)
+    move.apply(manager)
+    for _ in range(2):
+        with pytest.raises(StaticInputMovedError, match=move.match):
+            manager.execute(BATCH)
+    manager.capture()
+    torch.testing.assert_close(manager.execute(BATCH).clone(), manager.eager(BATCH))
 
 
 def test_static_input_moved_error_is_exported_from_graphcap():
