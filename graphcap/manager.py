@@ -256,7 +256,7 @@ class CaptureManager:
         rank: it joins the agreed key with no real rows.
         """
         batch = _or_empty(batch)
-        with self._scope("execute"):
+        with self._scope.execute:
             mode, key, reason = self._dispatch(batch)
             if mode is Mode.EAGER:
                 output = self._run_eager(batch)

@@ -4,7 +4,7 @@ Every `CaptureManager` step (`execute`, `eager`, `dispatch`, `capture`, `reset`)
 scope: it holds the manager's re-entrant lock, so two threads never interleave staging and replay,
 and it refuses a step that the model's `prepare()` or `forward()` starts from inside the outer one
 (it would restage the persistent buffers under it). A plain object, not a generator context:
-`execute` enters one on every step, and the one it enters is made once.
+`execute` enters one on every step, and the one it enters (`scope.execute`) is made once.
 """
 
 from __future__ import annotations
@@ -19,17 +19,18 @@ __all__ = ["StepScope"]
 class StepScope:
     """`with scope("eager"):` runs one step under `lock`, refusing a nested one."""
 
-    __slots__ = ("_execute", "lock", "running")
+    __slots__ = ("execute", "lock", "running")
 
     def __init__(self, lock: threading.RLock) -> None:
         self.lock = lock
         """Held for the whole step (any context manager: a test's control experiment swaps in a no-op)."""
         self.running: str | None = None
         """The step running now (None between steps)."""
-        self._execute = _Step(self, "execute")
+        self.execute = _Step(self, "execute")
+        """The scope of `execute`, made once (entered on every step)."""
 
     def __call__(self, what: str) -> _Step:
-        return self._execute if what == "execute" else _Step(self, what)
+        return self.execute if what == "execute" else _Step(self, what)
 
 
 class _Step:
