@@ -28,7 +28,7 @@ from graphcap.capture import CapturePass, gc_frozen, uncompiled_warnings
 from graphcap.config import CaptureConfig
 from graphcap.config.fingerprint import compared_items, fingerprint_int
 from graphcap.distributed import DataParallelSync
-from graphcap.errors import CaptureError, ConfigError, ConfigProblem, InvariantViolation
+from graphcap.errors import ConfigError, ConfigProblem, InvariantViolation
 from graphcap.failures import FailurePolicy
 from graphcap.guard import StaticGuard
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
@@ -41,6 +41,7 @@ from graphcap.probe import group_scratch_ids, scratch_block_ids
 from graphcap.report import CaptureReport, check_report_path, format_bytes, write_report
 from graphcap.staging import PersistentBuffers
 from graphcap.staging.extras import merged_specs
+from graphcap.step_scope import StepScope
 
 __all__ = ["CaptureManager"]
 
@@ -100,14 +101,13 @@ class CaptureManager:
         self._forward: Callable[[ForwardInputs], Any] = model.forward
         self._prepare = prepare_of(model)
         self._outputs = OutputRows.of(model)  # which output tensors are per token, per request or whole
-        self._lock = threading.RLock()
         self._sync = DataParallelSync(group, timeout=dp_timeout) if group is not None else None
         if self._sync is not None:  # ranks with different configs would plan different keys: refuse now
             self._sync.agree_on_config(fingerprint_int(config), compared_items(config))
         self._failures = FailurePolicy(config.capture.on_error, self._sync)
         self._counting = True
-        self._in_step: str | None = None
         self._history = PassHistory()
+        self._scope = StepScope(threading.RLock())
         self.last_key: GraphKey | None = None
         """The key the last `execute`/`eager` step ran with (a captured key, or the unpadded
         eager key); read it instead of dispatching the same batch twice."""
@@ -132,6 +132,9 @@ class CaptureManager:
         """
         return self.buffers.block_table
 
+    # The step scope holds the lock; a property, so a control experiment can swap in a no-op one.
+    _lock = property(lambda self: self._scope.lock, lambda self, lock: setattr(self._scope, "lock", lock))
+
     @property
     def kv_group_tables(self) -> Mapping[str, BlockTable]:
         """Each extra KV-cache group's persistent block table by name (`kv_cache.groups`), kept as `block_table`."""
@@ -139,9 +142,12 @@ class CaptureManager:
 
     @property
     def lock(self) -> threading.RLock:
-        """The re-entrant lock every step and capture holds: hold it around `execute` and the use of
-        its result when several threads share the manager (another thread's step overwrites the view)."""
-        return self._lock
+        """The re-entrant lock every step and capture holds.
+
+        Hold it around `execute` and the use of its result when several threads share the
+        manager: another thread's next step overwrites the returned view.
+        """
+        return self._scope.lock
 
     # -- capture -------------------------------------------------------------------------
 
@@ -167,12 +173,12 @@ class CaptureManager:
             check_report_path(report_path)
         scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
         group_scratch = group_scratch_ids(group_scratch_blocks, self.buffers.limits.kv_groups)
-        with self._lock, self._step("capture"):
+        with self._scope("capture"):
             self._check_warmups()
             check_kv_fits(self.config, self.model)  # a cache re-allocated smaller without resize_kv
             replaced = len(self.graphs)
             self._live.release_all()
-            self._guard.arm(self._guard.collect(self.model, self.buffers.storage()), self.model)
+            self._guard.arm(self.model, self.buffers.storage())
             start = time.perf_counter()
             try:
                 with gc_frozen(), logging_redirect_tqdm(), self.buffers.table_set_aside():
@@ -233,7 +239,7 @@ class CaptureManager:
 
     def dispatch(self, batch: StepBatch | None) -> GraphKey | None:
         """The captured key `batch` replays with, or None (eager). Collective with a group."""
-        with self._lock, self._step("dispatch"):  # with a group, a step's collective must not interleave
+        with self._scope("dispatch"):  # with a group, a step's collective must not interleave
             mode, key, _ = self._dispatch(step_or_idle(batch))
             return None if mode is Mode.EAGER else key
 
@@ -250,7 +256,7 @@ class CaptureManager:
         with no real rows.
         """
         batch = step_or_idle(batch)
-        with self._lock, self._step("execute"):
+        with self._scope.execute:
             mode, key, reason = self._dispatch(batch)
             if mode is Mode.EAGER:
                 output = self._run_eager(batch)
@@ -260,12 +266,13 @@ class CaptureManager:
             self.last_key = key
             inputs = self._stage(batch, key, phase="replay")
             graph = self.graphs[key]
-            self._guard.check(sweep=self._level != "off")
+            self._guard.check_before_replay()  # what the graph writes: before the launch
             if mode is Mode.PIECEWISE:  # eager ops between pieces read the step through current_inputs()
                 with running(inputs):
                     output = graph.replay()
             else:  # a full graph runs no Python: skip the context (about 1 us per step)
                 output = graph.replay()
+            self._guard.check_after_replay()  # the weights it reads: while the launch runs, before returning
             if self._counting:
                 stats = self.stats
                 stats.graph_hits[key] += 1
@@ -279,7 +286,7 @@ class CaptureManager:
     def eager(self, batch: StepBatch) -> Any:
         """The reference: the model on the same staging path, unpadded, with no graph."""
         batch = step_or_idle(batch)
-        with self._lock, self._step("eager"):
+        with self._scope("eager"):
             return self._run_eager(batch)
 
     def _run_eager(self, batch: StepBatch) -> Any:
@@ -303,6 +310,8 @@ class CaptureManager:
         """
         buffers = self.buffers
         inputs = buffers.stage(batch, key, upload=False)
+        if phase == "capture":  # an earlier forward may have resized a staged view: put it back first
+            buffers.layout.restore_views((key.num_tokens, batch.num_reqs if key.num_reqs is None else key.num_reqs))
         if not kv_writes:
             buffers.silence_kv_writes(inputs)
         if self._prepare is not None:
@@ -340,24 +349,9 @@ class CaptureManager:
     def _static_inputs(self, inputs: ForwardInputs) -> dict[str, torch.Tensor]:
         return self._guard.collect(self.model, inputs.tensors())
 
-    @contextmanager
-    def _step(self, what: str) -> Iterator[None]:
-        """Refuse a step started from inside another one (prepare() or forward() calling back)."""
-        if self._in_step is not None:
-            raise CaptureError(
-                f"manager.{what}() was called from inside {self._in_step}() (from the model's prepare() or "
-                "forward()); steps do not nest: it would restage the persistent buffers under the outer "
-                f"step. Call {what}() outside the model, after the outer step returns"
-            )
-        self._in_step = what
-        try:
-            yield
-        finally:
-            self._in_step = None
-
     def reset(self) -> None:
         """Release every graph; later steps run eagerly until `capture()` runs again."""
-        with self._lock, self._step("reset"):
+        with self._scope("reset"):
             self._history.freed("reset()", self._live.release_all())
 
     def release(self) -> int:
@@ -367,7 +361,7 @@ class CaptureManager:
         addresses; steps between run eagerly (reason `released`). On CUDA the memory goes back to
         the device and later captures use a fresh pool (never one whose graphs were freed).
         """
-        with self._lock, self._step("release"):
+        with self._scope("release"):
             count = self._live.release_all("released")
             self.backend.empty_cache()
             return self._history.freed("release()", count, self.stats)
@@ -382,7 +376,7 @@ class CaptureManager:
         holds fewer blocks; `BatchError` naming a block table row that holds a block past the bound.
         Returns the number of graphs released (docs/lifecycle.md).
         """
-        with self._lock, self._step("resize_kv"):
+        with self._scope("resize_kv"):
             config, named = resize_plan(self.config, self.model, num_blocks, tensors, group, block_dim)
             self.buffers.resize_kv(num_blocks, group)
             self.config = config

@@ -34,6 +34,7 @@ verification replays a partly filled second batch to catch a value frozen by mis
 | Tensor.item, __int__, __float__, __bool__, __index__ | device tensor | reads a value on the host |
 | Tensor.tolist, numpy, __array__, cpu | device tensor | copies to host memory |
 | Tensor.to | device tensor to "cpu" (a string, or a CPU device not the graph's) | same |
+| Tensor.__repr__, __format__ (`print(t)`, `str(t)`, f-strings, log messages) | device tensor | same, to format it |
 | torch.tensor, torch.as_tensor, torch.asarray | CUDA: host data to the device | a pageable copy, below the dispatcher |
 | torch.cuda.synchronize, empty_cache; Stream/Event .synchronize, .query | always | waits for (or asks) the GPU |
 
@@ -82,6 +83,10 @@ _PAGEABLE = (
     "and the host data would be frozen at capture"
 )
 _WAIT = f"it waits for (or asks about) work on the GPU, {_SYNC}"
+_PRINT = (
+    f"it formats the tensor's values as text (print, str, an f-string, a log message): it copies device data "
+    f"to host memory, {_SYNC}, and the text would show the capture run's values only (a replay runs no Python)"
+)
 _FIX_READ = (
     "Keep the value on the device (torch.where, tensor arithmetic); a per-step value computed on the "
     "host belongs in prepare(), written into a persistent buffer (a BufferSpec) that the forward reads "
@@ -97,6 +102,10 @@ _FIX_UPLOAD = (
     "outside the forward, or copy with non_blocking=True from pinned memory"
 )
 _FIX_WAIT = "Remove it from the forward: a graph's kernels are ordered on its stream already"
+_FIX_PRINT = (
+    "Remove it from the forward: print what execute() returns after it returns, or debug the step "
+    "eagerly with manager.eager(batch); format shapes and dtypes (t.shape), never values"
+)
 _FIX_FILL = "Pass the fill value as a Python number, or use torch.where(mask, value_tensor, x)"
 
 
@@ -243,6 +252,8 @@ def _rows() -> Iterator[UnsafeOp]:
     for method in ("tolist", "numpy", "__array__", "cpu"):
         yield UnsafeOp(f"Tensor.{method}", _COPY, _FIX_COPY)
     yield UnsafeOp("Tensor.to", _COPY, _FIX_COPY, _is_host_target)
+    for method in ("__repr__", "__format__"):
+        yield UnsafeOp(f"Tensor.{method}", _PRINT, _FIX_PRINT)
     for function in ("tensor", "as_tensor", "asarray"):
         yield UnsafeOp(f"torch.{function}", _PAGEABLE, _FIX_UPLOAD, _uploads_host_data)
     for name in SYNC_FUNCTIONS:

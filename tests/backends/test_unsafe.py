@@ -13,8 +13,11 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from graphcap import CaptureManager
 from graphcap.backends import UNSAFE_OPS, CaptureUnsafeError, check_capture_safe
 from graphcap.backends.preflight import unsafe_op_checker
+from graphcap.models import build_model
+from graphcap.testing import make_config
 from tests.backends.conftest import marked_line
 
 
@@ -159,6 +162,15 @@ def _to_cpu(t):
     return t.x.to("cpu")  # unsafe
 
 
+def _print(t):
+    print(t.x)  # unsafe
+    return t.x
+
+
+def _format(t):
+    return f"{t.x.sum():.3f}"  # unsafe
+
+
 def _upload_with_to(t):
     return t.host.to(t.x.device)  # unsafe (a pageable host -> device copy)
 
@@ -254,6 +266,8 @@ TRIGGERS = {
     "Tensor.__array__": _array,
     "Tensor.cpu": _cpu,
     "Tensor.to": _to_cpu,
+    "Tensor.__repr__": _print,
+    "Tensor.__format__": _format,
     "aten._to_copy": _upload_with_to,
     "aten.copy_": _copy_from_host,
     "aten.masked_fill": _masked_fill_device_value,
@@ -482,3 +496,25 @@ def test_uploads_are_classified_by_their_arguments_before_they_run(upload):
             check_capture_safe(lambda: upload(t), "cuda")
         x = t.x
         assert check_capture_safe(lambda: x.to(torch.float16), "cuda").dtype == torch.float16  # no crossing
+
+
+class _Prints(torch.nn.Module):
+    """The reference model with a debugging print left in its forward."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.inner = build_model(config)
+
+    def forward(self, inputs) -> torch.Tensor:
+        logits = self.inner(inputs)
+        print("logits", logits)  # unsafe: on CUDA a device-to-host copy and a sync, frozen at capture
+        return logits
+
+
+def test_a_forward_that_prints_a_tensor_is_refused_at_capture_by_name_and_line():
+    config = make_config()
+    manager = CaptureManager(_Prints(config), config, progress=False)
+    with pytest.raises(CaptureUnsafeError, match=r"Tensor\.__repr__ at .*test_unsafe\.py:\d+: it formats") as caught:
+        manager.capture()
+    assert marked_line(_Prints.forward) in str(caught.value)
+    assert manager.graphs == {}

@@ -1,0 +1,59 @@
+"""`StepScope`: one manager step at a time, and never a step started from inside another.
+
+Every `CaptureManager` step (`execute`, `eager`, `dispatch`, `capture`, `reset`) runs inside the
+scope: it holds the manager's re-entrant lock, so two threads never interleave staging and replay,
+and it refuses a step that the model's `prepare()` or `forward()` starts from inside the outer one
+(it would restage the persistent buffers under it). A plain object, not a generator context:
+`execute` enters one on every step, and the one it enters (`scope.execute`) is made once.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from graphcap.errors import CaptureError
+
+__all__ = ["StepScope"]
+
+
+class StepScope:
+    """`with scope("eager"):` runs one step under `lock`, refusing a nested one."""
+
+    __slots__ = ("execute", "lock", "running")
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self.lock = lock
+        """Held for the whole step (any context manager: a test's control experiment swaps in a no-op)."""
+        self.running: str | None = None
+        """The step running now (None between steps)."""
+        self.execute = _Step(self, "execute")
+        """The scope of `execute`, made once (entered on every step)."""
+
+    def __call__(self, what: str) -> _Step:
+        return self.execute if what == "execute" else _Step(self, what)
+
+
+class _Step:
+    __slots__ = ("scope", "what")
+
+    def __init__(self, scope: StepScope, what: str) -> None:
+        self.scope, self.what = scope, what
+
+    def __enter__(self) -> None:
+        scope = self.scope
+        lock = scope.lock
+        lock.__enter__()
+        outer = scope.running
+        if outer is not None:
+            lock.__exit__(None, None, None)
+            raise CaptureError(
+                f"manager.{self.what}() was called from inside {outer}() (from the model's prepare() or forward()); "
+                "steps do not nest: it would restage the persistent buffers under the outer step. Call "
+                f"{self.what}() outside the model, after the outer step returns"
+            )
+        scope.running = self.what
+
+    def __exit__(self, *exc: object) -> None:
+        scope = self.scope
+        scope.running = None
+        scope.lock.__exit__(None, None, None)
