@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -25,16 +25,17 @@ from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_
 from graphcap.batch import StepBatch, scratch_block_ids
 from graphcap.block_table import BlockTable
 from graphcap.capture import CapturePass, gc_frozen, uncompiled_warnings
+from graphcap.communicators import Communicator, communicators_of, key_captured_hook, pass_context
 from graphcap.config import CaptureConfig
-from graphcap.config.fingerprint import compared_items, fingerprint_int
-from graphcap.distributed import DataParallelSync
+from graphcap.distributed import StepAgreement, counts_buffers, or_idle
 from graphcap.errors import CaptureError, ConfigError, ConfigProblem, InvariantViolation
 from graphcap.failures import FailurePolicy
 from graphcap.guard import StaticGuard
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
 from graphcap.invariants import check_invariants
-from graphcap.keys import GraphKey, KeyRegistry, Mode, StepStats
+from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode, StepStats
 from graphcap.outputs import real_rows
+from graphcap.phases import STEP_PHASES, in_phase
 from graphcap.piecewise import running
 from graphcap.report import CaptureReport, GraphRecord, check_report_path, format_bytes
 from graphcap.staging import PersistentBuffers
@@ -66,21 +67,22 @@ class CaptureManager:
         buffers: Iterable[BufferSpec] = (),
         capture_context: Callable[[], AbstractContextManager] | None = None,
         device: torch.device | str | None = None,
+        tp_group: Any = None,
+        pad_eager: bool = False,
+        dp_token_counts: bool = False,
+        communicators: Iterable[Communicator] = (),
     ) -> None:
         if not callable(getattr(model, "forward", None)):
             raise TypeError(f"model must have a callable forward(inputs); got {type(model).__name__}")
-        if capture_context is not None and not callable(capture_context):
-            raise TypeError(
-                "capture_context must be a callable returning a context manager (e.g. a "
-                f"@contextlib.contextmanager function); got {type(capture_context).__name__}"
-            )
-        self._capture_context = capture_context or nullcontext
+        self._communicators = communicators_of(communicators)
+        self._capture_context = pass_context(capture_context, self._communicators)
         """Entered around the captures of a pass, verification after it exits (an engine's
         `graph_capture()` that sets up custom all-reduce buffers and registers them at exit)."""
         self.model = model
         self.config = config
         self.device = resolve_device(config) if device is None else torch.device(device)
-        self.buffers = PersistentBuffers.from_config(config, self.device, extras=_buffer_specs(config, buffers))
+        extras = (*_buffer_specs(config, buffers), *counts_buffers(group, dp_token_counts))
+        self.buffers = PersistentBuffers.from_config(config, self.device, extras=extras)
         self.registry = KeyRegistry.from_config(config)
         # A backend passed in may hold other managers' graphs: only one built here is reset.
         self._owns_backend = not isinstance(backend, GraphBackend)
@@ -94,10 +96,10 @@ class CaptureManager:
         self._forward: Callable[[ForwardInputs], Any] = model.forward
         self._prepare = prepare_of(model)
         self._lock = threading.RLock()
-        self._sync = DataParallelSync(group, timeout=dp_timeout) if group is not None else None
-        if self._sync is not None:  # ranks with different configs would plan different keys: refuse now
-            self._sync.agree_on_config(fingerprint_int(config), compared_items(config))
-        self._failures = FailurePolicy(config.capture.on_error, self._sync)
+        self._peers = StepAgreement.create(  # DP (group) and TP peers, or None; agrees on the config first
+            config, self.registry, self.buffers, group, tp_group, dp_timeout, pad_eager, dp_token_counts
+        )
+        self._failures = FailurePolicy(config.capture.on_error, self._peers)
         self._counting = True
         self._in_step: str | None = None
         self._guard = StaticGuard()
@@ -159,6 +161,8 @@ class CaptureManager:
         scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
         with self._lock, self._step("capture"):
             self._check_warmups()
+            if self._peers is not None:  # a rank that steps while its peers capture fails here, out of step
+                self._peers.begin_capture()
             self._release_all()
             self._guard.arm(self._guard.collect(self.model, self.buffers.storage()), self.model)
             start = time.perf_counter()
@@ -204,6 +208,7 @@ class CaptureManager:
             extras=self.buffers.extras,
             failures=self._failures,
             scratch_blocks=scratch_blocks,
+            on_captured=key_captured_hook(self._communicators),
         )
 
     def _install(self, records: list[GraphRecord], graphs: dict[GraphKey, CapturedGraph]) -> None:
@@ -236,13 +241,14 @@ class CaptureManager:
 
     # -- steps ---------------------------------------------------------------------------
 
-    def dispatch(self, batch: StepBatch | None) -> GraphKey | None:
-        """The captured key `batch` replays with, or None (eager). Collective with a group."""
+    def dispatch(self, batch: StepBatch | None, *, step: int | None = None) -> GraphKey | None:
+        """The captured key `batch` replays with, or None (eager). Collective with peers (`step`: see `execute`)."""
+        batch = or_idle(batch)
         with self._lock, self._step("dispatch"):  # with a group, a step's collective must not interleave
-            mode, key, _ = self._dispatch(_or_empty(batch))
+            mode, key, _ = self._dispatch(batch, step)
             return None if mode is Mode.EAGER else key
 
-    def execute(self, batch: StepBatch | None) -> Any:
+    def execute(self, batch: StepBatch | None, *, step: int | None = None) -> Any:
         """Run one step: dispatch, stage, prepare, check invariants, replay or run eagerly.
 
         Before every replay the static inputs are checked (`StaticInputMovedError` when one
@@ -250,48 +256,54 @@ class CaptureManager:
         dict of tensors) with every tensor whose leading dim is the padded token count cut to
         the real rows `[:batch.num_tokens]`: views valid until any graph of the backend's pool
         replays (the next step), so read or clone them first. `None` is an idle data-parallel
-        rank: it joins the agreed key with no real rows.
+        rank: it joins the agreed key with no real rows (so does a batch refused with peers, then raises).
+        `step`: the engine's step number, which peers must share (default: this manager's count of steps).
         """
-        batch = _or_empty(batch)
+        batch = or_idle(batch)
         with self._lock, self._step("execute"):
-            mode, key, reason = self._dispatch(batch)
-            if mode is Mode.EAGER:
-                output = self._run_eager(batch)
-                if self._counting:  # after the run: a refused batch is no step
-                    self.stats.eager[reason] += 1
-                return output
-            self.last_key = key
-            inputs = self._stage(batch, key, phase="replay")
-            graph = self.graphs[key]
-            self._guard.check(sweep=self._level != "off")
-            if mode is Mode.PIECEWISE:  # eager ops between pieces read the step through current_inputs()
-                with running(inputs):
-                    output = graph.replay()
-            else:  # a full graph runs no Python: skip the context (about 1 us per step)
+            peers = self._peers  # with peers: agreed first; a refused batch runs the step idle, then raises
+            return self._run(batch, self._dispatch(batch)) if peers is None else peers.execute(batch, self._run, step)
+
+    def _run(self, batch: StepBatch, dispatch: Dispatch) -> Any:
+        mode, key, reason = dispatch
+        if mode is Mode.EAGER:
+            output = self._run_eager(batch, key)
+            if self._counting:  # after the run: a refused batch is no step
+                self.stats.eager[reason] += 1
+            return output
+        self.last_key = key
+        inputs = self._stage(batch, key, phase="replay")
+        graph = self.graphs[key]
+        self._guard.check(sweep=self._level != "off")
+        if mode is Mode.PIECEWISE:  # eager ops between pieces read the step through current_inputs()
+            with running(inputs):
                 output = graph.replay()
-            if self._counting:
-                stats = self.stats
-                stats.graph_hits[key] += 1
-                stats.real_tokens += batch.num_tokens
-                stats.padded_tokens += key.num_tokens
-                if mode is Mode.PIECEWISE:
-                    stats.eager_op_calls += len(graph.calls)
-                    stats.eager_op_copies += graph.copies_per_replay
-            return real_rows(output, batch.num_tokens, key.num_tokens)
+        else:  # a full graph runs no Python: skip the context (about 1 us per step)
+            output = graph.replay()
+        if self._counting:
+            stats = self.stats
+            stats.graph_hits[key] += 1
+            stats.real_tokens += batch.num_tokens
+            stats.padded_tokens += key.num_tokens
+            if mode is Mode.PIECEWISE:
+                stats.eager_op_calls += len(graph.calls)
+                stats.eager_op_copies += graph.copies_per_replay
+        return real_rows(output, batch.num_tokens, key.num_tokens)
 
     def eager(self, batch: StepBatch) -> Any:
         """The reference: the model on the same staging path, unpadded, with no graph."""
-        batch = _or_empty(batch)
+        batch = or_idle(batch)
         with self._lock, self._step("eager"):
             return self._run_eager(batch)
 
-    def _run_eager(self, batch: StepBatch) -> Any:
-        key = self.registry.eager_key(batch.num_tokens, batch.num_reqs)
+    def _run_eager(self, batch: StepBatch, key: GraphKey | None = None) -> Any:  # key: unpadded, or pad_eager's
+        key = key or self.registry.eager_key(batch.num_tokens, batch.num_reqs)
         self.last_key = key
-        inputs = self._stage(batch, key, phase="eager")
-        with torch.inference_mode(), running(inputs):
-            output = self._forward(inputs)
-        return real_rows(output, batch.num_tokens, batch.num_tokens, what="model.forward (eager) of")
+        with in_phase("eager"):
+            inputs = self._stage(batch, key, phase="eager")
+            with torch.inference_mode(), running(inputs):
+                output = self._forward(inputs)
+        return real_rows(output, batch.num_tokens, key.num_tokens, what="model.forward (eager) of")
 
     def _stage(
         self, batch: StepBatch, key: GraphKey, *, phase: PreparePhase, dummy: bool = False, kv_writes: bool = True
@@ -306,6 +318,8 @@ class CaptureManager:
         """
         buffers = self.buffers
         inputs = buffers.stage(batch, key, upload=False)
+        if self._peers is not None:
+            self._peers.write_counts(inputs)
         if not kv_writes:
             inputs.host.slot_mapping[: inputs.num_tokens] = buffers.limits.pad.slot
         if self._prepare is not None:
@@ -318,11 +332,11 @@ class CaptureManager:
         buffers.upload()  # the rows just staged and checked
         return inputs
 
-    def _dispatch(self, batch: StepBatch) -> tuple[Mode, GraphKey, str]:
+    def _dispatch(self, batch: StepBatch, step: int | None = None) -> Dispatch:
+        if self._peers is not None:
+            return self._peers.plan(batch, "dispatch", step).dispatch
         registry = self.registry
-        uniform = batch.is_uniform(registry.uniform_query_len)
-        own = registry.dispatch(batch.num_tokens, batch.num_reqs, uniform)
-        return own if self._sync is None else self._sync.agree_on_dispatch(registry, batch, uniform, own)
+        return registry.dispatch(batch.num_tokens, batch.num_reqs, batch.is_uniform(registry.uniform_query_len))
 
     # -- bookkeeping ---------------------------------------------------------------------
 
@@ -354,7 +368,8 @@ class CaptureManager:
             )
         self._in_step = what
         try:
-            yield
+            with in_phase(STEP_PHASES.get(what, "outside")):  # graphcap.phase(); eager runs and passes narrow it
+                yield
         finally:
             self._in_step = None
 
@@ -382,14 +397,3 @@ def _buffer_specs(config: CaptureConfig, buffers: Iterable[BufferSpec]) -> tuple
     if isinstance(buffers, BufferSpec) or not isinstance(buffers, Iterable):
         raise TypeError(f"buffers must be a list of graphcap.BufferSpec; got {type(buffers).__name__}")
     return (*map(BufferSpec.from_config, config.buffers), *buffers)
-
-
-_EMPTY = StepBatch([], [])
-
-
-def _or_empty(batch: StepBatch | None) -> StepBatch:
-    if batch is None:
-        return _EMPTY
-    if not isinstance(batch, StepBatch):
-        raise TypeError(f"expected a StepBatch (or None for an idle rank); got {type(batch).__name__}")
-    return batch
