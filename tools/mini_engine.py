@@ -19,6 +19,7 @@ they were: the run then prints the same token-stream digest as a run without it.
     python tools/mini_engine.py --steps 300 --seed 0
     python tools/mini_engine.py --steps 40 --seed 1 --quiet   # the CI run
     python tools/mini_engine.py --steps 60 --seed 1 --recapture-at 20 --recapture-at 41
+    python tools/mini_engine.py --steps 40 --seed 1 --tp 2 --dp 2   # 4 gloo ranks (tools/_parallel.py)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import sys
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+import _parallel
 import numpy as np
 import torch
 
@@ -120,8 +122,9 @@ class BlockPool:
 
 
 class MiniEngine:
-    def __init__(self, manager: CaptureManager, model: AdaptedLlama, seed: int) -> None:
+    def __init__(self, manager: CaptureManager, model: AdaptedLlama, seed: int, idle_steps: bool = False) -> None:
         self.manager, self.model = manager, model
+        self.idle_steps = idle_steps  # a data-parallel rank with nothing scheduled still steps (idle)
         self.config = manager.config
         self.rng = np.random.default_rng(seed)
         self.pool = BlockPool(self.config.kv_cache.num_blocks)
@@ -207,6 +210,8 @@ class MiniEngine:
         self.arrive()
         picked = self.schedule()
         if not picked:
+            if self.idle_steps:
+                self.manager.execute(None)
             return
         batch = self.batch_of(picked)
         graph = self.manager.execute(batch).clone()  # [n, vocab]; the view is valid until the next step
@@ -233,6 +238,18 @@ class MiniEngine:
             self.pool.give_back(request.blocks)
             request.blocks = []
             self.finished.append(request)
+
+    def digest(self) -> str:
+        """16 hex digits of the token streams: equal runs, equal digests."""
+        return hashlib.sha256(repr(sorted(self.streams.items())).encode()).hexdigest()[:16]
+
+    def summary(self) -> str:
+        stats = self.manager.stats.as_dict()
+        return (
+            f"{self.num_requests} requests, {len(self.finished)} finished, "
+            f"{sum(len(s) for s in self.streams.values())} tokens, {sum(stats['graph_hits'].values())} steps "
+            f"replayed, {sum(stats['eager'].values())} eager"
+        )
 
     def is_done(self, request: Request) -> bool:
         full = len(request.tokens) >= self.config.kv_cache.max_model_len
@@ -263,12 +280,20 @@ def main(argv: list[str] | None = None) -> int:
         metavar="STEP",
         help="capture again before this step, requests in flight (repeatable)",
     )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gloo processes; default 1)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (seeds seed, seed+1, ...)")
     args = parser.parse_args(argv)
+    if args.tp not in (1, 2, 4) or args.dp < 1:
+        parser.error(f"--tp must be 1, 2 or 4 and --dp >= 1; got --tp {args.tp} --dp {args.dp}")
     if args.steps < 1:
         parser.error(f"--steps must be >= 1; got {args.steps}")
     for step in args.recapture_at:
         if not 0 <= step < args.steps:
             parser.error(f"--recapture-at must be a step in [0, {args.steps}); got {step}")
+    if args.tp > 1 or args.dp > 1:
+        if args.recapture_at:
+            parser.error("--recapture-at runs in one process (without --tp/--dp)")
+        return _parallel.run(args)
     torch.set_num_threads(1)
     config = load_config(overrides=CONFIG)
     model = AdaptedLlama(config)
@@ -294,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  steps replayed: {replayed}; eager: {sum(eager.values())} ({dict(eager) or 'none'})")
     print(f"  padded-token waste of replayed steps: {stats['padded_token_waste']:.1%}")
     print("  every step: graph == eager == dense logits, identical token streams")
-    digest = hashlib.sha256(repr(sorted(engine.streams.items())).encode()).hexdigest()[:16]
+    digest = engine.digest()
     recaptures = f" ({len(args.recapture_at)} re-captures)" if args.recapture_at else ""
     print(f"  token streams digest: {digest}{recaptures}")
     return 0
