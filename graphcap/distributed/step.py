@@ -148,9 +148,9 @@ class StepAgreement:
 
         Collective: the ranks agree on `config` (and the torch and graphcap versions) first.
         """
+        if (pad_eager or token_counts) and group is None:
+            raise ValueError("pad_eager and dp_token_counts need a data-parallel group (group=...)")
         if group is None and tp_group is None:
-            if pad_eager or token_counts:
-                raise ValueError("pad_eager and dp_token_counts need a data-parallel group (group=...)")
             return None
         peers = cls(
             registry,
