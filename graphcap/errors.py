@@ -8,7 +8,7 @@
 | `CaptureError` | `RuntimeError` | a graph could not be captured or replayed |
 | `CaptureUnsafeError` | `CaptureError` | an op a CUDA graph cannot hold; `.op`, `.location`, `.reason` |
 | `StaticInputMovedError` | `CaptureError` | a tensor a graph reads moved or was replaced after capture |
-| `DistributedTimeoutError` | `CaptureError` | a parallel agreement or a step's collective failed or timed out, or ranks were out of step |
+| `DistributedTimeoutError` | `CaptureError` | an agreement with peers or a step's collective failed, or out of step |
 
 Import them from here (or from `graphcap`, the package face).
 """
