@@ -155,7 +155,8 @@ class GroupSync:
     def _out_of_step(self, calls: list[int], what: str) -> DistributedTimeoutError:
         described = "; ".join(f"rank {self.ranks[i]}: {_describe(call)}" for i, call in enumerate(calls))
         return DistributedTimeoutError(
-            f"{what}: the {self.role} ranks are out of step ({described}); every rank must call execute/dispatch "
+            f"{what}: ranks out of step: the {self.role} ranks made different calls ({described}); every rank "
+            "must call execute/dispatch "
             "once per step (an idle rank passes None) and capture() at the same point, with the same config. "
             "No rank ran the step"
         )

@@ -64,7 +64,7 @@ def test_a_rank_that_skipped_a_step_fails_the_first_mismatched_call_on_every_ran
         skipped = result["engine_steps"]
         assert skipped["error"] == "DistributedTimeoutError", skipped
         message = skipped["message"]
-        assert f"step {10 + rank}: execute: the data-parallel ranks are out of step" in message
+        assert f"step {10 + rank}: execute: ranks out of step: the data-parallel ranks made different calls" in message
         assert "rank 0: execute() of step 10; rank 1: execute() of step 11" in message
         assert "No rank ran the step" in message
         assert result["engine_steps_again"]["match"] == "ok"  # the ranks agree again at step 12
