@@ -33,6 +33,7 @@ from graphcap.failures import FailurePolicy
 from graphcap.inputs import BufferSpec, ForwardInputs, KVGroup
 from graphcap.keys import GraphKey, KeyRegistry, Mode
 from graphcap.outputs import OutputRows
+from graphcap.phases import in_phase
 from graphcap.piecewise import running
 from graphcap.probe import probe_batch
 from graphcap.report import GraphRecord, format_bytes
@@ -66,6 +67,8 @@ class CapturePass:
     scratch_blocks: tuple[int, ...] = ()
     kv_groups: tuple[KVGroup, ...] = ()
     group_scratch: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    on_captured: Callable[[GraphKey], None] | None = None
+    """Called with each key right after its graph is captured (communicators register its buffers)."""
 
     def run(
         self, keys: Iterable[GraphKey], *, context: Callable[[], AbstractContextManager], progress: bool | None
@@ -84,9 +87,12 @@ class CapturePass:
                     records.append(record)
                     if graph is not None:
                         graphs[key] = graph
+                        if self.on_captured is not None:
+                            self.on_captured(key)
             if self.config.checks.verify_replay:  # after the context: the engine registered its buffers
                 for i, record in enumerate(records):
-                    records[i] = self.verify(record, graphs.get(record.key))
+                    with in_phase("verify"):
+                        records[i] = self.verify(record, graphs.get(record.key))
                     if records[i].status == "skipped":
                         graphs.pop(record.key, None)  # the failure policy released it
         except BaseException:

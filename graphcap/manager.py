@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -25,17 +25,18 @@ from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_
 from graphcap.batch import StepBatch, step_or_idle
 from graphcap.block_table import BlockTable
 from graphcap.capture import CapturePass, gc_frozen, uncompiled_warnings
+from graphcap.communicators import Communicator, communicators_of, key_captured_hook, pass_context
 from graphcap.config import CaptureConfig
-from graphcap.config.fingerprint import compared_items, fingerprint_int
-from graphcap.distributed import DataParallelSync
+from graphcap.distributed import StepAgreement, counts_buffers
 from graphcap.errors import ConfigError, ConfigProblem, InvariantViolation
 from graphcap.failures import FailurePolicy
 from graphcap.guard import StaticGuard
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
 from graphcap.invariants import check_invariants
-from graphcap.keys import GraphKey, KeyRegistry, Mode, StepStats
+from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode, StepStats
 from graphcap.lifecycle import LiveGraphs, PassHistory, check_kv_fits, resize_plan
 from graphcap.outputs import OutputRows
+from graphcap.phases import in_phase
 from graphcap.piecewise import running
 from graphcap.probe import group_scratch_ids, scratch_block_ids
 from graphcap.report import CaptureReport, check_report_path, format_bytes, write_report
@@ -70,22 +71,23 @@ class CaptureManager:
         buffers: Iterable[BufferSpec] = (),
         capture_context: Callable[[], AbstractContextManager] | None = None,
         device: torch.device | str | None = None,
+        tp_group: Any = None,
+        pad_eager: bool = False,
+        dp_token_counts: bool = False,
+        communicators: Iterable[Communicator] = (),
     ) -> None:
         if not callable(getattr(model, "forward", None)):
             raise TypeError(f"model must have a callable forward(inputs); got {type(model).__name__}")
-        if capture_context is not None and not callable(capture_context):
-            raise TypeError(
-                "capture_context must be a callable returning a context manager (e.g. a "
-                f"@contextlib.contextmanager function); got {type(capture_context).__name__}"
-            )
-        self._capture_context = capture_context or nullcontext
+        self._communicators = communicators_of(communicators)
+        self._capture_context = pass_context(capture_context, self._communicators)
         """Entered around the captures of a pass, verification after it exits (an engine's
         `graph_capture()` that sets up custom all-reduce buffers and registers them at exit)."""
         check_kv_fits(config, model)
         self.model = model
         self.config = config
         self.device = resolve_device(config) if device is None else torch.device(device)
-        self.buffers = PersistentBuffers.from_config(config, self.device, extras=merged_specs(config.buffers, buffers))
+        extras = (*merged_specs(config.buffers, buffers), *counts_buffers(group, dp_token_counts))
+        self.buffers = PersistentBuffers.from_config(config, self.device, extras=extras)
         self.registry = KeyRegistry.from_config(config)
         # A backend passed in may hold other managers' graphs: only one built here is reset.
         owns_backend = not isinstance(backend, GraphBackend)
@@ -101,10 +103,10 @@ class CaptureManager:
         self._forward: Callable[[ForwardInputs], Any] = model.forward
         self._prepare = prepare_of(model)
         self._outputs = OutputRows.of(model)  # which output tensors are per token, per request or whole
-        self._sync = DataParallelSync(group, timeout=dp_timeout) if group is not None else None
-        if self._sync is not None:  # ranks with different configs would plan different keys: refuse now
-            self._sync.agree_on_config(fingerprint_int(config), compared_items(config))
-        self._failures = FailurePolicy(config.capture.on_error, self._sync)
+        self._peers = StepAgreement.create(  # DP (group) and TP peers, or None; agrees on the config first
+            config, self.registry, self.buffers, group, tp_group, dp_timeout, pad_eager, dp_token_counts
+        )
+        self._failures = FailurePolicy(config.capture.on_error, self._peers)
         self._counting = True
         self._history = PassHistory()
         self._scope = StepScope(threading.RLock())
@@ -176,6 +178,8 @@ class CaptureManager:
         with self._scope("capture"):
             self._check_warmups()
             check_kv_fits(self.config, self.model)  # a cache re-allocated smaller without resize_kv
+            if self._peers is not None:  # a rank that steps while its peers capture fails here, out of step
+                self._peers.begin_capture()
             replaced = len(self.graphs)
             self._live.release_all()
             self._guard.arm(self.model, self.buffers.storage())
@@ -226,6 +230,7 @@ class CaptureManager:
             outputs=self._outputs,
             kv_groups=self.buffers.limits.kv_groups,
             group_scratch=group_scratch or {},
+            on_captured=key_captured_hook(self._communicators),
         )
 
     def _check_warmups(self) -> None:
@@ -237,13 +242,14 @@ class CaptureManager:
 
     # -- steps ---------------------------------------------------------------------------
 
-    def dispatch(self, batch: StepBatch | None) -> GraphKey | None:
-        """The captured key `batch` replays with, or None (eager). Collective with a group."""
+    def dispatch(self, batch: StepBatch | None, *, step: int | None = None) -> GraphKey | None:
+        """The captured key `batch` replays with, or None (eager). Collective with peers (`step`: see `execute`)."""
+        batch = step_or_idle(batch)
         with self._scope("dispatch"):  # with a group, a step's collective must not interleave
-            mode, key, _ = self._dispatch(step_or_idle(batch))
+            mode, key, _ = self._dispatch(batch, step)
             return None if mode is Mode.EAGER else key
 
-    def execute(self, batch: StepBatch | None) -> Any:
+    def execute(self, batch: StepBatch | None, *, step: int | None = None) -> Any:
         """Run one step: dispatch, stage, prepare, check invariants, replay or run eagerly.
 
         Before every replay the static inputs are checked (`StaticInputMovedError` when one
@@ -253,35 +259,40 @@ class CaptureManager:
         `[:batch.num_reqs]`; undeclared, a tensor with a row per padded token is cut to the real
         tokens): views valid until any graph of the backend's pool replays (the next step), so
         read or clone them first. `None` is an idle data-parallel rank: it joins the agreed key
-        with no real rows.
+        with no real rows (so does a batch refused with peers, then raises). `step`: the engine's
+        step number, which peers must share (default: this manager's count of steps).
         """
         batch = step_or_idle(batch)
         with self._scope.execute:
-            mode, key, reason = self._dispatch(batch)
-            if mode is Mode.EAGER:
-                output = self._run_eager(batch)
-                if self._counting:  # after the run: a refused batch is no step
-                    self.stats.eager[reason] += 1
-                return output
-            self.last_key = key
-            inputs = self._stage(batch, key, phase="replay")
-            graph = self.graphs[key]
-            self._guard.check_before_replay()  # what the graph writes: before the launch
-            if mode is Mode.PIECEWISE:  # eager ops between pieces read the step through current_inputs()
-                with running(inputs):
-                    output = graph.replay()
-            else:  # a full graph runs no Python: skip the context (about 1 us per step)
+            peers = self._peers  # with peers: agreed first; a refused batch runs the step idle, then raises
+            return self._run(batch, self._dispatch(batch)) if peers is None else peers.execute(batch, self._run, step)
+
+    def _run(self, batch: StepBatch, dispatch: Dispatch) -> Any:
+        mode, key, reason = dispatch
+        if mode is Mode.EAGER:
+            output = self._run_eager(batch, key)
+            if self._counting:  # after the run: a refused batch is no step
+                self.stats.eager[reason] += 1
+            return output
+        self.last_key = key
+        inputs = self._stage(batch, key, phase="replay")
+        graph = self.graphs[key]
+        self._guard.check_before_replay()  # what the graph writes: before the launch
+        if mode is Mode.PIECEWISE:  # eager ops between pieces read the step through current_inputs()
+            with running(inputs):
                 output = graph.replay()
-            self._guard.check_after_replay()  # the weights it reads: while the launch runs, before returning
-            if self._counting:
-                stats = self.stats
-                stats.graph_hits[key] += 1
-                stats.real_tokens += batch.num_tokens
-                stats.padded_tokens += key.num_tokens
-                if mode is Mode.PIECEWISE:
-                    stats.eager_op_calls += len(graph.calls)
-                    stats.eager_op_copies += graph.copies_per_replay
-            return self._outputs.real(output, inputs)
+        else:  # a full graph runs no Python: skip the context (about 1 us per step)
+            output = graph.replay()
+        self._guard.check_after_replay()  # the weights it reads: while the launch runs, before returning
+        if self._counting:
+            stats = self.stats
+            stats.graph_hits[key] += 1
+            stats.real_tokens += batch.num_tokens
+            stats.padded_tokens += key.num_tokens
+            if mode is Mode.PIECEWISE:
+                stats.eager_op_calls += len(graph.calls)
+                stats.eager_op_copies += graph.copies_per_replay
+        return self._outputs.real(output, inputs)
 
     def eager(self, batch: StepBatch) -> Any:
         """The reference: the model on the same staging path, unpadded, with no graph."""
@@ -289,12 +300,13 @@ class CaptureManager:
         with self._scope("eager"):
             return self._run_eager(batch)
 
-    def _run_eager(self, batch: StepBatch) -> Any:
-        key = self.registry.eager_key(batch.num_tokens, batch.num_reqs)
+    def _run_eager(self, batch: StepBatch, key: GraphKey | None = None) -> Any:  # key: unpadded, or pad_eager's
+        key = key or self.registry.eager_key(batch.num_tokens, batch.num_reqs)
         self.last_key = key
-        inputs = self._stage(batch, key, phase="eager")
-        with torch.inference_mode(), running(inputs):
-            output = self._forward(inputs)
+        with in_phase("eager"):
+            inputs = self._stage(batch, key, phase="eager")
+            with torch.inference_mode(), running(inputs):
+                output = self._forward(inputs)
         return self._outputs.real(output, inputs, what="model.forward (eager) of")
 
     def _stage(
@@ -314,6 +326,8 @@ class CaptureManager:
             buffers.layout.restore_views((key.num_tokens, batch.num_reqs if key.num_reqs is None else key.num_reqs))
         if not kv_writes:
             buffers.silence_kv_writes(inputs)
+        if self._peers is not None:
+            self._peers.write_counts(inputs)
         if self._prepare is not None:
             self._prepare(inputs, phase)
         try:
@@ -324,11 +338,11 @@ class CaptureManager:
         buffers.upload()  # the rows just staged and checked
         return inputs
 
-    def _dispatch(self, batch: StepBatch) -> tuple[Mode, GraphKey, str]:
+    def _dispatch(self, batch: StepBatch, step: int | None = None) -> Dispatch:
+        if self._peers is not None:
+            return self._peers.plan(batch, "dispatch", step).dispatch
         registry = self.registry
-        uniform = batch.is_uniform(registry.uniform_query_len)
-        own = registry.dispatch(batch.num_tokens, batch.num_reqs, uniform)
-        return own if self._sync is None else self._sync.agree_on_dispatch(registry, batch, uniform, own)
+        return registry.dispatch(batch.num_tokens, batch.num_reqs, batch.is_uniform(registry.uniform_query_len))
 
     # -- bookkeeping ---------------------------------------------------------------------
 

@@ -37,12 +37,17 @@ verification replays a partly filled second batch to catch a value frozen by mis
 | Tensor.__repr__, __format__ (`print(t)`, `str(t)`, f-strings, log messages) | device tensor | same, to format it |
 | torch.tensor, torch.as_tensor, torch.asarray | CUDA: host data to the device | a pageable copy, below the dispatcher |
 | torch.cuda.synchronize, empty_cache; Stream/Event .synchronize, .query | always | waits for (or asks) the GPU |
+| c10d.allreduce_, (_)allgather(_base)_, (_)reduce_scatter(_base)_, broadcast_, alltoall_base_ | emulated | a Work |
 
 `x[mask] = scalar` is capturable: with one mask index and a one-element host value,
 `index_put_` runs `masked_fill_` (no sync), so that case is not in the table.
 The `Tensor.*` and `torch.tensor`-like rows are caught by Python function (a
 `TorchFunctionMode`), because torch does not show them as distinct aten ops, or shows
 them below the Python dispatch key; the `torch.cuda.*` rows are not tensor ops at all.
+The collective rows are the emulated backend's, not CUDA's (a CUDA graph holds an in-place
+NCCL collective): `dist.all_reduce(t)` and kin return a Work (an async handle) that the
+emulated tape cannot replay, while the functional collectives return tensors and record
+(`graphcap.backends.collectives`); the fix names the functional form.
 Add a row here and a trigger to the test in tests/backends/test_unsafe.py.
 """
 
@@ -107,6 +112,19 @@ _FIX_PRINT = (
     "eagerly with manager.eager(batch); format shapes and dtypes (t.shape), never values"
 )
 _FIX_FILL = "Pass the fill value as a Python number, or use torch.where(mask, value_tensor, x)"
+_COLLECTIVE = (
+    "an in-place collective returns a Work (an async handle) that the emulated backend's tape cannot replay "
+    "(a CUDA graph holds it; the emulated backend records functional collectives, which return tensors)"
+)
+_FUNCTIONAL = {  # in-place c10d op -> its functional form (torch.distributed._functional_collectives)
+    "allreduce_": "all_reduce",
+    "allgather_": "all_gather_tensor",
+    "_allgather_base_": "all_gather_tensor",
+    "reduce_scatter_": "reduce_scatter_tensor",
+    "_reduce_scatter_base_": "reduce_scatter_tensor",
+    "broadcast_": "broadcast",
+    "alltoall_base_": "all_to_all_single",
+}
 
 
 def _has_mask_index(func: Any, args: tuple, kwargs: dict, device: torch.device) -> bool:
@@ -214,6 +232,10 @@ def _uploads_host_data(func: Any, args: tuple, kwargs: dict, device: torch.devic
     return not (isinstance(data, torch.Tensor) and data.device.type == device.type)
 
 
+def _on_host_graph(func: Any, args: tuple, kwargs: dict, device: torch.device) -> bool:
+    return device.type == "cpu"  # the emulated backend's graphs; a CUDA graph holds in-place NCCL collectives
+
+
 def _rows() -> Iterator[UnsafeOp]:
     for name in ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero"):
         yield UnsafeOp(name, _READ, _FIX_READ)
@@ -258,6 +280,12 @@ def _rows() -> Iterator[UnsafeOp]:
         yield UnsafeOp(f"torch.{function}", _PAGEABLE, _FIX_UPLOAD, _uploads_host_data)
     for name in SYNC_FUNCTIONS:
         yield UnsafeOp(name, _WAIT, _FIX_WAIT)
+    for name, functional in _FUNCTIONAL.items():
+        fix = (
+            f"Use torch.distributed._functional_collectives.{functional} (or the torch.ops._c10d_functional op "
+            "and wait_tensor): it returns a new tensor, which the tape records and every replay recomputes"
+        )
+        yield UnsafeOp(f"c10d.{name}", _COLLECTIVE, fix, _on_host_graph)
 
 
 SYNC_FUNCTIONS = (

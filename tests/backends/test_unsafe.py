@@ -37,7 +37,14 @@ def _tensors(device: str = "cpu") -> SimpleNamespace:
         rows=torch.tensor([0, 2], device=device),
         host=torch.ones(4, 8),  # pageable host memory
         stream=None,  # a CPU build cannot make a torch.cuda.Stream; the checker refuses before reading it
+        pg=_bare_process_group(),  # what dist.all_reduce(t) calls; the checker refuses before it runs
     )
+
+
+def _bare_process_group():
+    import torch.distributed as dist
+
+    return dist.ProcessGroup(dist.HashStore(), 0, 1)
 
 
 def _local_scalar_dense(t):
@@ -283,7 +290,16 @@ TRIGGERS = {
     "torch.cuda.Stream.query": _stream_query,
     "torch.cuda.Event.synchronize": _event_synchronize,
     "torch.cuda.Event.query": _event_query,
+    "c10d.allreduce_": lambda t: t.pg.allreduce([t.x]),  # unsafe
+    "c10d.allgather_": lambda t: t.pg.allgather([[t.x.clone()]], [t.x]),  # unsafe
+    "c10d._allgather_base_": lambda t: t.pg._allgather_base(t.x.clone(), t.x),  # unsafe
+    "c10d.reduce_scatter_": lambda t: t.pg.reduce_scatter([t.x.clone()], [[t.x]]),  # unsafe
+    "c10d._reduce_scatter_base_": lambda t: t.pg._reduce_scatter_base(t.x.clone(), t.x),  # unsafe
+    "c10d.broadcast_": lambda t: t.pg.broadcast([t.x]),  # unsafe
+    "c10d.alltoall_base_": lambda t: t.pg.alltoall_base(t.x.clone(), t.x, [], []),  # unsafe
 }
+EMULATED_ONLY = {name for name in UNSAFE_OPS if name.startswith("c10d.")}
+"""In-place collectives: a CUDA graph holds them (NCCL), the emulated backend's tape cannot (a Work)."""
 # torch's Python bindings of x[mask], torch.nonzero and copy_ take a CUDA device guard before
 # any mode sees the call, and a CPU-only build has no CUDA guard: on such a build the fake-CUDA
 # test reaches the same aten ops through their OpOverloads (a CUDA build runs the bindings).
@@ -331,7 +347,7 @@ def test_every_unsafe_op_is_refused_naming_op_and_user_line(emulated, op_name, s
     assert emulated.graphs == ()
 
 
-@pytest.mark.parametrize("op_name", sorted(UNSAFE_OPS))
+@pytest.mark.parametrize("op_name", sorted(set(UNSAFE_OPS) - EMULATED_ONLY))
 def test_every_unsafe_op_is_named_on_cuda_tensors_under_fake_tensor_mode(op_name):
     """check_capture_safe on fake CUDA tensors: the verdicts the preflight gives on a GPU."""
     trigger = FAKE_FORMS.get(op_name, TRIGGERS[op_name])
@@ -518,3 +534,13 @@ def test_a_forward_that_prints_a_tensor_is_refused_at_capture_by_name_and_line()
         manager.capture()
     assert marked_line(_Prints.forward) in str(caught.value)
     assert manager.graphs == {}
+
+
+def test_in_place_collectives_are_refused_only_where_the_graph_device_is_the_cpu():
+    # A CUDA graph holds an in-place NCCL all-reduce; the emulated backend's tape cannot hold a Work.
+    from graphcap.backends.preflight import check_op
+
+    allreduce = torch.ops.c10d.allreduce_.default
+    check_op(allreduce, ([torch.empty(4, device="meta")],), {}, torch.device("meta"))
+    with pytest.raises(CaptureUnsafeError, match=r"c10d\.allreduce_ at .*_functional_collectives\.all_reduce"):
+        check_op(allreduce, ([torch.empty(4)],), {}, torch.device("cpu"))
