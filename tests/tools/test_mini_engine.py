@@ -98,4 +98,6 @@ def test_parallel_flags_are_checked():
     result = run_tool("mini_engine.py", "--tp", "3")
     assert result.returncode == 2 and "--tp must be 1, 2 or 4 and --dp >= 1; got --tp 3 --dp 1" in result.stderr
     result = run_tool("mini_engine.py", "--dp", "2", "--recapture-at", "1")
-    assert result.returncode == 2 and "--recapture-at runs in one process" in result.stderr
+    assert result.returncode == 2 and "--recapture-at and --lifecycle run in one process" in result.stderr
+    result = run_tool("mini_engine.py", "--tp", "2", "--lifecycle")
+    assert result.returncode == 2 and "--recapture-at and --lifecycle run in one process" in result.stderr
