@@ -6,7 +6,8 @@ inputs), the graph backends (`graphcap.backends`: capture one callable), and `Ca
 `CaptureManager`, `StepBatch`, `load_config` and, for their own buffers, `BufferSpec`; engines
 that keep a persistent block table write its rows through `CaptureManager.block_table`
 (`BlockTable`); models that run parts eagerly between graph pieces use `eager_op` and
-`current_inputs`.
+`current_inputs`; models and communicators that act differently while a graph records ask
+`is_capturing()` and `phase()`, and engines pass their communicators as `Communicator`s.
 
 The names below load on first use: `import graphcap` alone imports neither torch nor numpy,
 so the `graphcap` command starts in milliseconds (`--help`, `--version`, `validate` never
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name loads on first use
     from graphcap.batch import StepBatch, dummy_batch
     from graphcap.block_table import BlockTable
+    from graphcap.communicators import Communicator
     from graphcap.config import PAD_SLOT_ID, CaptureConfig, PadRules, load_config
     from graphcap.errors import (
         BatchError,
@@ -36,6 +38,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from graphcap.invariants import check_invariants
     from graphcap.keys import GraphKey
     from graphcap.manager import CaptureManager
+    from graphcap.phases import is_capturing, phase
     from graphcap.piecewise import current_inputs, eager_op
     from graphcap.report import CaptureReport
     from graphcap.sizes import CaptureSizes, default_capture_sizes
@@ -45,6 +48,7 @@ _EXPORTS = {
     "StepBatch": "graphcap.batch",
     "dummy_batch": "graphcap.batch",
     "BlockTable": "graphcap.block_table",
+    "Communicator": "graphcap.communicators",
     "PAD_SLOT_ID": "graphcap.config.sections",
     "CaptureConfig": "graphcap.config.root",
     "PadRules": "graphcap.config.sections",
@@ -60,6 +64,8 @@ _EXPORTS = {
     "check_invariants": "graphcap.invariants",
     "GraphKey": "graphcap.keys",
     "CaptureManager": "graphcap.manager",
+    "is_capturing": "graphcap.phases",
+    "phase": "graphcap.phases",
     "current_inputs": "graphcap.piecewise",
     "eager_op": "graphcap.piecewise",
     "CaptureReport": "graphcap.report",
@@ -79,6 +85,7 @@ __all__ = [  # the same names as _EXPORTS (tests/test_packaging.py holds them eq
     "CaptureReport",
     "CaptureSizes",
     "CaptureUnsafeError",
+    "Communicator",
     "ConfigError",
     "ForwardInputs",
     "GraphKey",
@@ -93,7 +100,9 @@ __all__ = [  # the same names as _EXPORTS (tests/test_packaging.py holds them eq
     "default_capture_sizes",
     "dummy_batch",
     "eager_op",
+    "is_capturing",
     "load_config",
+    "phase",
 ]
 
 

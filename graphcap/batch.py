@@ -21,7 +21,7 @@ from graphcap.errors import BatchError
 from graphcap.fields import INT32_MAX
 from graphcap.keys import GraphKey
 
-__all__ = ["StepBatch", "check_block_ids", "check_seq_lens", "check_token_ids", "dummy_batch", "step_or_idle"]
+__all__ = ["IDLE", "StepBatch", "check_block_ids", "check_seq_lens", "check_token_ids", "dummy_batch", "step_or_idle"]
 
 _NO_EXTRAS: Mapping[str, np.ndarray] = MappingProxyType({})
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
@@ -175,7 +175,7 @@ def dummy_batch(key: GraphKey, *, max_model_len: int | None = None) -> StepBatch
 def step_or_idle(batch: StepBatch | None) -> StepBatch:
     """`batch`, or for None (an idle data-parallel rank) an empty step; `TypeError` for anything else."""
     if batch is None:
-        return _IDLE
+        return IDLE
     if not isinstance(batch, StepBatch):
         raise TypeError(f"expected a StepBatch (or None for an idle rank); got {type(batch).__name__}")
     return batch
@@ -320,4 +320,5 @@ def _short(array: np.ndarray) -> str:
     return str(items) if len(items) <= 8 else f"[{', '.join(map(str, items[:8]))}, ...]"
 
 
-_IDLE = StepBatch([], [])
+IDLE = StepBatch([], [])
+"""The step of an idle data-parallel rank (no tokens, no requests): one object, so `batch is IDLE` tells it."""

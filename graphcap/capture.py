@@ -34,6 +34,7 @@ from graphcap.failures import FailurePolicy
 from graphcap.inputs import BufferSpec, ForwardInputs, KVGroup
 from graphcap.keys import GraphKey, KeyRegistry, Mode
 from graphcap.outputs import OutputRows
+from graphcap.phases import in_phase
 from graphcap.piecewise import running
 from graphcap.probe import probe_batch
 from graphcap.report import GraphRecord, format_bytes
@@ -70,6 +71,8 @@ class CapturePass:
     group_scratch: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     timer: Callable[[], float] | None = None
     """What times each key's replay against eager (`replay_speedup`); None: CUDA events or perf_counter."""
+    on_captured: Callable[[GraphKey], None] | None = None
+    """Called with each key right after its graph is captured (communicators register its buffers)."""
 
     def run(
         self, keys: Iterable[GraphKey], *, context: Callable[[], AbstractContextManager], progress: bool | None
@@ -88,14 +91,18 @@ class CapturePass:
                     records.append(record)
                     if graph is not None:
                         graphs[key] = graph
+                        if self.on_captured is not None:
+                            self.on_captured(key)
             if self.config.checks.verify_replay:  # after the context: the engine registered its buffers
                 for i, record in enumerate(records):
-                    records[i] = self.verify(record, graphs.get(record.key))
+                    with in_phase("verify"):
+                        records[i] = self.verify(record, graphs.get(record.key))
                     if records[i].status == "skipped":
                         graphs.pop(record.key, None)  # the failure policy released it
             for i, record in enumerate(records):  # what each graph buys (collective with capture.min_speedup)
                 if record.key in graphs:
-                    records[i] = self.measure(record, graphs[record.key])
+                    with in_phase("verify"):  # graphcap's dummy batch, replayed and run eagerly
+                        records[i] = self.measure(record, graphs[record.key])
                     if records[i].status == "skipped":
                         graphs.pop(record.key).release()
         except BaseException:
@@ -191,10 +198,10 @@ class CapturePass:
 
         with torch.inference_mode():
             speedup = replay_speedup(replay, eager, self.backend, timer=self.timer)
-        least, sync = self.config.capture.min_speedup, self.failures.sync
+        least, peers = self.config.capture.min_speedup, self.failures.peers
         slow, peer = least is not None and speedup < least, False
-        if least is not None and sync is not None:  # ranks keep the same keys: one slow rank drops it everywhere
-            first = sync.first_failed_rank(slow, f"{key}: capture.min_speedup")
+        if least is not None and peers is not None:  # ranks keep the same keys: one slow rank drops it everywhere
+            first = peers.first_failed(slow, "key", f"{key}: capture.min_speedup")
             slow, peer = first is not None, first is not None and not slow
         if not slow:
             return dataclasses.replace(record, speedup=speedup)

@@ -9,7 +9,7 @@
 | `CaptureError` | `RuntimeError` | a graph could not be captured or replayed |
 | `CaptureUnsafeError` | `CaptureError` | an op a CUDA graph cannot hold; `.op`, `.location`, `.reason` |
 | `StaticInputMovedError` | `CaptureError` | a tensor a graph reads moved or was replaced after capture |
-| `DistributedTimeoutError` | `CaptureError` | a data-parallel collective failed or timed out |
+| `DistributedTimeoutError` | `CaptureError` | an agreement with peers or a step's collective failed, or out of step |
 
 Import them from here (or from `graphcap`, the package face).
 """
@@ -133,4 +133,5 @@ class StaticInputMovedError(CaptureError):
 
 
 class DistributedTimeoutError(CaptureError):
-    """A collective did not complete in time: some rank stopped stepping (or died)."""
+    """An agreement with peers or a collective of a step did not complete (a rank stopped stepping, died, or
+    made another call: "ranks out of step"); the message names the step."""

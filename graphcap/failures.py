@@ -1,6 +1,6 @@
 """What a failed key does to a capture pass, and how a failure is described.
 
-`FailurePolicy.settle` decides: data-parallel ranks agree on it first (capture runs in
+`FailurePolicy.settle` decides: data- and tensor-parallel ranks agree on it first (capture runs in
 lockstep), a sticky CUDA error ends the pass on every rank, `capture.on_error: raise` raises
 with the key and a hint, `skip` returns the reason the key is recorded with. Every failure's
 frames are dropped first, so its tensors never outlive the key.
@@ -36,23 +36,23 @@ STICKY_HINT = (
 
 
 class FailurePolicy:
-    """What a failed key does to a capture pass (`capture.on_error`), agreed with data-parallel peers.
+    """What a failed key does to a capture pass (`capture.on_error`), agreed with data- and tensor-parallel peers.
 
-    `sync`: the manager's `DataParallelSync`, or None. Every rank calls `settle` for every key
-    (failed or not) in the same order: it is a collective with a group.
+    `peers`: the manager's `StepAgreement` (its DP and TP groups), or None. Every rank calls
+    `settle` for every key (failed or not) in the same order: it is a collective with peers.
     """
 
-    def __init__(self, on_error: str, sync: Any = None) -> None:
+    def __init__(self, on_error: str, peers: Any = None) -> None:
         self.on_error = on_error
-        self.sync = sync
+        self.peers = peers
 
     def settle(self, what: str, failure: BaseException | None, graph: Any = None) -> str | None:
         """None when `what` (a key, or its verification) succeeded on every rank; else release `graph`
         and raise (`on_error: raise`, or a sticky CUDA error) or return the reason to skip it."""
         failure = self._agree(what, failure)
         sticky = failure is not None and is_sticky_cuda_error(failure)
-        if self.sync is not None:  # a rank that stops must not leave its peers waiting in the next key
-            sticky_rank = self.sync.first_failed_rank(sticky, what=f"{what}: sticky CUDA error")
+        if self.peers is not None:  # a rank that stops must not leave its peers waiting in the next key
+            sticky_rank = self.peers.first_failed(sticky, "sticky", what)
             if sticky_rank is not None and not sticky:
                 failure = CaptureError(
                     f"rank {sticky_rank} hit a sticky CUDA error (its own error names it); every rank stops the pass"
@@ -76,12 +76,12 @@ class FailurePolicy:
         return reason
 
     def _agree(self, what: str, failure: BaseException | None) -> BaseException | None:
-        if self.sync is None:
+        if self.peers is None:
             return failure
-        failed_rank = self.sync.first_failed_rank(failure is not None, what=what)
+        failed_rank = self.peers.first_failed(failure is not None, "key", what)
         if failure is None and failed_rank is not None:
             # Capture is in lockstep: a key one rank lacks is dropped by every rank (or raises).
-            return CaptureError(f"rank {failed_rank} failed to capture it; data-parallel ranks keep the same keys")
+            return CaptureError(f"rank {failed_rank} failed to capture it; parallel ranks keep the same keys")
         return failure
 
 

@@ -32,12 +32,12 @@ import numpy as np
 
 from graphcap.errors import InvariantViolation
 from graphcap.inputs import ForwardInputs
+from graphcap.invariant_plans import basic_holds, full_holds, qsl_tail
 from graphcap.kv_writes import check_group_rows, check_writes
 
 __all__ = ["LEVELS", "InvariantViolation", "check_invariants"]
 
 LEVELS = ("off", "basic", "full")
-_less, _subtract = np.less, np.subtract
 
 
 def check_invariants(
@@ -63,15 +63,18 @@ def check_invariants(
         return
     if level not in LEVELS:
         raise ValueError(f"level must be one of {', '.join(LEVELS)}; got {level!r}")
-    if not _basic_holds(inputs):
+    holds = basic_holds(inputs)  # the few-call proof (graphcap.invariant_plans)
+    if not holds:
         _check_basic(inputs)  # finds and names the first broken rule
     lens = None
-    if level == "full":
+    if level == "full" and not (holds and full_holds(inputs, kv_writes, dummy)):
         lens = _lengths(inputs.host.query_start_loc)
         _check_full(inputs, lens, kv_writes)
         if kv_writes:
             _check_kv_writes(inputs, lens, dummy)
     if inputs.limits.kv_groups:
+        if level == "full" and lens is None:
+            lens = _lengths(inputs.host.query_start_loc)
         check_group_rows(inputs, level, lens, dummy=dummy, kv_writes=kv_writes)
     if inputs.limits.extras:
         _check_extras(inputs, level)
@@ -102,93 +105,6 @@ def _check_extras(inputs: ForwardInputs, level: str) -> None:
                 ) from exc  # fmt: skip
 
 
-def _basic_holds(inputs: ForwardInputs) -> bool:
-    """True only when every basic rule holds, in a few numpy calls (the per-step cost).
-
-    Together the tests below imply every rule `_check_basic` checks one by one (a test in
-    `test_invariants.py` holds the two to the same verdict). Each padded region is compared
-    byte for byte with the one content its pad rule allows (for a uniform key the whole
-    `query_start_loc`, `0, q, 2q, ..., n` then the tail), so every length is right and
-    `seq_lens >= lens` is one comparison. The views and expected bytes are built once per
-    `ForwardInputs` (staging hands back the same object for the same key and counts). When
-    it says False, `_check_basic` names the first broken rule.
-    """
-    p = inputs._basic
-    if (
-        p is None
-        or p.key is not inputs.key
-        or p.n != inputs.num_tokens
-        or p.r != inputs.num_reqs
-        or p.host is not inputs.host
-        or p.limits is not inputs.limits
-    ):
-        p = _BasicPlan.of(inputs)
-        if p is None:
-            return False
-        inputs._basic = p
-    if p.uniform:
-        if p.qsl.tobytes() != p.qsl_bytes:
-            return False
-        if _less(p.seq, p.floor, out=p.ok).tobytes() != p.none:
-            return False
-    else:
-        qsl, r = p.qsl, p.r
-        if qsl[0] != 0 or qsl[r] != p.n:
-            return False
-        if r:
-            # Non-decreasing from 0 to n, so every entry lies in [0, n]: int32 lengths cannot wrap.
-            if _less(p.qsl_hi, p.qsl_lo, out=p.ok).tobytes() != p.none:
-                return False
-            lens = _subtract(p.qsl_hi, p.qsl_lo, out=p.lens)
-            if _less(p.seq, lens, out=p.ok).tobytes() != p.none:
-                return False
-        if p.qsl_tail is not None and p.qsl_tail.tobytes() != p.qsl_tail_bytes:
-            return False
-    if p.seq_tail is not None and p.seq_tail.tobytes() != p.seq_tail_bytes:
-        return False
-    return p.slot_tail is None or p.slot_tail.tobytes() == p.slot_tail_bytes
-
-
-class _BasicPlan:
-    """What `_basic_holds` reads for one `ForwardInputs`: views of its host rows and the bytes they must equal."""
-
-    __slots__ = (
-        "key", "n", "r", "host", "limits", "uniform", "qsl", "qsl_bytes", "qsl_hi", "qsl_lo", "qsl_tail",
-        "qsl_tail_bytes", "seq", "floor", "ok", "none", "lens", "seq_tail", "seq_tail_bytes", "slot_tail",
-        "slot_tail_bytes",
-    )  # fmt: skip
-
-    @classmethod
-    def of(cls, inputs: ForwardInputs) -> _BasicPlan | None:
-        """The plan, or None when the counts do not fit the key (`_check_basic` names that)."""
-        host, key, pad = inputs.host, inputs.key, inputs.limits.pad
-        n, r = inputs.num_tokens, inputs.num_reqs
-        T, R = len(host.input_ids), len(host.seq_lens)  # the padded counts (a piecewise key: the step's own)
-        if not (0 <= n <= T and 0 <= r <= R) or host.query_start_loc.dtype != np.int32:
-            return None
-        p = cls()
-        p.key, p.n, p.r, p.host, p.limits = key, n, r, host, inputs.limits
-        p.qsl, p.seq = host.query_start_loc, host.seq_lens[:r]
-        tail = _qsl_tail(T, R, n, r, pad.query_len).astype(np.int32)
-        p.uniform = bool(key.uniform and r)
-        if p.uniform:
-            q = T // R
-            if n != r * q:
-                return None  # a uniform key's real requests have q tokens each: broken, and named slowly
-            p.qsl_bytes = (q * np.arange(r + 1, dtype=np.int32)).tobytes() + tail.tobytes()
-            p.floor = np.full(r, q, dtype=np.int32)
-        p.qsl_hi, p.qsl_lo = host.query_start_loc[1 : r + 1], host.query_start_loc[:r]
-        p.qsl_tail = host.query_start_loc[r + 1 :] if r < R else None
-        p.qsl_tail_bytes = tail.tobytes()
-        p.ok, p.none = np.empty(r, dtype=bool), bytes(r)
-        p.lens = np.empty(r, dtype=np.int32)
-        p.seq_tail = host.seq_lens[r:] if r < R else None
-        p.seq_tail_bytes = np.full(R - r, pad.seq_len, dtype=host.seq_lens.dtype).tobytes()
-        p.slot_tail = host.slot_mapping[n:] if n < T else None
-        p.slot_tail_bytes = np.full(T - n, pad.slot, dtype=host.slot_mapping.dtype).tobytes()
-        return p
-
-
 def _check_basic(inputs: ForwardInputs) -> None:
     host, key, pad = inputs.host, inputs.key, inputs.limits.pad
     n, r = inputs.num_tokens, inputs.num_reqs
@@ -209,7 +125,7 @@ def _check_basic(inputs: ForwardInputs) -> None:
         _fail("query_start_loc", r, n, int(qsl[r]), f"the {r} real requests own exactly the {n} real tokens", key)
     if qsl[R] > T:
         _fail("query_start_loc", R, f"<= {T}", int(qsl[R]), "no offset may point past the padded tokens", key)
-    expected_tail = _qsl_tail(T, R, n, r, pad.query_len)
+    expected_tail = qsl_tail(T, R, n, r, pad.query_len)
     bad = np.flatnonzero(qsl[r + 1 :] != expected_tail)
     if bad.size:
         i = r + 1 + int(bad[0])
@@ -365,12 +281,6 @@ def _fail_decrease(qsl: np.ndarray, i: int, key: Any) -> None:
         "offsets must never decrease; a padded tail must repeat the last real offset, "
         "or query lengths go negative (repeat_interleave asserts 'repeat >= 0')", key,
     )  # fmt: skip
-
-
-def _qsl_tail(T: int, R: int, n: int, r: int, pad_query_len: int) -> np.ndarray:
-    """The padded `query_start_loc[r+1 : R+1]` (written independently of `PadWriter.qsl_tail`, same arguments)."""
-    steps = np.arange(1, R - r + 1)
-    return np.minimum(n + pad_query_len * steps, T) if pad_query_len else np.full(R - r, n)
 
 
 def _fail(field: str, index: Any, expected: Any, actual: Any, why: str, key: Any) -> None:

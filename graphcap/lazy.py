@@ -10,10 +10,11 @@ the order upfront capture uses (largest first). A key captured, skipped by `capt
 over the memory budget or too slow to pay is no longer pending; `release()`, `resize_kv()` and
 `capture()` make every key pending again.
 
-With data-parallel ranks a call is a collective: before each key the ranks all-reduce (MAX) one
-pair, "this rank stops" (its time is up, or nothing is pending) and its choice encoded as traffic
-then capture order; every rank takes the key with the most traffic on any rank, or every rank
-stops. So no key is ever captured on one rank only, and dispatch agreement never meets one.
+With data- or tensor-parallel peers a call is a collective: before each key the ranks all-reduce
+(MAX) one pair over each group, "this rank stops" (its time is up, or nothing is pending) and its
+choice encoded as traffic then capture order; every rank takes the key with the most traffic on
+any rank, or every rank stops. So no key is ever captured on one rank only, and dispatch
+agreement never meets one.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ class LazyCapture:
     Does not capture: `run` calls the manager's `capture_key(key) -> [GraphRecord]` (the key's record).
     """
 
-    def __init__(self, registry: KeyRegistry, stats: StepStats, sync: Any = None, *, is_lazy: bool = True) -> None:
-        self._registry, self._stats, self._sync = registry, stats, sync
+    def __init__(self, registry: KeyRegistry, stats: StepStats, peers: Any = None, *, is_lazy: bool = True) -> None:
+        self._registry, self._stats, self._peers = registry, stats, peers
         self.is_lazy = is_lazy
         """`capture.strategy: lazy`: `capture()` leaves every key pending."""
         self.records: dict[GraphKey, Any] = {}
@@ -81,9 +82,9 @@ class LazyCapture:
                     captured += record.status == "captured"
 
     def _next(self, stop: bool) -> GraphKey | None:
-        """The key to capture next (None: this call stops), agreed with every data-parallel rank."""
+        """The key to capture next (None: this call stops), agreed with every peer (`StepAgreement`)."""
         ordered = [] if stop else self.ordered()
-        if self._sync is None:
+        if self._peers is None:
             return ordered[0] if ordered else None
         order = self._registry.capture_order()
         choice = 0
@@ -92,14 +93,16 @@ class LazyCapture:
             choice = (min(self.traffic(ordered[0]), _MAX_TRAFFIC) << _POSITION_BITS) | (
                 (1 << _POSITION_BITS) - 1 - position
             )
-        any_stop, agreed = self._sync.reduce_max([int(not ordered), choice], "capture_pending")
+        any_stop, agreed = int(not ordered), choice
+        for sync in self._peers.syncs:  # DP then TP: every rank of a grid learns the maxima
+            any_stop, agreed = sync.reduce_max([any_stop, agreed], "capture_pending", self._peers.steps)
         if any_stop:
             return None
         key = order[(1 << _POSITION_BITS) - 1 - (agreed & ((1 << _POSITION_BITS) - 1))]
         if key not in self._registry.pending():
             raise DistributedTimeoutError(
-                f"capture_pending: the data-parallel ranks agreed to capture {key}, which this rank (rank "
-                f"{self._sync.rank}) already captured or skipped: the ranks are out of step; every rank must call "
+                f"capture_pending: the ranks agreed to capture {key}, which this rank (rank "
+                f"{self._peers.rank}) already captured or skipped: the ranks are out of step; every rank must call "
                 "capture(), capture_pending(), release() and resize_kv() together, in the same order"
             )
         return key

@@ -66,7 +66,7 @@ class LiveGraphs:
                 self._backend.empty_cache()  # once per pass; the graphs then share the pool
             self.reserve(budget)
             memory_before = self._backend.memory_in_use()
-            records, graphs = job.run(admitted, context=context, progress=progress)
+            records, graphs = job.run(admitted, context=context, progress=progress) if admitted else ([], {})
         self.install(records + declined, graphs)
         order = {key: i for i, key in enumerate(keys)}
         records = sorted(records + declined, key=lambda record: order[record.key])

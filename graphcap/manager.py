@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -22,23 +22,25 @@ from graphcap.batch import StepBatch, step_or_idle
 from graphcap.block_table import BlockTable
 from graphcap.budget import MemoryBudget
 from graphcap.capture import CapturePass, uncompiled_warnings
+from graphcap.communicators import Communicator, communicators_of, key_captured_hook, pass_context
 from graphcap.config import CaptureConfig
-from graphcap.config.fingerprint import compared_items, fingerprint_int
-from graphcap.distributed import DataParallelSync
-from graphcap.errors import CaptureError, ConfigError, ConfigProblem, InvariantViolation
+from graphcap.distributed import StepAgreement, counts_buffers
+from graphcap.errors import ConfigError, ConfigProblem, InvariantViolation
 from graphcap.failures import FailurePolicy
 from graphcap.guard import StaticGuard
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
 from graphcap.invariants import check_invariants
-from graphcap.keys import GraphKey, KeyRegistry, Mode, StepStats
+from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode, StepStats
 from graphcap.lazy import LazyCapture, check_time_limits
 from graphcap.lifecycle import LiveGraphs, PassHistory, check_kv_fits, resize_plan
 from graphcap.outputs import OutputRows
+from graphcap.phases import in_phase
 from graphcap.piecewise import running
 from graphcap.probe import group_scratch_ids, scratch_block_ids
 from graphcap.report import CaptureReport, check_report_path, format_bytes, write_report
 from graphcap.staging import PersistentBuffers
 from graphcap.staging.extras import merged_specs
+from graphcap.step_scope import StepScope
 
 __all__ = ["CaptureManager"]
 
@@ -67,21 +69,22 @@ class CaptureManager:
         buffers: Iterable[BufferSpec] = (),
         capture_context: Callable[[], AbstractContextManager] | None = None,
         device: torch.device | str | None = None,
+        tp_group: Any = None,
+        pad_eager: bool = False,
+        dp_token_counts: bool = False,
+        communicators: Iterable[Communicator] = (),
     ) -> None:
         if not callable(getattr(model, "forward", None)):
             raise TypeError(f"model must have a callable forward(inputs); got {type(model).__name__}")
-        if capture_context is not None and not callable(capture_context):
-            raise TypeError(
-                "capture_context must be a callable returning a context manager (e.g. a "
-                f"@contextlib.contextmanager function); got {type(capture_context).__name__}"
-            )
-        self._capture_context = capture_context or nullcontext
+        self._communicators = communicators_of(communicators)
+        self._capture_context = pass_context(capture_context, self._communicators)
         """Entered around a pass's captures, verification after it exits (an engine's `graph_capture()`)."""
         check_kv_fits(config, model)
         self.model = model
         self.config = config
         self.device = resolve_device(config) if device is None else torch.device(device)
-        self.buffers = PersistentBuffers.from_config(config, self.device, extras=merged_specs(config.buffers, buffers))
+        extras = (*merged_specs(config.buffers, buffers), *counts_buffers(group, dp_token_counts))
+        self.buffers = PersistentBuffers.from_config(config, self.device, extras=extras)
         self.registry = KeyRegistry.from_config(config)
         # A backend passed in may hold other managers' graphs: only one built here is reset.
         owns_backend = not isinstance(backend, GraphBackend)
@@ -97,19 +100,17 @@ class CaptureManager:
         self._forward: Callable[[ForwardInputs], Any] = model.forward
         self._prepare = prepare_of(model)
         self._outputs = OutputRows.of(model)  # which output tensors are per token, per request or whole
-        self._lock = threading.RLock()
-        self._sync = DataParallelSync(group, timeout=dp_timeout) if group is not None else None
-        if self._sync is not None:  # ranks with different configs would plan different keys: refuse now
-            self._sync.agree_on_config(fingerprint_int(config), compared_items(config))
-        self._failures = FailurePolicy(config.capture.on_error, self._sync)
+        self._peers = StepAgreement.create(  # DP (group) and TP peers, or None; agrees on the config first
+            config, self.registry, self.buffers, group, tp_group, dp_timeout, pad_eager, dp_token_counts
+        )
+        self._failures = FailurePolicy(config.capture.on_error, self._peers)
         self._budget = MemoryBudget(config, self.backend.name)
-        self._lazy = LazyCapture(self.registry, self.stats, self._sync, is_lazy=config.capture.strategy == "lazy")
+        self._lazy = LazyCapture(self.registry, self.stats, self._peers, is_lazy=config.capture.strategy == "lazy")
         self._counting = True
-        self._in_step: str | None = None
         self._history = PassHistory()
+        self._scope = StepScope(threading.RLock())
         self.last_key: GraphKey | None = None
-        """The key the last `execute`/`eager` step ran with (a captured key, or the unpadded
-        eager key); read it instead of dispatching the same batch twice."""
+        """The key the last `execute`/`eager` step ran with (captured, or the unpadded eager key)."""
 
     @contextmanager
     def uncounted(self) -> Iterator[None]:
@@ -128,6 +129,9 @@ class CaptureManager:
         instead of a fresh table. With several threads, write rows under `lock`. A capture sets them aside."""
         return self.buffers.block_table
 
+    # The step scope holds the lock; a property, so a control experiment can swap in a no-op one.
+    _lock = property(lambda self: self._scope.lock, lambda self, lock: setattr(self._scope, "lock", lock))
+
     @property
     def kv_group_tables(self) -> Mapping[str, BlockTable]:
         """Each extra KV-cache group's persistent block table by name (`kv_cache.groups`), kept as `block_table`."""
@@ -135,9 +139,9 @@ class CaptureManager:
 
     @property
     def lock(self) -> threading.RLock:
-        """The re-entrant lock every step and capture holds: hold it around `execute` and the use of
-        its result when several threads share the manager (another thread's step overwrites the view)."""
-        return self._lock
+        """The re-entrant lock every step and capture holds: hold it around `execute` and the use of its result
+        when several threads share the manager (another thread's next step overwrites the returned view)."""
+        return self._scope.lock
 
     # -- capture -------------------------------------------------------------------------
 
@@ -154,24 +158,22 @@ class CaptureManager:
         below what the backend needs (cuda: 1), when `report.path` cannot be written (checked first;
         written atomically after), or when the KV cache holds fewer blocks than `kv_cache.num_blocks`.
 
-        Writes nothing the engine owns but the null block 0 of each KV-cache group, what the model
-        writes for pad-slot tokens, `scratch_blocks` (free block ids the engine hands over) and
-        `group_scratch_blocks[name]` of each extra group (README: "What capture() writes").
+        Writes nothing the engine owns but the null block 0 of each KV-cache group, what the model writes for
+        pad-slot tokens, `scratch_blocks` (free block ids the engine hands over) and `group_scratch_blocks[name]`
+        of each extra group (README: "What capture() writes").
         """
         report_path = self.config.report.path
         if report_path:
             check_report_path(report_path)
         job = self._capture_pass(scratch_blocks, group_scratch_blocks)  # checks the scratch blocks first
-        with self._lock, self._step("capture"):
+        with self._scope("capture"):
             self._check_ready()
             replaced = len(self.graphs)
             self._live.release_all("pending" if self._lazy.is_lazy else "not_captured")
-            start, records, pool_bytes = time.perf_counter(), [], 0
+            keys = [] if self._lazy.is_lazy else self.registry.capture_order()  # lazy: capture_pending() later
+            start = time.perf_counter()
             try:
-                if self._lazy.is_lazy:  # serve now: capture_pending() captures in idle time
-                    self._live.reserve(self._budget)
-                else:
-                    records, pool_bytes = self._capture_keys(job, self.registry.capture_order(), self.progress)
+                records, pool_bytes = self._capture_keys(job, keys, self.progress)  # and reserves the budget
             except BaseException:
                 self._live.release_all()
                 raise
@@ -201,21 +203,20 @@ class CaptureManager:
         scratch_blocks: Iterable[int] = (),
         group_scratch_blocks: Mapping[str, Iterable[int]] | None = None,
     ) -> int:
-        """Capture keys with no graph yet (`capture.strategy: lazy`), most traffic first; returns how many.
-
-        Starts keys while `max_seconds` (None: no limit) have not passed and fewer than `max_keys` were taken;
-        0 when none is pending. Each key is captured and verified as by `capture()` (`scratch_blocks` too),
-        within `capture.memory_budget`; a failure follows `capture.on_error`. Collective with a group."""
+        """Capture keys with no graph yet (`capture.strategy: lazy`), most traffic first, while `max_seconds` (None:
+        no limit) have not passed and fewer than `max_keys` were taken; returns how many (0: none pending). Each is
+        captured and verified as by `capture()`, within the budget, under `capture.on_error`; collective with peers.
+        """
         check_time_limits(max_seconds, max_keys)
         job = self._capture_pass(scratch_blocks, group_scratch_blocks)
-        with self._lock, self._step("capture_pending"):
+        with self._scope("capture_pending"):
             self._check_ready()
             return self._lazy.run(lambda key: self._capture_keys(job, [key], False)[0], max_seconds, max_keys)
 
     def _capture_keys(self, job: CapturePass, keys: list[GraphKey], progress: bool | None) -> tuple[list, int]:
         """Capture `keys` into the live graphs within the budget (arming the guard first); records, pool growth."""
         if not self.graphs:
-            self._guard.arm(self._guard.collect(self.model, self.buffers.storage()), self.model)
+            self._guard.arm(self.model, self.buffers.storage())
         kwargs = {"set_aside": self.buffers.table_set_aside, "context": self._capture_context, "progress": progress}
         return self._live.add(job, keys, config=self.config, budget=self._budget, **kwargs)
 
@@ -235,25 +236,30 @@ class CaptureManager:
             outputs=self._outputs,
             kv_groups=self.buffers.limits.kv_groups,
             group_scratch=group_scratch or {},
+            on_captured=key_captured_hook(self._communicators),
         )
 
     def _check_ready(self) -> None:
-        """`ConfigError`: `num_warmups: 0` where the backend needs warmups (cuda), or a KV cache that shrank."""
+        """`ConfigError`: `num_warmups: 0` where the backend needs warmups (cuda), or a KV cache that shrank
+        without `resize_kv`. With peers, a rank that steps while they capture fails here, out of step."""
         try:
             self.backend.check_warmups(self.config.capture.num_warmups)
         except ValueError as exc:
             raise ConfigError([ConfigProblem("capture.num_warmups", str(exc))]) from None
         check_kv_fits(self.config, self.model)
+        if self._peers is not None:
+            self._peers.begin_capture()
 
     # -- steps ---------------------------------------------------------------------------
 
-    def dispatch(self, batch: StepBatch | None) -> GraphKey | None:
-        """The captured key `batch` replays with, or None (eager). Collective with a group."""
-        with self._lock, self._step("dispatch"):  # with a group, a step's collective must not interleave
-            mode, key, _ = self._dispatch(step_or_idle(batch))
+    def dispatch(self, batch: StepBatch | None, *, step: int | None = None) -> GraphKey | None:
+        """The captured key `batch` replays with, or None (eager). Collective with peers (`step`: see `execute`)."""
+        batch = step_or_idle(batch)
+        with self._scope("dispatch"):  # with a group, a step's collective must not interleave
+            mode, key, _ = self._dispatch(batch, step)
             return None if mode is Mode.EAGER else key
 
-    def execute(self, batch: StepBatch | None) -> Any:
+    def execute(self, batch: StepBatch | None, *, step: int | None = None) -> Any:
         """Run one step: dispatch, stage, prepare, check invariants, replay or run eagerly.
 
         Before every replay the static inputs are checked (`StaticInputMovedError` when one
@@ -263,47 +269,54 @@ class CaptureManager:
         `[:batch.num_reqs]`; undeclared, a tensor with a row per padded token is cut to the real
         tokens): views valid until any graph of the backend's pool replays (the next step), so
         read or clone them first. `None` is an idle data-parallel rank: it joins the agreed key
-        with no real rows.
+        with no real rows (so does a batch refused with peers, then raises). `step`: the engine's
+        step number, which peers must share (default: this manager's count of steps).
         """
         batch = step_or_idle(batch)
-        with self._lock, self._step("execute"):
-            mode, key, reason = self._dispatch(batch)
-            if mode is Mode.EAGER:
-                output = self._run_eager(batch)
-                if self._counting:  # after the run: a refused batch is no step
-                    self.stats.eager[reason] += 1
-                return output
-            self.last_key = key
-            inputs = self._stage(batch, key, phase="replay")
-            graph = self.graphs[key]
-            self._guard.check(sweep=self._level != "off")
-            if mode is Mode.PIECEWISE:  # eager ops between pieces read the step through current_inputs()
-                with running(inputs):
-                    output = graph.replay()
-            else:  # a full graph runs no Python: skip the context (about 1 us per step)
+        with self._scope.execute:
+            peers = self._peers  # with peers: agreed first; a refused batch runs the step idle, then raises
+            return self._run(batch, self._dispatch(batch)) if peers is None else peers.execute(batch, self._run, step)
+
+    def _run(self, batch: StepBatch, dispatch: Dispatch) -> Any:
+        mode, key, reason = dispatch
+        if mode is Mode.EAGER:
+            output = self._run_eager(batch, key)
+            if self._counting:  # after the run: a refused batch is no step
+                self.stats.eager[reason] += 1
+            return output
+        self.last_key = key
+        inputs = self._stage(batch, key, phase="replay")
+        graph = self.graphs[key]
+        self._guard.check_before_replay()  # what the graph writes: before the launch
+        if mode is Mode.PIECEWISE:  # eager ops between pieces read the step through current_inputs()
+            with running(inputs):
                 output = graph.replay()
-            if self._counting:
-                stats = self.stats
-                stats.graph_hits[key] += 1
-                stats.real_tokens += batch.num_tokens
-                stats.padded_tokens += key.num_tokens
-                if mode is Mode.PIECEWISE:
-                    stats.eager_op_calls += len(graph.calls)
-                    stats.eager_op_copies += graph.copies_per_replay
-            return self._outputs.real(output, inputs)
+        else:  # a full graph runs no Python: skip the context (about 1 us per step)
+            output = graph.replay()
+        self._guard.check_after_replay()  # the weights it reads: while the launch runs, before returning
+        if self._counting:
+            stats = self.stats
+            stats.graph_hits[key] += 1
+            stats.real_tokens += batch.num_tokens
+            stats.padded_tokens += key.num_tokens
+            if mode is Mode.PIECEWISE:
+                stats.eager_op_calls += len(graph.calls)
+                stats.eager_op_copies += graph.copies_per_replay
+        return self._outputs.real(output, inputs)
 
     def eager(self, batch: StepBatch) -> Any:
         """The reference: the model on the same staging path, unpadded, with no graph."""
         batch = step_or_idle(batch)
-        with self._lock, self._step("eager"):
+        with self._scope("eager"):
             return self._run_eager(batch)
 
-    def _run_eager(self, batch: StepBatch) -> Any:
-        key = self.registry.eager_key(batch.num_tokens, batch.num_reqs)
+    def _run_eager(self, batch: StepBatch, key: GraphKey | None = None) -> Any:  # key: unpadded, or pad_eager's
+        key = key or self.registry.eager_key(batch.num_tokens, batch.num_reqs)
         self.last_key = key
-        inputs = self._stage(batch, key, phase="eager")
-        with torch.inference_mode(), running(inputs):
-            output = self._forward(inputs)
+        with in_phase("eager"):
+            inputs = self._stage(batch, key, phase="eager")
+            with torch.inference_mode(), running(inputs):
+                output = self._forward(inputs)
         return self._outputs.real(output, inputs, what="model.forward (eager) of")
 
     def _stage(
@@ -319,8 +332,12 @@ class CaptureManager:
         """
         buffers = self.buffers
         inputs = buffers.stage(batch, key, upload=False)
+        if phase == "capture":  # an earlier forward may have resized a staged view: put it back first
+            buffers.layout.restore_views((key.num_tokens, batch.num_reqs if key.num_reqs is None else key.num_reqs))
         if not kv_writes:
             buffers.silence_kv_writes(inputs)
+        if self._peers is not None:
+            self._peers.write_counts(inputs)
         if self._prepare is not None:
             self._prepare(inputs, phase)
         try:
@@ -331,11 +348,11 @@ class CaptureManager:
         buffers.upload()  # the rows just staged and checked
         return inputs
 
-    def _dispatch(self, batch: StepBatch) -> tuple[Mode, GraphKey, str]:
+    def _dispatch(self, batch: StepBatch, step: int | None = None) -> Dispatch:
+        if self._peers is not None:
+            return self._peers.plan(batch, "dispatch", step).dispatch
         registry = self.registry
-        uniform = batch.is_uniform(registry.uniform_query_len)
-        own = registry.dispatch(batch.num_tokens, batch.num_reqs, uniform)
-        return own if self._sync is None else self._sync.agree_on_dispatch(registry, batch, uniform, own)
+        return registry.dispatch(batch.num_tokens, batch.num_reqs, batch.is_uniform(registry.uniform_query_len))
 
     # -- bookkeeping ---------------------------------------------------------------------
 
@@ -347,24 +364,9 @@ class CaptureManager:
         with self._lock:
             self._guard.register(name, tensor)
 
-    @contextmanager
-    def _step(self, what: str) -> Iterator[None]:
-        """Refuse a step started from inside another one (prepare() or forward() calling back)."""
-        if self._in_step is not None:
-            raise CaptureError(
-                f"manager.{what}() was called from inside {self._in_step}() (from the model's prepare() or "
-                "forward()); steps do not nest: it would restage the persistent buffers under the outer "
-                f"step. Call {what}() outside the model, after the outer step returns"
-            )
-        self._in_step = what
-        try:
-            yield
-        finally:
-            self._in_step = None
-
     def reset(self) -> None:
         """Release every graph; later steps run eagerly until `capture()` runs again."""
-        with self._lock, self._step("reset"):
+        with self._scope("reset"):
             self._history.freed("reset()", self._live.release_all())
 
     def release(self) -> int:
@@ -373,7 +375,7 @@ class CaptureManager:
         Keeps the buffers, block table rows and registrations: `capture()` (or, lazy, `capture_pending()`)
         serves again on the same addresses; steps between run eagerly (reason `released`). On CUDA the memory
         goes back to the device and later captures use a fresh pool (never one whose graphs were freed)."""
-        with self._lock, self._step("release"):
+        with self._scope("release"):
             count = self._live.release_all("released")
             self.backend.empty_cache()
             return self._history.freed("release()", count, self.stats)
@@ -386,7 +388,7 @@ class CaptureManager:
         dim `block_dim` counting blocks, checked and registered like `register_static`. Refusals change nothing:
         `ConfigError` naming the key for a count the config refuses or a cache that holds fewer blocks;
         `BatchError` naming a block table row holding a block past the bound. Returns the graphs released."""
-        with self._lock, self._step("resize_kv"):
+        with self._scope("resize_kv"):
             config, named = resize_plan(self.config, self.model, num_blocks, tensors, group, block_dim)
             self.buffers.resize_kv(num_blocks, group)
             self.config = config

@@ -44,6 +44,7 @@ from contextvars import ContextVar
 from typing import Any, Literal
 
 from graphcap.errors import CaptureError, CaptureUnsafeError
+from graphcap.phases import recording
 
 __all__ = ["current_inputs", "eager_op"]
 
@@ -109,8 +110,9 @@ class EagerOp:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         phase, session = _PHASE.get()
-        if phase == "piecewise":
-            return session.cut(self, args, kwargs)
+        if phase == "piecewise":  # the op runs eagerly between two pieces: no graph records it
+            with recording(False):
+                return session.cut(self, args, kwargs)
         if phase == "full":
             if self.capturable is not None:
                 return self.capturable(*args, **kwargs)

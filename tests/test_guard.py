@@ -16,7 +16,7 @@ import torch
 import graphcap
 from graphcap import CaptureManager, StaticInputMovedError, StepBatch
 from graphcap.guard import StaticGuard
-from graphcap.testing import make_config, make_manager
+from graphcap.testing import MOVES, make_config, make_manager
 
 BATCH = StepBatch([1, 1], [3, 4], [5, 6], [[1], [2]])
 
@@ -65,7 +65,10 @@ def test_replaced_weight_after_many_real_replays_is_refused_at_every_level(level
     ],
     ids=["data_swap", "set_", "nested_data_swap"],
 )
-def test_storage_swapped_under_a_recorded_parameter_is_refused(manager, move):
+@pytest.mark.parametrize("level", ["off", "basic"])
+def test_storage_swapped_under_a_recorded_parameter_is_refused_at_every_level(level, move):
+    manager = make_manager(make_config(checks__invariants=level))
+    manager.capture()
     manager.execute(BATCH)
     with torch.no_grad():
         move(manager.model)
@@ -97,6 +100,76 @@ def test_assigning_the_same_parameter_again_is_not_a_move(manager):
 def test_other_modules_in_the_process_do_not_disturb_the_guard(manager):
     other = torch.nn.Linear(2, 2)
     other.weight = torch.nn.Parameter(torch.zeros(2, 2))  # fires the global hook for a foreign module
+    torch.testing.assert_close(manager.execute(BATCH).clone(), manager.eager(BATCH))
+
+
+def test_parameter_put_back_after_a_replacement_is_accepted_and_an_in_place_update_is_read(manager):
+    captured = manager.model.lm_head
+    replace_lm_head(manager.model)
+    with pytest.raises(StaticInputMovedError, match=r"'model\.lm_head' was replaced"):
+        manager.execute(BATCH)
+    manager.model.lm_head = captured  # the very object the graphs read
+    torch.testing.assert_close(manager.execute(BATCH).clone(), manager.eager(BATCH))
+    with torch.no_grad():
+        captured.mul_(-2)  # a weight update in place: same memory, new values
+    torch.testing.assert_close(manager.execute(BATCH).clone(), manager.eager(BATCH))
+
+
+@pytest.mark.parametrize(
+    ("write", "match"),
+    [
+        (
+            lambda m: m._parameters.__setitem__("lm_head", torch.nn.Parameter(m.lm_head.detach() * 2)),
+            r"parameter 'model\.lm_head' was replaced",
+        ),
+        (lambda m: m._buffers.__setitem__("rope_cos", m.rope_cos * 2), r"buffer 'model\.rope_cos' was replaced"),
+        (
+            lambda m: m.layers._modules.__setitem__("0", copy.deepcopy(m.layers[0])),
+            r"submodule 'model\.layers\.0' was replaced",
+        ),
+    ],
+    ids=["_parameters", "_buffers", "_modules"],
+)
+@pytest.mark.parametrize("level", ["off", "full"])
+def test_writes_straight_into_a_modules_own_dicts_are_refused(level, write, match):
+    manager = make_manager(make_config(checks__invariants=level))
+    manager.capture()
+    manager.execute(BATCH)
+    write(manager.model)  # no registration hook fires for these
+    with pytest.raises(StaticInputMovedError, match=match):
+        manager.execute(BATCH)
+
+
+def test_a_moved_tensor_the_graph_writes_is_refused_before_the_launch_a_moved_weight_right_after_it():
+    manager = make_manager(make_config(checks__invariants="off"))
+    manager.capture()
+    manager.execute(BATCH)
+    graph = manager.graphs[manager.last_key]
+    launches, launch = [], graph._replay
+    graph._replay = lambda: (launches.append(1), launch())
+    cache = manager.model.kv_cache.data
+    manager.model.kv_cache.data = cache.clone()  # the graph would write the old cache
+    with pytest.raises(StaticInputMovedError, match=r"'model\.kv_cache' moved after capture"):
+        manager.execute(BATCH)
+    assert launches == []
+    manager.model.kv_cache.data = cache
+    manager.model.lm_head.data = manager.model.lm_head.detach() * 2  # read only: swept while the launch runs
+    with pytest.raises(StaticInputMovedError, match=r"'model\.lm_head' moved after capture"):
+        manager.execute(BATCH)
+    assert launches == [1]  # launched, then refused before execute returned the stale output
+
+
+@pytest.mark.parametrize("move", MOVES, ids=lambda m: m.name.split(" (")[0])
+def test_every_move_is_refused_at_invariants_off_while_it_lasts(move):
+    manager = make_manager(make_config(checks__invariants="off"))
+    manager.register_static("extra", torch.zeros(8))
+    manager.capture()
+    manager.execute(BATCH)
+    move.apply(manager)
+    for _ in range(2):
+        with pytest.raises(StaticInputMovedError, match=move.match):
+            manager.execute(BATCH)
+    manager.capture()
     torch.testing.assert_close(manager.execute(BATCH).clone(), manager.eager(BATCH))
 
 
@@ -173,23 +246,70 @@ def test_register_static_refuses_bad_arguments(name, tensor):
         manager.register_static(name, tensor)
 
 
+def test_registered_tensor_shrunk_in_place_at_the_same_address_is_refused():
+    manager, model = list_manager()
+    manager.execute(BATCH)
+    address = model.weight.data_ptr()
+    model.weight.resize_(32)
+    assert model.weight.data_ptr() == address
+    with pytest.raises(StaticInputMovedError, match=r"'static\.weight' changed in place after capture: shape \[64\]"):
+        manager.execute(BATCH)
+
+
+def test_registered_view_is_checked_through_the_base_the_forward_reads():
+    base = torch.linspace(-1, 1, 72 * 4)  # the engine's whole cache; only a closure holds it
+
+    class ReadsTheBase:
+        def forward(self, inputs) -> torch.Tensor:
+            slots = inputs.slot_mapping.long().clamp(min=0)
+            return base.index_select(0, slots)[:, None].expand(-1, 8).contiguous()
+
+    manager = CaptureManager(ReadsTheBase(), make_config(), progress=False)
+    manager.register_static("cache", base[: 72 * 2])  # what the engine registered: a view of half of it
+    manager.capture()
+    manager.execute(BATCH)
+    base.data = base.clone() * 2  # the base re-allocated; the registered view keeps the old memory
+    with pytest.raises(StaticInputMovedError, match=r"'static\.cache\._base' moved after capture"):
+        manager.execute(BATCH)
+
+
+class _NoStorage(torch.Tensor):
+    """A tensor subclass without storage of its own, like an FP8 weight wrapper or a DTensor."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{func} on a wrapper")
+
+
+def test_registering_a_tensor_without_storage_names_it_and_what_to_register_instead():
+    manager = CaptureManager(ListCacheModel(), make_config(), progress=False)
+    with pytest.raises(graphcap.CaptureError, match=r"'static\.fp8' is a _NoStorage without storage .* register those"):
+        manager.register_static("fp8", _NoStorage(torch.ones(4)))
+
+
 # -- the guard's own cost ------------------------------------------------------------------
 
 
 def test_guard_flags_exactly_the_moved_tensor_among_many():
     modules = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(150))  # 300 parameters
     guard = StaticGuard()
-    statics = guard.collect(modules, {})
-    assert len(statics) == 300
-    guard.arm(statics, modules)
+    assert len(guard.collect(modules, {})) == 300
+    guard.arm(modules, {})
     guard.check()
+    original = modules[97].bias.data
     with torch.no_grad():
         modules[97].bias.data = torch.zeros(4)
-    guard.check(sweep=False)  # the O(1) check sees replacements only (flagged when they happen)
+    guard.check_before_replay()  # parameters are read only: their sweep runs after the launch
+    with pytest.raises(StaticInputMovedError, match=r"'model\.97\.bias' moved after capture"):
+        guard.check_after_replay()
     with pytest.raises(StaticInputMovedError, match=r"'model\.97\.bias'"):
-        guard.check()
-    with pytest.raises(StaticInputMovedError, match=r"'model\.97\.bias'"):
-        guard.check(sweep=False)  # once seen, refused until capture (disarm) again
+        guard.check()  # refused while it stays moved
+    modules[97].bias.data = original  # the captured storage back: the graph reads exactly it again
+    guard.check()
     guard.disarm()
     guard.check()
 
@@ -200,7 +320,7 @@ def test_disarmed_guard_removes_its_hooks():
     before = len(torch_module._global_parameter_registration_hooks)
     guard = StaticGuard()
     model = torch.nn.Linear(2, 2)
-    guard.arm(guard.collect(model, {}), model)
+    guard.arm(model, {})
     assert len(torch_module._global_parameter_registration_hooks) == before + 1
     guard.disarm()
     assert len(torch_module._global_parameter_registration_hooks) == before

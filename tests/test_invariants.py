@@ -237,7 +237,8 @@ def test_unknown_level_raises_value_error():
 def test_basic_level_accepts_exactly_what_the_rule_by_rule_check_accepts(case, rules, data):
     # check_invariants("basic") takes a few-reduction fast path and names a violation with the
     # rule-by-rule checker; garbage anywhere in the staged rows must give the same verdict.
-    from graphcap.invariants import _basic_holds, _check_basic
+    from graphcap.invariant_plans import basic_holds
+    from graphcap.invariants import _check_basic
 
     inputs = staged(case, rules)
     for _ in range(data.draw(st.integers(0, 2), "corruptions")):
@@ -249,8 +250,51 @@ def test_basic_level_accepts_exactly_what_the_rule_by_rule_check_accepts(case, r
         holds = True
     except InvariantViolation:
         holds = False
-    assert _basic_holds(inputs) == holds
+    assert basic_holds(inputs) == holds
     np.testing.assert_equal(holds, _passes(inputs))
+
+
+FULL_FIELDS = ["query_start_loc", "seq_lens", "slot_mapping", "positions", "input_ids", "block_table"]
+
+
+@given(
+    case=any_batch_and_key,
+    rules=st.sampled_from(sorted(PAD_RULES)),
+    kv_writes=st.booleans(),
+    dummy=st.booleans(),
+    data=st.data(),
+)
+@settings(max_examples=300, deadline=None)
+def test_full_level_proof_accepts_only_what_the_rule_by_rule_checks_accept(case, rules, kv_writes, dummy, data):
+    # check_invariants("full") takes the few-call proof (`full_holds`) first; garbage anywhere in
+    # the staged rows must never pass the proof unless the rule-by-rule checks pass it too, and a
+    # valid step takes the proof (else the fast path would be a slow path in disguise).
+    from graphcap.invariant_plans import basic_holds, full_holds
+    from graphcap.invariants import _check_full, _check_kv_writes, _lengths
+
+    inputs = staged(case, rules)
+    valid = kv_writes or not inputs.num_tokens  # a staged real step writes its slots
+    if not kv_writes:
+        inputs.host.slot_mapping[: inputs.num_tokens] = inputs.limits.pad.slot  # as capture's reading probe
+        valid = True
+    for _ in range(data.draw(st.integers(0, 2), "corruptions")):
+        valid = False
+        array = getattr(inputs.host, data.draw(st.sampled_from(FULL_FIELDS), "field")).reshape(-1)
+        array[data.draw(st.integers(0, len(array) - 1), "index")] = data.draw(garbage, "value")
+    if not basic_holds(inputs):
+        return
+    try:
+        lens = _lengths(inputs.host.query_start_loc)
+        _check_full(inputs, lens, kv_writes)
+        if kv_writes:
+            _check_kv_writes(inputs, lens, dummy or case[0].block_table is None)
+        holds = True
+    except InvariantViolation:
+        holds = False
+    proven = full_holds(inputs, kv_writes, dummy or case[0].block_table is None)
+    assert holds or not proven
+    if valid:
+        assert proven
 
 
 def _passes(inputs) -> bool:

@@ -1,13 +1,18 @@
 """Per-replay cost of the static-input check (`graphcap.guard.StaticGuard`) at 300 static tensors.
 
-Every replay, at every invariant level, refuses a static tensor that moved since capture. This
-times, interleaved in one process (rounds of each, the order alternating), on a module tree of
-150 `nn.Linear` (300 parameters), what one replay pays for that check:
+Every replay, at every invariant level, refuses a static tensor that moved since capture. On a
+model of 150 `nn.Linear` (300 parameters) with a KV-cache buffer and a staging tensor, this times,
+interleaved in one process (rounds of each case, the order rotating), what one replay pays:
 
-- `guard.check()`: the O(1) flag (replacements caught by module registration hooks) plus the
-  `data_ptr` sweep of every recorded tensor (storage swaps: `.data =`, `set_`);
-- `guard.check(sweep=False)`: the O(1) flag alone (what `checks.invariants: off` pays);
-- the walk it replaces: `named_parameters()` + `named_buffers()` into a dict, then the
+- `check_before_replay()`: what must hold before the launch, the tensors the graph may write (the
+  KV cache, the staging; not `nn.Parameter`s) and the O(1) flag module hooks set;
+- `check_after_replay()`: the parameters (read only), swept while an asynchronous CUDA launch runs;
+- `check()`: both, back to back (what a CPU step pays, the emulated replay being synchronous);
+- `data_ptr sweep only`: one `Tensor.data_ptr` call per tensor against a list, the whole check of
+  graphcap 0.2 (identity, shape and in-place changes unseen): the floor of any per-tensor Python sweep;
+- where torch has it (CUDA builds), `torch._C._tensors_data_ptrs_at_indices_equal`, the batched
+  address check CUDA graph trees use;
+- the walk it once replaced: `named_parameters()` + `named_buffers()` into a dict, then the
   name-by-name `data_ptr` comparison (`CapturedGraph.check_addresses`).
 
     python tools/bench_guard.py            # 20 rounds x 2000 calls
@@ -28,6 +33,15 @@ from graphcap.guard import StaticGuard
 NUM_LINEAR = 150  # 300 parameters (weight and bias each)
 
 
+class Model(torch.nn.Module):
+    """150 `nn.Linear` and a KV-cache buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(NUM_LINEAR)))
+        self.register_buffer("kv_cache", torch.zeros(64, 8))
+
+
 def walk_and_compare(model: torch.nn.Module, recorded: dict[str, int]) -> None:
     """What a replay paid before the guard: rebuild the name -> tensor map, compare by name."""
     tensors = {f"model.{n}": t for n, t in model.named_parameters()}
@@ -35,6 +49,25 @@ def walk_and_compare(model: torch.nn.Module, recorded: dict[str, int]) -> None:
     for name, ptr in recorded.items():
         if tensors[name].data_ptr() != ptr:
             raise AssertionError(name)
+
+
+def cases(model: Model, guard: StaticGuard, statics: dict[str, torch.Tensor]) -> dict[str, object]:
+    tensors = list(statics.values())
+    ptrs = [t.data_ptr() for t in tensors]
+    data_ptr = torch.Tensor.data_ptr
+    recorded = {name: t.data_ptr() for name, t in statics.items() if name.startswith("model.")}
+    timed = {
+        "check_before_replay()": guard.check_before_replay,
+        "check_after_replay()": guard.check_after_replay,
+        "check() (both)": guard.check,
+        "data_ptr sweep only": lambda: list(map(data_ptr, tensors)) != ptrs,
+    }
+    batched = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    if batched is not None:
+        indices = list(range(len(tensors)))
+        timed["_tensors_data_ptrs_at_indices_equal"] = lambda: batched(tensors, ptrs, indices)
+    timed["walk named_parameters + compare"] = lambda: walk_and_compare(model, recorded)
+    return timed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,23 +78,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rounds, calls = (3, 100) if args.quick else (args.rounds, args.calls)
     torch.set_num_threads(1)
-    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(NUM_LINEAR)))
+    model = Model()
+    staging = {"packed": torch.zeros(4096, dtype=torch.uint8)}
     guard = StaticGuard()
-    statics = guard.collect(model, {})
-    guard.arm(statics, model)
-    recorded = {name: t.data_ptr() for name, t in statics.items()}
-    cases = {
-        "guard.check() (flag + data_ptr sweep)": guard.check,
-        "guard.check(sweep=False) (flag only)": lambda: guard.check(sweep=False),
-        "walk named_parameters + compare": lambda: walk_and_compare(model, recorded),
-    }
-    samples: dict[str, list[np.ndarray]] = {name: [] for name in cases}
+    statics = guard.collect(model, staging)
+    guard.arm(model, staging)
+    timed = cases(model, guard, statics)
+    names = list(timed)
+    samples: dict[str, list[np.ndarray]] = {name: [] for name in names}
     for round_ in range(rounds):
-        order = list(cases) if round_ % 2 == 0 else list(reversed(cases))
-        for name in order:
-            samples[name].append(measure(cases[name], calls, warmup=calls // 10))
+        for j in range(len(names)):
+            name = names[(round_ + j) % len(names)]
+            samples[name].append(measure(timed[name], calls, warmup=calls // 10))
     print(f"# bench_guard: torch {torch.__version__}, python {platform.python_version()}, 1 thread")
-    print(f"# {len(statics)} static tensors; {rounds} interleaved rounds x {calls} calls per case")
+    print(
+        f"# {len(statics)} static tensors ({sum(1 for _ in model.parameters())} parameters); "
+        f"{rounds} interleaved rounds x {calls} calls per case"
+    )
     header = f"{'per replay':<40} {'median':>9} {'p10':>8} {'p90':>8} {'round medians min-max':>23}"
     print(header)
     print("-" * len(header))

@@ -11,6 +11,7 @@ per-request Python builder (lists filled in a loop per request and token, then o
     python tools/bench_stage.py --compare  # graphcap vs a vLLM-style host step (tools/vllm_prep.py)
     python tools/bench_stage.py --compare --peer-copies on   # ... with both sides' uploads
     python tools/bench_stage.py --groups   # a second KV-cache group: kv_cache.groups vs engine buffers
+    python tools/bench_stage.py --levels   # check_invariants basic and full, and full's rule-by-rule checks
 
 `--compare` times graphcap's two per-step paths against a numpy re-implementation of vLLM
 v1's host-side input preparation (`tools/vllm_prep.py`; its docstring lists the vLLM steps
@@ -48,7 +49,7 @@ from vllm_prep import VllmStylePrep, graphcap_real_rows, load_step, metadata_mis
 from graphcap import BufferSpec
 from graphcap.batch import StepBatch
 from graphcap.config import CaptureConfig, PadRules, load_config
-from graphcap.invariants import check_invariants
+from graphcap.invariants import _check_full, _check_kv_writes, _lengths, check_invariants
 from graphcap.keys import GraphKey, KeyRegistry, Mode
 from graphcap.staging import PersistentBuffers
 
@@ -436,11 +437,54 @@ def groups(rounds: int, calls: int, warmup: int) -> int:
     return 0
 
 
+def rule_by_rule(inputs) -> None:
+    """The `full` checks one rule at a time, as every `full` step ran them before `full_holds` (they now name a
+    broken rule after the proof said False)."""
+    check_invariants(inputs, "basic")
+    lens = _lengths(inputs.host.query_start_loc)
+    _check_full(inputs, lens)
+    _check_kv_writes(inputs, lens, False)
+
+
+def levels(rounds: int, calls: int, warmup: int) -> int:
+    """check_invariants at basic and full, and full's rule-by-rule checks, on the same staged steps, interleaved."""
+    torch.set_num_threads(1)
+    config = load_config(overrides=OVERRIDES)
+    registry = KeyRegistry.from_config(config)
+    buffers = PersistentBuffers.from_config(config, "cpu")
+    print(f"# bench_stage --levels: numpy {np.__version__}, python {platform.python_version()}")
+    print("# one staged step per case (persistent block table); check_invariants only, no staging")
+    print(f"# interleaved: {rounds} rounds x {calls} calls each; spread = p10-p90 of the per-round medians")
+    header = f"{'case':<28} {'basic':>8} {'full':>8} {'rule by rule':>13} {'full/rules':>11} {'p10-p90':>11}"
+    print(header)
+    print("-" * len(header))
+    for case in make_cases(config, registry):
+        table = buffers.block_table
+        table.reset()
+        for row, blocks in enumerate(case.block_table):
+            table.set_row(row, blocks)
+        inputs = buffers.stage(StepBatch(case.query_lens, case.seq_lens, case.input_ids, table), case.key)
+        steps = [
+            lambda inputs=inputs: check_invariants(inputs, "basic"),
+            lambda inputs=inputs: check_invariants(inputs, "full"),
+            lambda inputs=inputs: rule_by_rule(inputs),
+        ]
+        basic, full, rules = (np.median(s, axis=1) for s in interleaved(steps, rounds, calls, warmup))
+        ratio = full / rules
+        lo, hi = np.percentile(ratio, [10, 90])
+        print(
+            f"{case.name:<28} {np.median(basic):>6.1f}us {np.median(full):>6.1f}us {np.median(rules):>11.1f}us "
+            f"{np.median(ratio):>11.2f} {lo:>5.2f}-{hi:<5.2f}"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few repetitions (seconds, for tests)")
     parser.add_argument("--repeats", type=int, default=3000, help="timed steps per case (graphcap)")
     parser.add_argument("--compare", action="store_true", help="graphcap vs a vLLM-style host step (vllm_prep.py)")
+    parser.add_argument("--levels", action="store_true", help="check_invariants basic vs full vs rule by rule")
     parser.add_argument("--rounds", type=int, default=50, help="--compare: interleaved rounds per case")
     parser.add_argument("--calls", type=int, default=100, help="--compare: timed calls per side per round")
     parser.add_argument(
@@ -456,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.groups:
         return groups(4, 10, 5) if args.quick else groups(args.rounds, args.calls, warmup=200)
+    if args.levels:
+        return levels(4, 10, 5) if args.quick else levels(args.rounds, args.calls, warmup=200)
     if args.compare:
         copies = args.peer_copies == "on"
         if args.quick:

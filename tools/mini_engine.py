@@ -29,6 +29,7 @@ blocks handed out from the grown region), with the same digest as a run without 
     python tools/mini_engine.py --steps 40 --seed 1 --quiet   # the CI run
     python tools/mini_engine.py --steps 60 --seed 1 --recapture-at 20 --recapture-at 41
     python tools/mini_engine.py --steps 60 --seed 1 --lifecycle
+    python tools/mini_engine.py --steps 40 --seed 1 --tp 2 --dp 2   # 4 gloo ranks (tools/_parallel.py)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import sys
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+import _parallel
 import numpy as np
 import torch
 
@@ -139,8 +141,9 @@ class BlockPool:
 
 
 class MiniEngine:
-    def __init__(self, manager: CaptureManager, model: AdaptedLlama, seed: int) -> None:
+    def __init__(self, manager: CaptureManager, model: AdaptedLlama, seed: int, idle_steps: bool = False) -> None:
         self.manager, self.model = manager, model
+        self.idle_steps = idle_steps  # a data-parallel rank with nothing scheduled still steps (idle)
         self.config = manager.config
         self.rng = np.random.default_rng(seed)
         self.pool = BlockPool(self.config.kv_cache.num_blocks)
@@ -257,6 +260,8 @@ class MiniEngine:
         self.arrive()
         picked = self.schedule()
         if not picked:
+            if self.idle_steps:
+                self.manager.execute(None)
             return
         batch = self.batch_of(picked)
         try:
@@ -312,6 +317,18 @@ class MiniEngine:
         self.pool.free = deque(range(old, old + count))
         self.capture_again()
 
+    def digest(self) -> str:
+        """16 hex digits of the token streams: equal runs, equal digests."""
+        return hashlib.sha256(repr(sorted(self.streams.items())).encode()).hexdigest()[:16]
+
+    def summary(self) -> str:
+        stats = self.manager.stats.as_dict()
+        return (
+            f"{self.num_requests} requests, {len(self.finished)} finished, "
+            f"{sum(len(s) for s in self.streams.values())} tokens, {sum(stats['graph_hits'].values())} steps "
+            f"replayed, {sum(stats['eager'].values())} eager"
+        )
+
     def is_done(self, request: Request) -> bool:
         full = len(request.tokens) >= self.config.kv_cache.max_model_len
         return request.num_generated >= request.max_new_tokens or full
@@ -341,7 +358,7 @@ class Run:
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(repr(sorted(self.engine.streams.items())).encode()).hexdigest()[:16]
+        return self.engine.digest()
 
 
 def lifecycle_steps(steps: int) -> dict[int, str]:
@@ -410,7 +427,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="weight swap, re-capture, release and wake, KV cache grown, spread over the run",
     )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gloo processes; default 1)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (seeds seed, seed+1, ...)")
     args = parser.parse_args(argv)
+    if args.tp not in (1, 2, 4) or args.dp < 1:
+        parser.error(f"--tp must be 1, 2 or 4 and --dp >= 1; got --tp {args.tp} --dp {args.dp}")
     if args.steps < 1:
         parser.error(f"--steps must be >= 1; got {args.steps}")
     if args.lifecycle and args.steps < 12:
@@ -418,6 +439,10 @@ def main(argv: list[str] | None = None) -> int:
     for step in args.recapture_at:
         if not 0 <= step < args.steps:
             parser.error(f"--recapture-at must be a step in [0, {args.steps}); got {step}")
+    if args.tp > 1 or args.dp > 1:
+        if args.recapture_at or args.lifecycle:
+            parser.error("--recapture-at and --lifecycle run in one process (without --tp/--dp)")
+        return _parallel.run(args)
     result = run(args.steps, args.seed, recapture_at=tuple(args.recapture_at), lifecycle=args.lifecycle)
     engine, manager = result.engine, result.manager
     if not args.quiet:

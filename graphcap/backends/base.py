@@ -29,6 +29,7 @@ from graphcap.backends.graph import CapturedGraph, is_sticky_cuda_error, record_
 from graphcap.backends.pool import GraphPool
 from graphcap.backends.preflight import preflight, sync_debug_errors
 from graphcap.errors import CaptureError, CaptureUnsafeError, StaticInputMovedError
+from graphcap.phases import in_phase, recording
 
 __all__ = [
     "CaptureError",
@@ -87,7 +88,7 @@ class GraphBackend:
         self.check_warmups(num_warmups)
         _check_callable(fn)
         self._check_not_capturing("warmup()")
-        with self._warmup_context(), torch.inference_mode():
+        with self._warmup_context(), torch.inference_mode(), in_phase("warmup"):
             with preflight(self.device, sync_debug=self._preflight_syncs):
                 fn()
             with sync_debug_errors(self._sync_debug):
@@ -163,7 +164,7 @@ class GraphBackend:
         self._check_not_capturing(what)
         self._is_capturing = True
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), recording():  # graphcap.is_capturing() is true inside
                 yield
         except BaseException:
             self.pool.rotate()  # a failed capture may leave the pool pinned or recording

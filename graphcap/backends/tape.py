@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from graphcap.backends.bindings import native_binding
+from graphcap.backends.collectives import is_async, unwrap_async
 from graphcap.backends.preflight import UnsafeOpMode
 from graphcap.errors import CaptureError
 
@@ -59,7 +60,10 @@ class TapeRecorder(UnsafeOpMode):
         self.records: list[tuple[Any, tuple, dict, Any]] = []
 
     def run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        args, kwargs = unwrap_async(self.records, args, kwargs)  # funcol's AsyncCollectiveTensor: see collectives
         out = func(*args, **kwargs)
+        if is_async(out):  # funcol wrapping a collective's result: later ops get the tensor inside
+            return out
         # Strong references until compilation, so no id() is reused by a new tensor.
         self.records.append((func, args, kwargs, out))
         return out

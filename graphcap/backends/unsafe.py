@@ -34,14 +34,20 @@ verification replays a partly filled second batch to catch a value frozen by mis
 | Tensor.item, __int__, __float__, __bool__, __index__ | device tensor | reads a value on the host |
 | Tensor.tolist, numpy, __array__, cpu | device tensor | copies to host memory |
 | Tensor.to | device tensor to "cpu" (a string, or a CPU device not the graph's) | same |
+| Tensor.__repr__, __format__ (`print(t)`, `str(t)`, f-strings, log messages) | device tensor | same, to format it |
 | torch.tensor, torch.as_tensor, torch.asarray | CUDA: host data to the device | a pageable copy, below the dispatcher |
 | torch.cuda.synchronize, empty_cache; Stream/Event .synchronize, .query | always | waits for (or asks) the GPU |
+| c10d.allreduce_, (_)allgather(_base)_, (_)reduce_scatter(_base)_, broadcast_, alltoall_base_ | emulated | a Work |
 
 `x[mask] = scalar` is capturable: with one mask index and a one-element host value,
 `index_put_` runs `masked_fill_` (no sync), so that case is not in the table.
 The `Tensor.*` and `torch.tensor`-like rows are caught by Python function (a
 `TorchFunctionMode`), because torch does not show them as distinct aten ops, or shows
 them below the Python dispatch key; the `torch.cuda.*` rows are not tensor ops at all.
+The collective rows are the emulated backend's, not CUDA's (a CUDA graph holds an in-place
+NCCL collective): `dist.all_reduce(t)` and kin return a Work (an async handle) that the
+emulated tape cannot replay, while the functional collectives return tensors and record
+(`graphcap.backends.collectives`); the fix names the functional form.
 Add a row here and a trigger to the test in tests/backends/test_unsafe.py.
 """
 
@@ -82,6 +88,10 @@ _PAGEABLE = (
     "and the host data would be frozen at capture"
 )
 _WAIT = f"it waits for (or asks about) work on the GPU, {_SYNC}"
+_PRINT = (
+    f"it formats the tensor's values as text (print, str, an f-string, a log message): it copies device data "
+    f"to host memory, {_SYNC}, and the text would show the capture run's values only (a replay runs no Python)"
+)
 _FIX_READ = (
     "Keep the value on the device (torch.where, tensor arithmetic); a per-step value computed on the "
     "host belongs in prepare(), written into a persistent buffer (a BufferSpec) that the forward reads "
@@ -97,7 +107,24 @@ _FIX_UPLOAD = (
     "outside the forward, or copy with non_blocking=True from pinned memory"
 )
 _FIX_WAIT = "Remove it from the forward: a graph's kernels are ordered on its stream already"
+_FIX_PRINT = (
+    "Remove it from the forward: print what execute() returns after it returns, or debug the step "
+    "eagerly with manager.eager(batch); format shapes and dtypes (t.shape), never values"
+)
 _FIX_FILL = "Pass the fill value as a Python number, or use torch.where(mask, value_tensor, x)"
+_COLLECTIVE = (
+    "an in-place collective returns a Work (an async handle) that the emulated backend's tape cannot replay "
+    "(a CUDA graph holds it; the emulated backend records functional collectives, which return tensors)"
+)
+_FUNCTIONAL = {  # in-place c10d op -> its functional form (torch.distributed._functional_collectives)
+    "allreduce_": "all_reduce",
+    "allgather_": "all_gather_tensor",
+    "_allgather_base_": "all_gather_tensor",
+    "reduce_scatter_": "reduce_scatter_tensor",
+    "_reduce_scatter_base_": "reduce_scatter_tensor",
+    "broadcast_": "broadcast",
+    "alltoall_base_": "all_to_all_single",
+}
 
 
 def _has_mask_index(func: Any, args: tuple, kwargs: dict, device: torch.device) -> bool:
@@ -205,6 +232,10 @@ def _uploads_host_data(func: Any, args: tuple, kwargs: dict, device: torch.devic
     return not (isinstance(data, torch.Tensor) and data.device.type == device.type)
 
 
+def _on_host_graph(func: Any, args: tuple, kwargs: dict, device: torch.device) -> bool:
+    return device.type == "cpu"  # the emulated backend's graphs; a CUDA graph holds in-place NCCL collectives
+
+
 def _rows() -> Iterator[UnsafeOp]:
     for name in ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero"):
         yield UnsafeOp(name, _READ, _FIX_READ)
@@ -243,10 +274,18 @@ def _rows() -> Iterator[UnsafeOp]:
     for method in ("tolist", "numpy", "__array__", "cpu"):
         yield UnsafeOp(f"Tensor.{method}", _COPY, _FIX_COPY)
     yield UnsafeOp("Tensor.to", _COPY, _FIX_COPY, _is_host_target)
+    for method in ("__repr__", "__format__"):
+        yield UnsafeOp(f"Tensor.{method}", _PRINT, _FIX_PRINT)
     for function in ("tensor", "as_tensor", "asarray"):
         yield UnsafeOp(f"torch.{function}", _PAGEABLE, _FIX_UPLOAD, _uploads_host_data)
     for name in SYNC_FUNCTIONS:
         yield UnsafeOp(name, _WAIT, _FIX_WAIT)
+    for name, functional in _FUNCTIONAL.items():
+        fix = (
+            f"Use torch.distributed._functional_collectives.{functional} (or the torch.ops._c10d_functional op "
+            "and wait_tensor): it returns a new tensor, which the tape records and every replay recomputes"
+        )
+        yield UnsafeOp(f"c10d.{name}", _COLLECTIVE, fix, _on_host_graph)
 
 
 SYNC_FUNCTIONS = (

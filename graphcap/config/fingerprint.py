@@ -5,15 +5,28 @@ their configs must agree on every key except the few that are per rank by nature
 `device` (`cuda:0` on one rank, `cuda:1` on the next) and `report.path` (each rank writes
 its own report). `flat_config` gives each key's canonical value, so a mismatch can be
 named key by key; `config_fingerprint` hashes them all (reports carry it too).
+
+Ranks agree on more than the config: `agreed_items` adds the torch and graphcap versions
+(`version.torch`, `version.graphcap`), since ranks on different versions may plan, stage or
+capture differently; `fingerprint_int` (what ranks all-reduce) covers them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-__all__ = ["PER_RANK_KEYS", "compared_items", "config_fingerprint", "fingerprint_int", "flat_config"]
+__all__ = [
+    "PER_RANK_KEYS",
+    "agreed_items",
+    "compared_items",
+    "config_fingerprint",
+    "fingerprint_int",
+    "flat_config",
+    "versions",
+]
 
 PER_RANK_KEYS = frozenset({"device", "report.path"})
 """Keys that may differ between data-parallel ranks (left out of the fingerprint)."""
@@ -39,14 +52,29 @@ def compared_items(config: Any) -> dict[str, str]:
 
 def config_fingerprint(config: Any) -> str:
     """16 hex digits of SHA-256 over every key but `PER_RANK_KEYS`: equal configs, equal fingerprints."""
-    return _digest(config).hex()[:16]
+    return _digest(compared_items(config)).hex()[:16]
+
+
+def versions() -> dict[str, str]:
+    """`version.torch` and `version.graphcap`, as the ranks compare them."""
+    import torch
+
+    try:
+        graphcap_version = version("graphcap")
+    except PackageNotFoundError:  # a source checkout on PYTHONPATH that was never installed
+        graphcap_version = "0+unknown"
+    return {"version.torch": torch.__version__, "version.graphcap": graphcap_version}
+
+
+def agreed_items(config: Any) -> dict[str, str]:
+    """What parallel ranks must share, key by key: `compared_items` and the `versions`."""
+    return {**compared_items(config), **versions()}
 
 
 def fingerprint_int(config: Any) -> int:
-    """The fingerprint as a non-negative int below 2**62 (fits an int64 all-reduce, negated too)."""
-    return int.from_bytes(_digest(config)[:8], "big") >> 2
+    """The fingerprint of `agreed_items` (versions included) as a non-negative int below 2**62 (an int64)."""
+    return int.from_bytes(_digest(agreed_items(config))[:8], "big") >> 2
 
 
-def _digest(config: Any) -> bytes:
-    items = sorted(compared_items(config).items())
-    return hashlib.sha256(json.dumps(items).encode()).digest()
+def _digest(items: dict[str, str]) -> bytes:
+    return hashlib.sha256(json.dumps(sorted(items.items())).encode()).digest()

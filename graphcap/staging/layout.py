@@ -4,11 +4,13 @@ Every built-in field (`graphcap.fields.FIELD_TABLE`) and every engine buffer (`B
 lives at a 64-byte aligned offset of one byte buffer, the block table last, so one copy of a
 prefix uploads every staged row of a key. With CUDA the host side is one pinned array and the
 upload is asynchronous (an event guards the pinned rows until the copy has read them); on the
-CPU the device tensors *are* the host arrays (zero copy, no upload).
+CPU the device tensors *are* the host arrays (zero copy, no upload). A view a forward changed in
+place (`resize_`, `set_`) is put back by `restore_views` (each capture does).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple
@@ -17,6 +19,8 @@ import numpy as np
 import torch
 
 __all__ = ["Entry", "KeyViews", "PackedLayout"]
+
+log = logging.getLogger("graphcap")
 
 _ALIGN = 64
 _MAX_CACHED_VIEWS = 1024
@@ -71,6 +75,7 @@ class PackedLayout:
         """An upload was issued and may still read the pinned host rows."""
         self._copy_done = None  # CUDA event of the last upload
         self._views: dict[tuple[int, int], KeyViews] = {}
+        self._geometry: dict[tuple[int, int], dict[str, tuple]] = {}  # (T, R) -> name -> (offset, size, stride)
 
     def start_device(self) -> None:
         """Make the device copy: the host staging as it is now (every later upload is a prefix)."""
@@ -87,20 +92,57 @@ class PackedLayout:
         cached = self._views.get((T, R))
         if cached is None:
             if len(self._views) >= _MAX_CACHED_VIEWS:
-                self._views.pop(next(iter(self._views)))
+                oldest = next(iter(self._views))
+                del self._views[oldest], self._geometry[oldest]
             counts = {"tokens": T, "reqs": R, "reqs+1": R + 1}
-            tensors, host, end = {}, {}, 0
+            tensors, host, end, geometry = {}, {}, 0, {}
             for entry in self.entries:
                 if entry.rows == "none":
                     index: tuple = (Ellipsis,)
                 else:
                     index = (slice(None),) * entry.row_dim + (slice(0, counts[entry.rows]),)
                 host[entry.name] = view = self.host[entry.name][index]
-                tensors[entry.name] = self._device_view(entry)[index]
+                tensors[entry.name] = tensor = self._device_view(entry)[index]
+                geometry[entry.name] = (tensor.storage_offset(), tensor.shape, tensor.stride())
                 end = max(end, _end_byte(self.offsets[entry.name], view))
             cached = KeyViews(MappingProxyType(tensors), MappingProxyType(host), end)
             self._views[(T, R)] = cached
+            self._geometry[(T, R)] = geometry
         return cached
+
+    def restore_views(self, shape: tuple[int, int] | None = None) -> list[str]:
+        """Put back the cached device views a forward changed in place; the names of those it put back.
+
+        A forward that ran `resize_`, `set_` or `as_strided_` on a staged tensor left the cached view
+        (the one every later step and capture of that shape is handed) with another shape or memory:
+        every later capture of the shape would fail on it, the model fixed or not. `shape`: only the
+        views of that `(T, R)`; None: all. The same tensor objects are restored, so every
+        `ForwardInputs` holding them is right again. Logs a warning naming what it put back.
+        """
+        storage = self.device_tensor.untyped_storage()
+        address = storage.data_ptr()
+        shapes = list(self._views) if shape is None else [shape] if shape in self._views else []
+        restored = []
+        for key in shapes:
+            geometry = self._geometry[key]
+            for name, tensor in self._views[key].tensors.items():
+                offset, size, stride = geometry[name]
+                if (
+                    tensor.untyped_storage().data_ptr() != address
+                    or tensor.storage_offset() != offset
+                    or tensor.shape != size
+                    or tensor.stride() != stride
+                ):
+                    with torch.no_grad():
+                        tensor.set_(storage, offset, size, stride)
+                    restored.append(name)
+        if restored:
+            log.warning(
+                "a forward changed the staged %s in place (resize_, set_ or as_strided_ on ForwardInputs); "
+                "graphcap put the views back",
+                ", ".join(restored),
+            )
+        return restored
 
     # -- upload ----------------------------------------------------------------------------
 

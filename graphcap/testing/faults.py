@@ -190,9 +190,7 @@ class Move(NamedTuple):
     name: str
     apply: Callable[[CaptureManager], None]
     match: str
-    """Regex the `StaticInputMovedError` message must match (names the tensor)."""
-    at_off: bool
-    """Caught at `checks.invariants: off` too (flagged when it happens, O(1))."""
+    """Regex the `StaticInputMovedError` message must match (names the tensor); refused at every invariant level."""
 
 
 def _replace_parameter(manager: CaptureManager) -> None:
@@ -224,17 +222,23 @@ def _register_again(manager: CaptureManager) -> None:
     manager.register_static("extra", torch.zeros(8))
 
 
+def _write_parameters_dict(manager: CaptureManager) -> None:
+    model = manager.model
+    model._parameters["lm_head"] = torch.nn.Parameter(model.lm_head.detach() * 2, requires_grad=False)
+
+
+def _write_buffers_dict(manager: CaptureManager) -> None:
+    manager.model._buffers["rope_cos"] = manager.model.rope_cos * 2
+
+
 MOVES = (
-    Move(
-        "parameter replaced (model.lm_head = Parameter(...))",
-        _replace_parameter,
-        r"'model\.lm_head' was replaced",
-        True,
-    ),
-    Move("parameter storage swapped (lm_head.data = ...)", _swap_data, r"'model\.lm_head' moved after capture", False),
-    Move("parameter storage set_ (norm.set_(...))", _set_storage, r"'model\.norm' moved after capture", False),
-    Move("buffer replaced (model.kv_cache = ...)", _replace_buffer, r"'model\.kv_cache' was replaced", True),
-    Move("submodule replaced (model.layers[0] = ...)", _replace_submodule, r"'model\.layers\.0' was replaced", True),
-    Move("registered name given another tensor", _register_again, r"'static\.extra' was registered again", True),
+    Move("parameter replaced (model.lm_head = Parameter(...))", _replace_parameter, r"'model\.lm_head' was replaced"),
+    Move("parameter storage swapped (lm_head.data = ...)", _swap_data, r"'model\.lm_head' moved after capture"),
+    Move("parameter storage set_ (norm.set_(...))", _set_storage, r"'model\.norm' moved after capture"),
+    Move("buffer replaced (model.kv_cache = ...)", _replace_buffer, r"'model\.kv_cache' was replaced"),
+    Move("submodule replaced (model.layers[0] = ...)", _replace_submodule, r"'model\.layers\.0' was replaced"),
+    Move("registered name given another tensor", _register_again, r"'static\.extra' was registered again"),
+    Move("parameter written into _parameters", _write_parameters_dict, r"'model\.lm_head' was replaced"),
+    Move("buffer written into _buffers", _write_buffers_dict, r"'model\.rope_cos' was replaced"),
 )
 """The moves `StaticGuard` must refuse on the next replay (register `extra` before capture for the last)."""

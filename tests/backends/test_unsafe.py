@@ -13,8 +13,11 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from graphcap import CaptureManager
 from graphcap.backends import UNSAFE_OPS, CaptureUnsafeError, check_capture_safe
 from graphcap.backends.preflight import unsafe_op_checker
+from graphcap.models import build_model
+from graphcap.testing import make_config
 from tests.backends.conftest import marked_line
 
 
@@ -34,7 +37,14 @@ def _tensors(device: str = "cpu") -> SimpleNamespace:
         rows=torch.tensor([0, 2], device=device),
         host=torch.ones(4, 8),  # pageable host memory
         stream=None,  # a CPU build cannot make a torch.cuda.Stream; the checker refuses before reading it
+        pg=_bare_process_group(),  # what dist.all_reduce(t) calls; the checker refuses before it runs
     )
+
+
+def _bare_process_group():
+    import torch.distributed as dist
+
+    return dist.ProcessGroup(dist.HashStore(), 0, 1)
 
 
 def _local_scalar_dense(t):
@@ -159,6 +169,15 @@ def _to_cpu(t):
     return t.x.to("cpu")  # unsafe
 
 
+def _print(t):
+    print(t.x)  # unsafe
+    return t.x
+
+
+def _format(t):
+    return f"{t.x.sum():.3f}"  # unsafe
+
+
 def _upload_with_to(t):
     return t.host.to(t.x.device)  # unsafe (a pageable host -> device copy)
 
@@ -254,6 +273,8 @@ TRIGGERS = {
     "Tensor.__array__": _array,
     "Tensor.cpu": _cpu,
     "Tensor.to": _to_cpu,
+    "Tensor.__repr__": _print,
+    "Tensor.__format__": _format,
     "aten._to_copy": _upload_with_to,
     "aten.copy_": _copy_from_host,
     "aten.masked_fill": _masked_fill_device_value,
@@ -269,7 +290,16 @@ TRIGGERS = {
     "torch.cuda.Stream.query": _stream_query,
     "torch.cuda.Event.synchronize": _event_synchronize,
     "torch.cuda.Event.query": _event_query,
+    "c10d.allreduce_": lambda t: t.pg.allreduce([t.x]),  # unsafe
+    "c10d.allgather_": lambda t: t.pg.allgather([[t.x.clone()]], [t.x]),  # unsafe
+    "c10d._allgather_base_": lambda t: t.pg._allgather_base(t.x.clone(), t.x),  # unsafe
+    "c10d.reduce_scatter_": lambda t: t.pg.reduce_scatter([t.x.clone()], [[t.x]]),  # unsafe
+    "c10d._reduce_scatter_base_": lambda t: t.pg._reduce_scatter_base(t.x.clone(), t.x),  # unsafe
+    "c10d.broadcast_": lambda t: t.pg.broadcast([t.x]),  # unsafe
+    "c10d.alltoall_base_": lambda t: t.pg.alltoall_base(t.x.clone(), t.x, [], []),  # unsafe
 }
+EMULATED_ONLY = {name for name in UNSAFE_OPS if name.startswith("c10d.")}
+"""In-place collectives: a CUDA graph holds them (NCCL), the emulated backend's tape cannot (a Work)."""
 # torch's Python bindings of x[mask], torch.nonzero and copy_ take a CUDA device guard before
 # any mode sees the call, and a CPU-only build has no CUDA guard: on such a build the fake-CUDA
 # test reaches the same aten ops through their OpOverloads (a CUDA build runs the bindings).
@@ -317,7 +347,7 @@ def test_every_unsafe_op_is_refused_naming_op_and_user_line(emulated, op_name, s
     assert emulated.graphs == ()
 
 
-@pytest.mark.parametrize("op_name", sorted(UNSAFE_OPS))
+@pytest.mark.parametrize("op_name", sorted(set(UNSAFE_OPS) - EMULATED_ONLY))
 def test_every_unsafe_op_is_named_on_cuda_tensors_under_fake_tensor_mode(op_name):
     """check_capture_safe on fake CUDA tensors: the verdicts the preflight gives on a GPU."""
     trigger = FAKE_FORMS.get(op_name, TRIGGERS[op_name])
@@ -482,3 +512,35 @@ def test_uploads_are_classified_by_their_arguments_before_they_run(upload):
             check_capture_safe(lambda: upload(t), "cuda")
         x = t.x
         assert check_capture_safe(lambda: x.to(torch.float16), "cuda").dtype == torch.float16  # no crossing
+
+
+class _Prints(torch.nn.Module):
+    """The reference model with a debugging print left in its forward."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.inner = build_model(config)
+
+    def forward(self, inputs) -> torch.Tensor:
+        logits = self.inner(inputs)
+        print("logits", logits)  # unsafe: on CUDA a device-to-host copy and a sync, frozen at capture
+        return logits
+
+
+def test_a_forward_that_prints_a_tensor_is_refused_at_capture_by_name_and_line():
+    config = make_config()
+    manager = CaptureManager(_Prints(config), config, progress=False)
+    with pytest.raises(CaptureUnsafeError, match=r"Tensor\.__repr__ at .*test_unsafe\.py:\d+: it formats") as caught:
+        manager.capture()
+    assert marked_line(_Prints.forward) in str(caught.value)
+    assert manager.graphs == {}
+
+
+def test_in_place_collectives_are_refused_only_where_the_graph_device_is_the_cpu():
+    # A CUDA graph holds an in-place NCCL all-reduce; the emulated backend's tape cannot hold a Work.
+    from graphcap.backends.preflight import check_op
+
+    allreduce = torch.ops.c10d.allreduce_.default
+    check_op(allreduce, ([torch.empty(4, device="meta")],), {}, torch.device("meta"))
+    with pytest.raises(CaptureUnsafeError, match=r"c10d\.allreduce_ at .*_functional_collectives\.all_reduce"):
+        check_op(allreduce, ([torch.empty(4)],), {}, torch.device("cpu"))

@@ -58,6 +58,9 @@ def _spawn_world(world_size: int, directory: Path) -> list[dict]:
     for rank in hung:
         procs[rank].kill()
         procs[rank].join()
+    codes = [proc.exitcode for proc in procs]
+    if hung or any(codes):
+        pytest.fail(f"world of {world_size}: hung ranks {hung}, exit codes {codes} (every rank must exit 0)")
     results = []
     for rank in range(world_size):
         path = directory / f"rank{rank}.pkl"
@@ -193,7 +196,7 @@ def test_a_rank_that_stops_stepping_surfaces_as_a_timeout_naming_the_step(world)
     for result in world[:-1]:
         timeout = result["timeout"]
         assert timeout is not None, f"rank {result['rank']} stepped alone without an error"
-        assert timeout["message"].startswith("step 1: dispatch:")
+        assert timeout["message"].startswith("step 1: execute:")
         assert f"within {_worker.TIMEOUT_S:g} s on rank {result['rank']}" in timeout["message"]
         assert _worker.TIMEOUT_S - 0.5 <= timeout["seconds"] < _worker.TIMEOUT_S + 20
 

@@ -79,3 +79,25 @@ def test_lifecycle_needs_room_for_its_events():
 def test_recapture_at_must_be_a_step_of_the_run():
     result = run_tool("mini_engine.py", "--steps", "10", "--recapture-at", "10")
     assert result.returncode == 2 and "--recapture-at must be a step in [0, 10); got 10" in result.stderr
+
+
+def _digests(*args: str) -> list[str]:
+    result = run_tool("mini_engine.py", "--steps", "20", "--quiet", *args, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return re.findall(r"token streams digest: (\w+)", result.stdout)
+
+
+def test_tensor_and_data_parallel_runs_sample_the_single_process_token_streams():
+    """TP=2 (real all-reduces in every layer) and TP=2 x DP=2 on gloo: each replica's streams equal one process's."""
+    single = [_digests("--seed", str(seed))[0] for seed in (1, 2)]
+    assert _digests("--seed", "1", "--tp", "2") == single[:1]
+    assert _digests("--seed", "1", "--tp", "2", "--dp", "2") == single
+
+
+def test_parallel_flags_are_checked():
+    result = run_tool("mini_engine.py", "--tp", "3")
+    assert result.returncode == 2 and "--tp must be 1, 2 or 4 and --dp >= 1; got --tp 3 --dp 1" in result.stderr
+    result = run_tool("mini_engine.py", "--dp", "2", "--recapture-at", "1")
+    assert result.returncode == 2 and "--recapture-at and --lifecycle run in one process" in result.stderr
+    result = run_tool("mini_engine.py", "--tp", "2", "--lifecycle")
+    assert result.returncode == 2 and "--recapture-at and --lifecycle run in one process" in result.stderr

@@ -1,0 +1,25 @@
+"""Agreement with data- and tensor-parallel peers: `StepAgreement` (a step), `GroupSync` (one reduction).
+
+`groups` picks the CPU group an agreement runs on; `sync` is the one reduction, carrying the
+step and the call; `step` orders a step so no rank strands its peers. docs/parallel.md is the
+user's view.
+"""
+
+from graphcap.distributed.step import (
+    COUNTS_BUFFER,
+    AgreedStep,
+    StepAgreement,
+    counts_buffers,
+    is_collective_error,
+)
+from graphcap.distributed.sync import Agreement, GroupSync
+
+__all__ = [
+    "COUNTS_BUFFER",
+    "AgreedStep",
+    "Agreement",
+    "GroupSync",
+    "StepAgreement",
+    "counts_buffers",
+    "is_collective_error",
+]

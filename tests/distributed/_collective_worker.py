@@ -1,0 +1,195 @@
+"""Ranks of the multi-rank tests whose forwards hold collectives (spawned by `_spawn.spawn_world`).
+
+Each function is one rank: it builds its manager on the world gloo group, runs the scenarios of
+one test module in order and returns what happened, as plain data the parent asserts on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import torch
+
+import graphcap
+from tests.distributed._models import (
+    CONFIG,
+    GatherMLP,
+    TensorParallelMLP,
+    decodes,
+    reference,
+    tape_ops,
+)
+from tests.distributed._spawn import outcome
+
+DP_TIMEOUT_S = 30.0
+
+
+def _close(output: torch.Tensor, batch) -> str:
+    """ "ok" when `output` equals the single-process reference of `batch`, else the difference."""
+    expected = reference(batch.input_ids) if batch is not None else torch.zeros(0, output.shape[-1])
+    try:
+        torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+    except AssertionError as exc:
+        return str(exc).splitlines()[-1]
+    return "ok"
+
+
+def _step(manager, model, num_tokens: int, seed: int, **kwargs) -> dict[str, Any]:
+    batch = decodes(num_tokens, seed, bad_block=kwargs.pop("bad_block", False))
+    result = outcome(lambda: manager.execute(batch, **kwargs).clone())
+    if "value" in result:
+        result["match"] = _close(result.pop("value"), batch)
+    result["key"] = manager.last_key
+    result["seen"] = model.seen.tolist() if hasattr(model, "seen") else None
+    return result
+
+
+def _break_seq_lens(inputs) -> None:
+    """A real step's `prepare` that breaks a row: the invariants refuse the step after its agreement."""
+    if inputs.num_tokens:
+        inputs.host.seq_lens[0] = -1
+
+
+def data_parallel(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Two DP ranks, a forward with a DP all-gather, `pad_eager` and the per-rank token counts."""
+    import torch.distributed as dist
+
+    from graphcap import CaptureManager, load_config
+
+    config = load_config(overrides=CONFIG)
+    model = GatherMLP(dist.group.WORLD, world)
+    manager = CaptureManager(
+        model,
+        config,
+        backend="emulated",
+        group=dist.group.WORLD,
+        dp_timeout=DP_TIMEOUT_S,
+        pad_eager=True,
+        dp_token_counts=True,
+        progress=False,
+    )
+    manager.capture()
+    res: dict[str, Any] = {"graphs": len(manager.graphs)}
+    res["graph"] = _step(manager, model, (3, 6)[rank], 10 + rank)
+    res["idle"] = _step(manager, model, (3, 0)[rank], 20 + rank)
+    res["eager"] = _step(manager, model, (3, 9)[rank], 30 + rank)  # rank 1 above the largest size
+    res["refused"] = _step(manager, model, 3, 40 + rank, bad_block=rank == 1)
+    if rank == 1:
+        model.on_prepare = _break_seq_lens
+    res["refused_after"] = _step(manager, model, (2, 5)[rank], 50 + rank)
+    model.on_prepare = None
+    res["after_refusals"] = _step(manager, model, (4, 2)[rank], 60 + rank)
+    res["engine_steps"] = _step(manager, model, 3, 70 + rank, step=(10, 11)[rank])  # rank 1 skipped step 10
+    res["engine_steps_again"] = _step(manager, model, 3, 80 + rank, step=12)
+    if rank == 0:  # rank 0 captures while rank 1 steps
+        res["mismatch"] = outcome(manager.capture)
+    else:
+        res["mismatch"] = _step(manager, model, 3, 90)
+    res["graphs_after_mismatch"] = len(manager.graphs)
+    res["after_mismatch"] = _step(manager, model, (1, 7)[rank], 100 + rank)
+    res["stats"] = manager.stats.as_dict()
+    return res
+
+
+def data_parallel_death(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Rank 1 dies after the agreement of its second step, before the graph's all-gather."""
+    import torch.distributed as dist
+
+    from graphcap import CaptureManager, load_config
+
+    config = load_config(overrides=CONFIG)
+    model = GatherMLP(dist.group.WORLD, world)
+    manager = CaptureManager(
+        model, config, backend="emulated", group=dist.group.WORLD, dp_timeout=DP_TIMEOUT_S, progress=False
+    )
+    manager.capture()
+    res = {"first": _step(manager, model, 3, 1 + rank)}
+    if rank == 1:
+        model.on_prepare = lambda inputs: os.kill(os.getpid(), signal.SIGKILL)
+    res["second"] = _step(manager, model, 3, 2 + rank)
+    return res
+
+
+def tensor_parallel(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Two TP ranks: each all-reduce spelling, the custom all-reduce, TP ranks fed different batches."""
+    import torch.distributed as dist
+
+    from graphcap import CaptureManager, load_config
+
+    config = load_config(overrides=CONFIG)
+    group = dist.group.WORLD
+    res: dict[str, Any] = {}
+    for spelling in ("functional", "funcol", "inplace", "custom_graphcap", "custom_cuda"):
+        model = TensorParallelMLP(rank, world, spelling, group)
+        context = model.custom.capture if model.custom is not None else None
+        manager = CaptureManager(
+            model, config, backend="emulated", tp_group=group, dp_timeout=DP_TIMEOUT_S, progress=False,
+            capture_context=context,
+        )  # fmt: skip
+        done = res[spelling] = outcome(lambda: len(manager.capture().captured))  # noqa: B023
+        if "value" in done:
+            done["steps"] = [_step(manager, model, n, 100 * n) for n in (1, 3, 8, 12)]
+            done["tape"] = tape_ops(manager.graphs[max(manager.graphs)])
+    model = TensorParallelMLP(rank, world, "functional", group)
+    manager = CaptureManager(model, config, backend="emulated", tp_group=group, dp_timeout=DP_TIMEOUT_S, progress=False)
+    manager.capture()
+    res["same"] = _step(manager, model, 3, 7)
+    res["other_size"] = _step(manager, model, (3, 5)[rank], 8)  # different keys: 4 and 8
+    res["other_tokens"] = _step(manager, model, 3, 9 + rank)  # the same key, other token ids
+    res["same_again"] = _step(manager, model, 6, 10)
+    return res
+
+
+def grid(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """TP 2 x DP 2 on four ranks: DP groups {0, 2} and {1, 3}, TP groups {0, 1} and {2, 3}.
+
+    The DP group reports an NCCL backend (patched: no NCCL on a CPU), so graphcap makes its gloo
+    twin over the DP ranks alone. Replica 0 (ranks 0, 1) and replica 1 (ranks 2, 3) step with
+    different batches; rank 1's recording of size 4 fails.
+    """
+    import torch.distributed as dist
+
+    from graphcap import CaptureManager, load_config
+    from graphcap.models import build_model
+
+    dp_groups = {r: g for ranks in ([0, 2], [1, 3]) for g in [dist.new_group(ranks)] for r in ranks}
+    tp_groups = {r: g for ranks in ([0, 1], [2, 3]) for g in [dist.new_group(ranks)] for r in ranks}
+    dp, tp = dp_groups[rank], tp_groups[rank]
+    real = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl" if group is dp else real(group)
+    res: dict[str, Any] = {}
+    config = load_config(overrides={**CONFIG, "capture.on_error": "skip"})
+    # A DP-only manager per DP group, made at the same time by both groups (no graphs: dispatch is eager).
+    dp_only = CaptureManager(build_model(config), config, group=dp, dp_timeout=DP_TIMEOUT_S, progress=False)
+    res["dp_only"] = dp_only.dispatch(decodes(rank + 1, rank))
+
+    from graphcap.distributed import GroupSync
+
+    sync = GroupSync(dp, timeout=DP_TIMEOUT_S)
+    res["twin_ranks"] = dist.get_process_group_ranks(sync.group)
+    res["twin_is_new"] = sync.group is not dp
+    res["reduced"] = sync.reduce_max([rank], "probe")
+    model = TensorParallelMLP(dist.get_rank(tp), 2, "functional", tp)
+    forward = model.forward
+
+    def failing(inputs):
+        # At the end of the recording (the key's last forward), after its all-reduce: a rank that fails
+        # earlier in a forward leaves its TP peer in that forward's next collective (docs/parallel.md).
+        output = forward(inputs)
+        if rank == 1 and inputs.key.num_tokens == 4 and graphcap.is_capturing():
+            raise RuntimeError("injected failure on rank 1")
+        return output
+
+    model.forward = failing
+    manager = CaptureManager(
+        model, config, backend="emulated", group=dp, tp_group=tp, dp_timeout=DP_TIMEOUT_S, progress=False
+    )
+    manager.capture()
+    res["captured"] = sorted(manager.registry.captured)
+    res["skipped"] = sorted(manager.registry.skipped)
+    replica = rank // 2
+    res["steps"] = [_step(manager, model, n, seed) for seed, n in enumerate(((2, 6), (1, 2), (5, 12))[i][replica]
+                                                                           for i in range(3))]  # fmt: skip
+    return res

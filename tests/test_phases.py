@@ -1,0 +1,163 @@
+"""`graphcap.phase()` and `graphcap.is_capturing()`: what a model, its `prepare` and an engine buffer's check see.
+
+The rule of issue 22's first finding: a communicator that returns a placeholder outside a graph's
+recording (vLLM's and SGLang's custom all-reduce during warmups) must be able to ask graphcap
+whether a graph records now; with `capture_context` as its capture mode and verification after
+the context exits, a model that asks replays correctly, and one that cannot ask fails capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+import graphcap
+from graphcap import BufferSpec, CaptureError, CaptureManager, StepBatch
+from graphcap.phases import DUMMY_PHASES
+from graphcap.testing import make_config
+
+VOCAB, HIDDEN = 128, 16
+
+
+class PhaseModel(torch.nn.Module):
+    """A two-matrix model that logs (phase, is_capturing) at every forward and prepare it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g), requires_grad=False)
+        self.head = torch.nn.Parameter(torch.randn(HIDDEN, VOCAB, generator=g), requires_grad=False)
+        self.forwards: list[tuple[str, bool]] = []
+        self.prepares: list[tuple[str, str]] = []
+
+    def prepare(self, inputs, phase) -> None:
+        self.prepares.append((phase, graphcap.phase()))
+
+    def forward(self, inputs) -> torch.Tensor:
+        self.forwards.append((graphcap.phase(), graphcap.is_capturing()))
+        return self.emb[inputs.input_ids.long()] @ self.head
+
+
+def batch(num_tokens: int, seed: int = 0, **extras) -> StepBatch:
+    """Decodes up to 8 tokens (the largest captured size), else two prefill chunks (an eager step)."""
+    rng = np.random.default_rng(seed)
+    q = np.ones(num_tokens, np.int32) if num_tokens <= 8 else np.array([num_tokens // 2, num_tokens - num_tokens // 2])
+    return StepBatch(q, q + 3, rng.integers(0, VOCAB, num_tokens), extras=extras or None)
+
+
+def test_phase_is_outside_and_nothing_captures_outside_a_step():
+    assert graphcap.phase() == "outside" and graphcap.is_capturing() is False
+
+
+def test_each_forward_sees_its_phase_and_only_the_recording_sees_is_capturing():
+    model = PhaseModel()
+    manager = CaptureManager(model, make_config(), backend="emulated", progress=False)
+    manager.capture()
+    seen = Counter(model.forwards)
+    keys = len(manager.graphs)
+    assert seen[("capture", True)] == keys  # one recording per key
+    assert seen[("warmup", False)] == 2 * keys  # the checked preflight, then num_warmups: 1
+    assert seen[("verify", False)] == 2 * keys  # the eager references of the dummy and probe batches
+    assert set(seen) == {("capture", True), ("warmup", False), ("verify", False)}
+    model.forwards.clear()
+    manager.execute(batch(3))  # a replay: the tape runs, not the Python forward
+    manager.execute(batch(20))  # above the largest size: eager
+    manager.eager(batch(3))
+    assert model.forwards == [("eager", False), ("eager", False)]
+    assert graphcap.phase() == "outside"
+
+
+def test_prepare_and_an_engine_buffer_check_tell_a_dummy_step_from_a_real_one():
+    checked: list[tuple[str, int]] = []
+
+    def check(host_view, num_real_rows):
+        checked.append((graphcap.phase(), num_real_rows))
+
+    spec = BufferSpec("temperature", "reqs", dtype="float32", pad=1.0, check=check)
+    model = PhaseModel()
+    manager = CaptureManager(model, make_config(), backend="emulated", progress=False, buffers=[spec])
+    manager.capture()
+    assert {phase for phase, _ in checked} == {"capture", "verify"} <= DUMMY_PHASES
+    assert {outer for _, outer in model.prepares} == {"capture", "verify"}
+    checked.clear()
+    model.prepares.clear()
+    temperature = np.full(3, 0.5, np.float32)
+    manager.execute(batch(3, temperature=temperature))
+    manager.execute(batch(20, temperature=np.full(2, 0.5, np.float32)))
+    assert checked == [("replay", 3), ("eager", 2)]
+    assert model.prepares == [("replay", "replay"), ("eager", "eager")]
+
+
+class CustomAllReduce:
+    """vLLM's and SGLang's custom all-reduce, one rank: inside its `capture()` (the engine's capture
+    context) a run that is not being recorded is a warmup and returns a placeholder; `ask` says how it
+    learns whether a graph records (`graphcap`: graphcap.is_capturing(); `cuda`: torch's stream query,
+    which is False on a CPU, so the graph records the placeholder)."""
+
+    def __init__(self, ask: str) -> None:
+        self.ask = ask
+        self.in_capture = False
+        self.placeholders = 0
+
+    @contextlib.contextmanager
+    def capture(self):
+        self.in_capture = True
+        try:
+            yield
+        finally:
+            self.in_capture = False
+
+    def all_reduce(self, y: torch.Tensor) -> torch.Tensor:
+        if self.in_capture:
+            if self.ask == "graphcap":
+                recording = graphcap.is_capturing()
+            else:
+                recording = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            if not recording:
+                self.placeholders += 1
+                return torch.zeros_like(y)
+        return y * 2  # one rank's "sum" of two identical shards
+
+
+class ReducedModel(PhaseModel):
+    def __init__(self, ask: str) -> None:
+        super().__init__()
+        self.comm = CustomAllReduce(ask)
+
+    def forward(self, inputs) -> torch.Tensor:
+        h = self.emb[inputs.input_ids.long()]
+        return (h + self.comm.all_reduce(h)) @ self.head
+
+
+def test_a_custom_all_reduce_that_asks_is_capturing_replays_the_reduced_forward():
+    model = ReducedModel("graphcap")
+    manager = CaptureManager(
+        model, make_config(), backend="emulated", progress=False, capture_context=model.comm.capture
+    )
+    report = manager.capture()
+    assert all(record.verified for record in report.records) and len(manager.graphs) == 6
+    assert model.comm.placeholders == 2 * 6  # the two warmups of each key ran the placeholder, no recording did
+    for n, padded in ((1, 2), (3, 4), (8, 8)):
+        step = batch(n, seed=n)
+        ids = torch.as_tensor(step.input_ids, dtype=torch.long)
+        expected = (3 * model.emb[ids]) @ model.head
+        torch.testing.assert_close(manager.execute(step), expected)
+        assert manager.last_key == graphcap.GraphKey(padded, padded, True)  # a replay
+
+
+def test_a_custom_all_reduce_that_cannot_tell_a_warmup_from_a_recording_fails_verification():
+    # The captured graph holds the placeholder; verification runs after the capture context, with the
+    # real all-reduce, and refuses the graph instead of replaying wrong output.
+    model = ReducedModel("cuda")
+    manager = CaptureManager(
+        model, make_config(), backend="emulated", progress=False, capture_context=model.comm.capture
+    )
+    with pytest.raises(
+        CaptureError, match=r"capturing uniform\(tokens=8, reqs=8\) failed: .*replay differs from eager"
+    ):
+        manager.capture()
+    assert manager.graphs == {}

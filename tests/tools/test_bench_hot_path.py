@@ -1,0 +1,32 @@
+"""The hot-path benchmarks run (`--quick`) and print their rows: the guard, execute, the invariant levels."""
+
+from __future__ import annotations
+
+from tests.tools import run_tool
+
+
+def rows(stdout: str, names: tuple[str, ...]) -> list[str]:
+    return [line.split("  ")[0].strip() for line in stdout.splitlines() if line.startswith(names)]
+
+
+def test_bench_guard_prints_the_checks_before_and_after_the_launch():
+    result = run_tool("bench_guard.py", "--quick", timeout=300)
+    assert result.returncode == 0, result.stderr
+    names = ("check_before_replay()", "check_after_replay()", "check() (both)", "data_ptr sweep only", "walk")
+    assert rows(result.stdout, names)[:3] == list(names[:3])
+    assert "302 static tensors (300 parameters)" in result.stdout
+
+
+def test_bench_execute_prints_each_part_and_the_overhead_over_the_replay():
+    result = run_tool("bench_execute.py", "--quick", timeout=300)
+    assert result.returncode == 0, result.stderr
+    names = ("execute", "replay", "dispatch", "stage", "guard", "cut")
+    assert rows(result.stdout, names) == ["execute", "replay", "dispatch", "stage", "guard", "cut", "execute - replay"]
+
+
+def test_bench_stage_levels_prints_basic_full_and_the_rule_by_rule_checks():
+    result = run_tool("bench_stage.py", "--levels", "--quick", timeout=300)
+    assert result.returncode == 0, result.stderr
+    header = next(line for line in result.stdout.splitlines() if line.startswith("case"))
+    assert header.split()[1:4] == ["basic", "full", "rule"]
+    assert len(rows(result.stdout, ("decode", "prefill"))) == 5

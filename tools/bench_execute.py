@@ -1,0 +1,145 @@
+"""Per-step host cost of `CaptureManager.execute` around the replay, at one token (issue 25).
+
+What a replayed step pays on the host besides the graph itself: dispatch, staging and the
+invariants, the static guard, the step bookkeeping and the output cut. The model is `Trivial`:
+two ops (an embedding lookup and a KV-cache write) over `--params` parameters, so the replay
+costs a few microseconds and the difference is the host path, not noise from a long replay. The
+config is `graphcap.testing.TINY` at `capture.sizes: [1, 2]`, `checks.invariants` as given. This
+times, interleaved in one process (rounds of `--calls` calls of each case, the order rotating
+every round):
+
+- `execute`: `manager.execute(batch)`, a one-request decode step naming the persistent block table;
+- `replay`: the bare `graph.replay()` of the key that step dispatches to;
+- the parts, each alone: `dispatch` (`KeyRegistry.dispatch`), `stage` (the manager's staging path:
+  stage, prepare, invariants, upload), `guard` (the static guard before and after a replay), `cut`
+  (the output cut to its real rows).
+
+"execute - replay" is each round's median `execute` minus its median `replay`; the table shows
+the median of those differences and their p10-p90 over rounds (the rounds see the machine's
+drift alike).
+
+    python tools/bench_execute.py              # 30 rounds x 300 calls
+    python tools/bench_execute.py --quick      # a few rounds, to see that it runs
+    python tools/bench_execute.py --invariants full
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+
+import numpy as np
+import torch
+from _sampling import measure
+
+from graphcap import CaptureManager, StepBatch, load_config
+from graphcap.testing import TINY
+
+try:  # graphcap before `OutputRows` cut outputs with a function
+    from graphcap.outputs import real_rows
+except ImportError:
+    real_rows = None
+
+
+class Trivial(torch.nn.Module):
+    """An embedding read and a KV-cache write, beside `num_params - 1` weights it holds (all guarded)."""
+
+    def __init__(self, vocab_size: int, num_slots: int, num_params: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Parameter(torch.randn(vocab_size, 8), requires_grad=False)
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(8), requires_grad=False) for _ in range(num_params - 1)
+        )
+        self.register_buffer("kv_cache", torch.zeros(num_slots))
+
+    def forward(self, inputs) -> torch.Tensor:
+        hidden = self.embed.index_select(0, inputs.input_ids.long())  # [T, 8]
+        self.kv_cache.index_copy_(0, inputs.slot_mapping.long().clamp(min=0), hidden[:, 0])
+        return hidden
+
+
+def build(invariants: str, num_params: int) -> tuple[CaptureManager, StepBatch]:
+    """A captured manager of `Trivial` at sizes 1 and 2, and a one-token decode step."""
+    config = load_config(overrides={**TINY, "capture.sizes": [1, 2], "checks.invariants": invariants})
+    slots = config.kv_cache.num_blocks * config.kv_cache.block_size
+    manager = CaptureManager(Trivial(config.model.vocab_size, slots, num_params), config, progress=False)
+    manager.capture()
+    manager.block_table.set_row(0, [1])
+    batch = StepBatch(np.ones(1, np.int32), np.array([3], np.int32), np.array([5], np.int32), manager.block_table)
+    return manager, batch
+
+
+def cases(manager: CaptureManager, batch: StepBatch) -> dict[str, object]:
+    """The timed callables: the whole step, the bare replay and each part alone."""
+    execute = manager.execute
+    key = manager.dispatch(batch)
+    graph = manager.graphs[key]
+    registry = manager.registry
+    guard = manager._guard
+    before = getattr(guard, "check_before_replay", guard.check)  # the guard of main had one check
+    after = getattr(guard, "check_after_replay", lambda: None)
+    output = graph.replay()
+    n, uniform = batch.num_tokens, batch.is_uniform(registry.uniform_query_len)
+    inputs = manager._stage(batch, key, phase="replay")
+    outputs = getattr(manager, "_outputs", None)
+    if outputs is not None:
+        cut = lambda: outputs.real(output, inputs)  # noqa: E731
+    else:
+        cut = lambda: real_rows(output, n, key.num_tokens)  # noqa: E731
+
+    def stage() -> None:
+        manager._stage(batch, key, phase="replay")
+
+    def guarded() -> None:
+        before()
+        after()
+
+    return {
+        "execute": lambda: execute(batch),
+        "replay": graph.replay,
+        "dispatch": lambda: registry.dispatch(n, n, uniform),
+        "stage": stage,
+        "guard": guarded,
+        "cut": cut,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 50 calls (seconds, for tests)")
+    parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds per case")
+    parser.add_argument("--calls", type=int, default=300, help="timed calls per case and round")
+    parser.add_argument("--invariants", choices=("off", "basic", "full"), default="basic")
+    parser.add_argument("--params", type=int, default=16, help="parameters of the model (all guarded)")
+    args = parser.parse_args(argv)
+    rounds, calls = (3, 50) if args.quick else (args.rounds, args.calls)
+    torch.set_num_threads(1)
+    manager, batch = build(args.invariants, args.params)
+    timed = cases(manager, batch)
+    names = list(timed)
+    medians = {name: np.empty(rounds) for name in names}
+    with manager.uncounted():
+        for round_ in range(rounds):
+            for j in range(len(names)):
+                name = names[(round_ + j) % len(names)]
+                medians[name][round_] = np.median(measure(timed[name], calls, warmup=calls // 10))
+    print(f"# bench_execute: torch {torch.__version__}, numpy {np.__version__}, python {platform.python_version()}")
+    print(
+        f"# Trivial model, TINY config, invariants {args.invariants}, key {manager.last_key}, "
+        f"{args.params} parameters; 1 torch thread"
+    )
+    print(f"# {rounds} interleaved rounds x {calls} calls per case; medians of the per-round medians")
+    header = f"{'per step':<18} {'median':>9} {'p10':>8} {'p90':>8}"
+    print(header)
+    print("-" * len(header))
+    for name in names:
+        p10, p50, p90 = np.percentile(medians[name], [10, 50, 90])
+        print(f"{name:<18} {p50:>7.2f}us {p10:>6.2f}us {p90:>6.2f}us")
+    overhead = medians["execute"] - medians["replay"]
+    p10, p50, p90 = np.percentile(overhead, [10, 50, 90])
+    print(f"{'execute - replay':<18} {p50:>7.2f}us {p10:>6.2f}us {p90:>6.2f}us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
