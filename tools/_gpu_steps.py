@@ -257,9 +257,51 @@ def _step_ms(manager: CaptureManager, step, batch, steps: int) -> float:
     return round(statistics.median(samples), 4)
 
 
+def lazy_budget(device: str, quick: bool) -> dict:
+    """`capture.strategy: lazy` within `capture.memory_budget`: a step served before any capture, the budget
+    reserved in the graph pool by `capture()`, every key captured by `capture_pending()` inside it."""
+    from graphcap.budget import MemoryBudget
+    from graphcap.report import format_bytes
+
+    probe = tiny_config(device, quick)
+    cuda = device.startswith("cuda")
+    estimate = MemoryBudget(probe, "cuda" if cuda else "emulated").estimate(probe, probe_keys(probe))
+    budget = max(4 * estimate, 64 << 20)
+    config = tiny_config(device, quick, **{"capture.strategy": "lazy", "capture.memory_budget": budget})
+    manager = CaptureManager(build_model(config), config, progress=False)
+    reserved = lambda: torch.cuda.memory_reserved(device) if cuda else 0  # noqa: E731
+    before = reserved()
+    manager.capture()
+    took = reserved() - before
+    key = max(manager.registry.planned, key=lambda k: (k.uniform, -k.num_tokens))  # the smallest uniform key
+    batch = fill_batch(key, config, 0)
+    served = torch.allclose(manager.execute(batch).clone(), manager.eager(batch), atol=1e-3, rtol=1e-3)
+    held = reserved()
+    captured = manager.capture_pending()
+    grew = reserved() - held
+    replayed = torch.allclose(manager.execute(batch).clone(), manager.eager(batch), atol=1e-3, rtol=1e-3)
+    planned = len(manager.registry.planned)
+    fits = not cuda or (took >= budget and grew < budget)
+    observed = (
+        f"first step served before any capture ({'equal' if served else 'NOT equal'} to eager); {captured} of "
+        f"{planned} keys captured lazily; capture() reserved {format_bytes(took)} for a budget of "
+        f"{format_bytes(budget)} (estimate of the graphs {format_bytes(estimate)}); the captures then grew "
+        f"reserved memory by {format_bytes(grew)}; replay {'equal' if replayed else 'NOT equal'} to eager"
+    )
+    ok = served and replayed and captured == planned and fits
+    return {"ok": ok, "observed": observed, "reserved": took, "grew": grew, "budget": budget, "estimate": estimate}
+
+
+def probe_keys(config: CaptureConfig) -> tuple[GraphKey, ...]:
+    from graphcap.keys import KeyRegistry
+
+    return KeyRegistry.from_config(config).planned
+
+
 CASES = {
     "cuda_tests": cuda_tests,
     "tiny": tiny,
+    "lazy_budget": lazy_budget,
     "pipelined": pipelined,
     "clobber": clobber,
     "piecewise": piecewise,

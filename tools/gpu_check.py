@@ -75,10 +75,11 @@ PHASES = (
     ),
     Phase(
         "P2",
-        "tiny config, sync_debug: capture, verify, time",
-        40,
-        "every key captured and verified; replay faster than eager at small sizes",
-        ("tiny",),
+        "tiny config, sync_debug: capture, verify, time; lazy capture within a memory budget",
+        60,
+        "every key captured and verified; replay faster than eager at small sizes; lazy: a step served before "
+        "any capture, the budget reserved in the pool, capture_pending() captures every key inside it",
+        ("tiny", "lazy_budget"),
     ),
     Phase(
         "P3",
