@@ -60,6 +60,9 @@ class LiveGraphs:
         device memory the capture added. On an exception the graphs of `keys` are released, those
         kept before stay.
         """
+        if not keys:  # a lazy capture(): nothing to capture now, the budget reserved for later
+            self.reserve(budget)
+            return [], 0
         admitted, declined = budget.split(config, keys, self._registry.captured)
         with gc_frozen(), logging_redirect_tqdm(), set_aside():
             if not self.graphs:

@@ -215,7 +215,7 @@ class CaptureManager:
 
     def _capture_keys(self, job: CapturePass, keys: list[GraphKey], progress: bool | None) -> tuple[list, int]:
         """Capture `keys` into the live graphs within the budget (arming the guard first); records, pool growth."""
-        if not self.graphs:
+        if keys and not self.graphs:
             self._guard.arm(self.model, self.buffers.storage())
         kwargs = {"set_aside": self.buffers.table_set_aside, "context": self._capture_context, "progress": progress}
         return self._live.add(job, keys, config=self.config, budget=self._budget, **kwargs)
