@@ -7,7 +7,6 @@ import argparse
 import os
 from typing import Any
 
-from graphcap import byte_counts
 from graphcap.cli._common import UserError, add_common, config_from_args
 from graphcap.cli._histogram import read_histogram
 from graphcap.sizes import CaptureSizes, default_capture_sizes
@@ -290,6 +289,8 @@ def _parse_max_graphs(text: str | None) -> int:
 
 def parse_bytes(text: str, flag: str) -> int:
     """`graphcap.byte_counts.parse_bytes`, with `UserError` naming `flag`."""
+    from graphcap import byte_counts  # when a size is parsed: `graphcap --help` loads no more than it needs
+
     try:
         return byte_counts.parse_bytes(text)
     except ValueError as exc:
