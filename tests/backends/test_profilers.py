@@ -117,3 +117,9 @@ def test_capture_under_torch_profiler_with_stacks():
         _capture(_manager())
         assert sys.getprofile() is not None  # the watch left torch's C-level profile function in place
     assert prof.profiler is not None
+
+
+def test_capture_under_torch_profiler_without_stacks_reads_back_its_ops():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _capture(_manager())
+    assert any(event.name == "aten::mm" for event in prof.events())
