@@ -99,8 +99,8 @@ class CapturePass:
                         records[i] = self.verify(record, graphs.get(record.key))
                     if records[i].status == "skipped":
                         graphs.pop(record.key, None)  # the failure policy released it
-            for i, record in enumerate(records):  # what each graph buys (collective with capture.min_speedup)
-                if record.key in graphs:
+            for i, record in enumerate(records):  # what each graph buys, timed again when a minimum decides
+                if record.key in graphs and self.config.capture.min_speedup is not None:
                     with in_phase("verify"):  # graphcap's dummy batch, replayed and run eagerly
                         records[i] = self.measure(record, graphs[record.key])
                     if records[i].status == "skipped":
@@ -161,10 +161,10 @@ class CapturePass:
         """
         key = record.key
         failure = None
-        start, eager_seconds = time.perf_counter(), 0.0
+        start, eager_seconds, timings = time.perf_counter(), 0.0, {}
         if graph is not None:
             try:
-                eager_seconds = self._verify_dummy(key, graph) + self._verify_probe(key, graph)
+                eager_seconds = self._verify_dummy(key, graph, timings) + self._verify_probe(key, graph)
             except (KeyboardInterrupt, SystemExit):
                 raise
             except Exception as exc:
@@ -180,13 +180,17 @@ class CapturePass:
         if graph is None:
             return record
         eager_seconds += record.eager_seconds
-        return dataclasses.replace(record, verified=True, capture_seconds=seconds, eager_seconds=eager_seconds)
+        speedup = timings["eager"] / timings["replay"] if timings.get("replay") else None  # one sample each
+        return dataclasses.replace(
+            record, verified=True, capture_seconds=seconds, eager_seconds=eager_seconds, speedup=speedup
+        )
 
     def measure(self, record: GraphRecord, graph: CapturedGraph) -> GraphRecord:
-        """Time the key's replay against an eager run of its dummy batch (`replay_speedup`) into `speedup`.
-
-        Below `capture.min_speedup` (on any data-parallel rank) the record comes back skipped with the
-        reason `no_speedup: ...`; the caller releases the graph.
+        """Time the key's replay against an eager run of its dummy batch (`replay_speedup`: the medians of a
+        few interleaved runs) into `speedup`; run when `capture.min_speedup` is set (without it, `speedup`
+        is the one sample of each side the dummy batch's verification took). Below `capture.min_speedup` (on
+        any data-parallel rank) the record comes back skipped with the reason `no_speedup: ...`; the caller
+        releases the graph.
         """
         key = record.key
         inputs = self.stage(self.capture_batch(key), key, phase="capture", dummy=True)
@@ -224,7 +228,7 @@ class CapturePass:
         shape = self.registry.capture_shape(key)
         return self._sampled(dummy_batch(shape, max_model_len=self.config.kv_cache.max_model_len), 0)
 
-    def _verify_dummy(self, key: GraphKey, graph: CapturedGraph) -> float:
+    def _verify_dummy(self, key: GraphKey, graph: CapturedGraph, timings: dict | None = None) -> float:
         inputs = self.stage(self.capture_batch(key), key, phase="capture", dummy=True)
         run = self._reference_run(inputs, self.registry.mode_of(key))
         return compare_replay(
@@ -235,6 +239,7 @@ class CapturePass:
             backend=self.backend,
             message=DUMMY_MISMATCH,
             outputs=self.outputs,
+            timings=timings,
         )
 
     def _verify_probe(self, key: GraphKey, graph: CapturedGraph) -> float:

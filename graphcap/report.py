@@ -88,7 +88,8 @@ class GraphRecord:
     eager_ops: int = 0
     """`eager_op` calls a replay runs between the pieces (0 for a full graph)."""
     speedup: float | None = None
-    """Eager time over replay time of the key's dummy batch, timed at capture (median of a few runs each)."""
+    """Eager over replay time of the key's dummy batch at capture: one run each (verification), or with
+    `capture.min_speedup` the medians of a few interleaved runs; None when neither ran."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

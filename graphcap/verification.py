@@ -60,17 +60,24 @@ def compare_replay(
     backend: GraphBackend,
     message: Callable[[str], str] | str,
     outputs: OutputRows,
+    timings: dict[str, float] | None = None,
 ) -> float:
     """Replay `graph` on the staged `inputs`, then run `eager()` (the expected real rows) and compare.
 
-    Returns the seconds `eager()` took (capture time that is not graph work). Raises
+    Returns the seconds `eager()` took (capture time that is not graph work); `timings`, when given,
+    receives the seconds of the replay and of `eager()` (`replay`, `eager`). Raises
     `CaptureError(message(first lines of the difference))` when the real rows differ beyond
     `tolerance` (`torch.testing.assert_close` keywords); a str `message` is formatted with `diff`.
     `outputs` cuts both to their real rows; a replay whose real rows have another shape than the
     eager run's (a wrong cut) raises `CaptureError` naming the output and its declaration.
     """
+    backend.synchronize()
+    t0 = time.perf_counter()
     with running(inputs):  # eager ops between pieces read the step through current_inputs()
-        output = cloned(graph.replay())
+        output = graph.replay()
+    backend.synchronize()
+    replay_seconds = time.perf_counter() - t0
+    output = cloned(output)
     replayed = outputs.real(output, inputs)
     backend.synchronize()
     t0 = time.perf_counter()
@@ -78,6 +85,8 @@ def compare_replay(
         expected = eager()
     backend.synchronize()  # time the GPU work, not the launches
     seconds = time.perf_counter() - t0
+    if timings is not None:  # one sample of each side, on the same inputs: what capture records as `speedup`
+        timings.update(replay=replay_seconds, eager=seconds)
     wrong_cut = outputs.mismatch(output, expected, inputs)
     if wrong_cut is not None:
         raise CaptureError(wrong_cut)

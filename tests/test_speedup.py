@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from graphcap import StepBatch
-from graphcap.testing import make_config, make_manager
-from graphcap.timing import replay_speedup
+from graphcap import CaptureManager, StepBatch
+from graphcap.models import build_model
+from graphcap.testing import FaultyModel, make_config, make_manager
+from graphcap.timing import SPEEDUP_REPS, replay_speedup
 
 
 class _Clock:
@@ -86,3 +87,20 @@ def test_a_min_speedup_every_key_beats_keeps_every_graph():
     manager = make_manager(make_config(capture__min_speedup=1e-9))
     report = manager.capture()
     assert len(report.captured) == len(manager.registry.planned) == len(manager.graphs)
+
+
+@pytest.mark.parametrize("min_speedup", [None, 1e-9])
+def test_keys_are_timed_again_only_when_a_minimum_decides(min_speedup):
+    config = make_config(capture__min_speedup=min_speedup)
+    model = FaultyModel(build_model(config))  # counts forward calls per key
+    manager = CaptureManager(model, config, progress=False)
+    manager.capture()
+    extra = 0 if min_speedup is None else SPEEDUP_REPS  # eager runs of the key's own dummy batch
+    # the preflight, one warmup, the capture and the verification's eager run of the dummy batch
+    assert set(model.calls[key] for key in manager.registry.planned) == {4 + extra}
+
+
+def test_without_verification_or_a_minimum_no_speedup_is_recorded():
+    manager = make_manager(make_config(checks__verify_replay=False))
+    report = manager.capture()
+    assert report.captured and all(r.speedup is None for r in report.records)
