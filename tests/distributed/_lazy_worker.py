@@ -4,7 +4,8 @@ Each rank sends different traffic (rank 0 decodes 3 requests, the others 6), so 
 orders of pending keys differ; `capture_pending` must still capture the same keys on every rank.
 Rank 0 asks for one key per call and the others for three: every rank stops with the first that
 stops. The result holds, after each call, the keys captured (in order), and every step's output
-beside its eager reference.
+beside its eager reference. Then an upfront manager with `capture.min_speedup: 1` whose last rank
+times every replay below it (a forced asymmetry): every rank must drop every key.
 """
 
 from __future__ import annotations
@@ -86,5 +87,23 @@ def _scenario(rank: int, world_size: int, out: Path) -> dict[str, Any]:
         serve(2)
     result["eager"] = dict(manager.stats.eager)
     result["planned"] = len(manager.registry.planned)
+    result["min_speedup"] = _one_rank_too_slow(
+        rank, load_config(overrides={**CONFIG, "capture.strategy": "upfront", "capture.min_speedup": 1.0})
+    )
     dist.destroy_process_group()
     return result
+
+
+def _one_rank_too_slow(rank: int, config) -> dict[str, Any]:
+    """A forced asymmetry: the last rank times every replay at 0.5x eager, rank 0 at 100x; every rank drops them."""
+    import torch.distributed as dist
+
+    import graphcap.capture
+    from graphcap import CaptureManager
+    from graphcap.models import build_model
+
+    speedup = 0.5 if rank == dist.get_world_size() - 1 else 100.0
+    graphcap.capture.replay_speedup = lambda *args, **kwargs: speedup
+    manager = CaptureManager(build_model(config), config, group=dist.group.WORLD, progress=False, dp_timeout=SLOW_S)
+    report = manager.capture()
+    return {"graphs": len(manager.graphs), "reasons": sorted({r.reason for r in report.records})}

@@ -2,7 +2,8 @@
 
 Every call captures the same keys on every rank, although each rank saw other traffic and asked
 for another number of keys, so dispatch agreement never meets a key captured on one rank only;
-every step's output equals eager on every rank.
+every step's output equals eager on every rank. A key one rank times below `capture.min_speedup`
+is dropped on every rank.
 """
 
 from __future__ import annotations
@@ -68,3 +69,14 @@ def test_steps_replay_agreed_keys_and_equal_eager_on_every_rank(world):
         assert result["eager"].get("pending", 0) > 0  # the first steps ran before any capture
     assert world[0]["keys"][-1] == world[1]["keys"][-1]
     assert world[0]["keys"][-1].num_tokens == 8  # after capture every step replays the agreed key of 8 tokens
+
+
+def test_a_key_one_rank_times_below_min_speedup_is_dropped_on_every_rank(world):
+    fast, slow = world[0]["min_speedup"], world[-1]["min_speedup"]
+    assert fast["graphs"] == slow["graphs"] == 0
+    assert fast["reasons"] == [
+        "no_speedup: another data-parallel rank's replay was below capture.min_speedup 1 (the graph was released)"
+    ]
+    assert slow["reasons"] == [
+        "no_speedup: replay 0.50x as fast as eager, below capture.min_speedup 1 (the graph was released)"
+    ]
