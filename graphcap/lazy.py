@@ -19,6 +19,7 @@ agreement never meets one.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,8 @@ from graphcap.errors import DistributedTimeoutError
 from graphcap.keys import GraphKey, KeyRegistry, StepStats
 
 __all__ = ["LazyCapture", "check_time_limits"]
+
+log = logging.getLogger("graphcap")
 
 _POSITION_BITS = 20  # capture-order positions below 2**20 (keys of 65536 sizes at most, a few per size)
 _MAX_TRAFFIC = (1 << 40) - 1  # traffic counts saturate here: the pair stays within int64
@@ -75,11 +78,21 @@ class LazyCapture:
                 )
                 key = self._next(stop)
                 if key is None:
-                    return captured
+                    break
                 taken += 1
                 for record in capture_key(key):
                     self.records[record.key] = record
                     captured += record.status == "captured"
+        if taken:
+            pending = len(self._registry.pending())
+            log.info(
+                "capture_pending: %d of %d keys captured in %.2f s; %d pending",
+                captured,
+                taken,
+                clock() - start,
+                pending,
+            )
+        return captured
 
     def _next(self, stop: bool) -> GraphKey | None:
         """The key to capture next (None: this call stops), agreed with every peer (`StepAgreement`)."""
