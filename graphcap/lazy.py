@@ -27,6 +27,7 @@ from typing import Any
 from graphcap.capture import gc_frozen
 from graphcap.errors import DistributedTimeoutError
 from graphcap.keys import GraphKey, KeyRegistry, StepStats
+from graphcap.report import format_bytes
 
 __all__ = ["LazyCapture", "check_time_limits"]
 
@@ -39,7 +40,8 @@ _MAX_TRAFFIC = (1 << 40) - 1  # traffic counts saturate here: the pair stays wit
 class LazyCapture:
     """The pending keys of one manager and the order, agreed with data-parallel peers, they are captured in.
 
-    Does not capture: `run` calls the manager's `capture_key(key) -> [GraphRecord]` (the key's record).
+    Does not capture: `run` calls the manager's `capture_key(key) -> ([GraphRecord], bytes)` (the key's
+    record, and the device memory its capture added).
     """
 
     def __init__(self, registry: KeyRegistry, stats: StepStats, peers: Any = None, *, is_lazy: bool = True) -> None:
@@ -60,7 +62,7 @@ class LazyCapture:
 
     def run(
         self,
-        capture_key: Callable[[GraphKey], list],
+        capture_key: Callable[[GraphKey], tuple[list, int]],
         max_seconds: float | None = None,
         max_keys: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -70,7 +72,7 @@ class LazyCapture:
         A key is started only while time is left (one key may end past `max_seconds`); returns how
         many keys got a graph. Collective with a group: every rank takes the same keys in this call.
         """
-        start, taken, captured = clock(), 0, 0
+        start, taken, captured, grew = clock(), 0, 0, 0
         with gc_frozen():  # one collection per call, not per key
             while True:
                 stop = (max_keys is not None and taken >= max_keys) or (
@@ -80,17 +82,16 @@ class LazyCapture:
                 if key is None:
                     break
                 taken += 1
-                for record in capture_key(key):
+                records, memory = capture_key(key)
+                grew += memory
+                for record in records:
                     self.records[record.key] = record
                     captured += record.status == "captured"
         if taken:
             pending = len(self._registry.pending())
+            seconds, memory = clock() - start, format_bytes(grew)
             log.info(
-                "capture_pending: %d of %d keys captured in %.2f s; %d pending",
-                captured,
-                taken,
-                clock() - start,
-                pending,
+                "capture_pending: %d of %d keys in %.2f s (%s); %d pending", captured, taken, seconds, memory, pending
             )
         return captured
 

@@ -78,7 +78,20 @@ class LiveGraphs:
     def reserve(self, budget: Any) -> None:
         """Reserve `budget.limit` in the backend's pool, once (until the graphs are all released)."""
         if budget.limit is not None and self._backend.reserved_bytes is None:
-            self._backend.reserve(budget.limit)
+            try:
+                self._backend.reserve(budget.limit)
+            except torch.OutOfMemoryError as exc:  # now, not in a lazy capture later: the point of reserving
+                free = self._backend.free_memory()
+                raise ConfigError(
+                    [
+                        ConfigProblem(
+                            "capture.memory_budget",
+                            f"{budget.limit} bytes could not be reserved on {self._backend.device} (free: "
+                            f"{free if free is not None else 'unknown'} bytes; {str(exc).splitlines()[0][:120]}): "
+                            "lower the budget or free device memory first",
+                        )
+                    ]
+                ) from exc
 
     def install(self, records: list, graphs: dict[GraphKey, Any]) -> None:
         """Keep what a pass produced: its graphs (captured and verified), and the keys it skipped."""

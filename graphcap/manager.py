@@ -211,7 +211,7 @@ class CaptureManager:
         job = self._capture_pass(scratch_blocks, group_scratch_blocks)
         with self._scope("capture_pending"):
             self._check_ready()
-            return self._lazy.run(lambda key: self._capture_keys(job, [key], False)[0], max_seconds, max_keys)
+            return self._lazy.run(lambda key: self._capture_keys(job, [key], False), max_seconds, max_keys)
 
     def _capture_keys(self, job: CapturePass, keys: list[GraphKey], progress: bool | None) -> tuple[list, int]:
         """Capture `keys` into the live graphs within the budget (arming the guard first); records, pool growth."""

@@ -110,3 +110,16 @@ def test_on_cuda_the_budget_is_reserved_in_the_graph_pool_before_capture():
     assert torch.cuda.memory_reserved() - held < budget  # the graphs took memory the pool held
     batch = _decode(3)
     torch.testing.assert_close(manager.execute(batch).clone(), manager.eager(batch))
+
+
+@pytest.mark.parametrize("strategy", ["upfront", "lazy"])
+def test_a_budget_the_device_cannot_hold_is_refused_at_capture_naming_the_key(strategy, monkeypatch):
+    manager = make_manager(make_config(capture__memory_budget="64GiB", capture__strategy=strategy))
+
+    def out_of_memory(num_bytes: int) -> int:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+
+    monkeypatch.setattr(manager.backend, "reserve", out_of_memory)
+    with pytest.raises(ConfigError, match=r"capture.memory_budget: 68719476736 bytes could not be reserved on cpu"):
+        manager.capture()
+    assert not manager.graphs and manager.backend.reserved_bytes is None
