@@ -228,6 +228,7 @@ class CUDAGraphBackend(GraphBackend):
         return torch.cuda.memory_reserved(self.device) - before
 
     def reset(self) -> None:
+        self._check_not_capturing("reset()")
         reservation, self._reservation = getattr(self, "_reservation", None), None
         if reservation is not None:
             reservation[0].reset()
