@@ -1,7 +1,8 @@
 """CUDA-backend rules shown on the CPU, with the CUDA calls simulated: the sync-debug mode in eager-op
 bodies, a torch without `check_input_liveness`, a pool whose last graph was released (the allocator's
-`use_count > 0` assert), a piece whose `capture_end` fails, what a piecewise graph keeps alive, and
-tensor-subclass inputs without storage. tests/backends/test_cuda.py shows the same on a GPU."""
+`use_count > 0` assert), a piece whose `capture_end` fails, what a piecewise graph keeps alive,
+tensor-subclass inputs without storage, and the memory budget reserved in the pool.
+tests/backends/test_cuda.py shows the same on a GPU."""
 
 from __future__ import annotations
 
@@ -249,3 +250,38 @@ def test_a_static_input_without_storage_is_named_with_what_to_register_instead()
         CaptureError, match=r"static input 'layers.0.w' is a _Wrapper without storage .* register those"
     ):
         record_input_ptrs({"layers.0.w": weight})
+
+
+def test_the_budget_reservation_allocates_in_the_pool_once_and_holds_it_until_reset(monkeypatch):
+    allocator = FakeAllocator().install(monkeypatch)
+    handles = itertools.count(1)
+    pool = GraphPool(CUDA0, lambda: (0, next(handles)), _Stream(), empty_cache=allocator.empty_cache)
+    reserved = {"bytes": 0}
+    allocations = []
+    real_empty = torch.empty
+
+    def empty(num_bytes, dtype=None, device=None):  # what the caching allocator would do during a recording
+        allocations.append((num_bytes, dtype, device, set(allocator.recording)))
+        reserved["bytes"] += num_bytes
+        return real_empty(0)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: FakeCUDAGraph(allocator))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: _NullContext())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: _NullContext())
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved["bytes"])
+    backend = object.__new__(CUDAGraphBackend)  # no CUDA here: the attributes __init__ would set
+    backend.device, backend.pool, backend._graphs, backend._is_capturing = CUDA0, pool, [], False
+    backend.reserved_bytes = None
+    handle = pool.handle
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "empty", empty)
+        took = backend.reserve(256 << 20)
+    assert took == 256 << 20 and backend.reserved_bytes == 256 << 20
+    assert allocations == [(256 << 20, torch.uint8, CUDA0, {handle})]  # allocated while recording to the pool
+    assert allocator.use_count[handle] == 1 and not allocator.recording  # the reservation holds the pool
+    pool.drop(pool.hold())  # a graph of the pool captured, then released (a min_speedup or failed key)
+    assert pool.handle == handle, "the pool kept its handle: later captures still use the reserved memory"
+    backend.reset()
+    assert allocator.use_count.get(handle, 0) == 0 and pool.handle != handle  # given back with the graphs
+    assert backend.reserved_bytes is None
