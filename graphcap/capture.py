@@ -326,13 +326,14 @@ def uncompiled_warnings(graphs: Iterable[CapturedGraph], backend: str) -> list[s
 
 
 @contextmanager
-def gc_frozen() -> Iterator[None]:
+def gc_frozen(after: int = 1) -> Iterator[None]:
     """Collect, freeze and disable GC for the capture pass; restore on every exit path.
 
     A collection in the middle of a capture can free tensors the graph still records;
     freezing also keeps the long-lived objects out of later collections' work. The collection
-    after the pass walks the young generations only: everything the pass made is young (GC was
-    off), and walking the unchanged old heap again costs a third of a re-capture.
+    after the pass walks generations up to `after`, by default the young ones only: everything
+    the pass made is young (GC was off), and walking the unchanged old heap again costs a third
+    of a re-capture (`tools/bench_capture.py --recapture --gc-full` compares `after=2`).
     """
     was_enabled = gc.isenabled()
     was_frozen = gc.get_freeze_count() > 0
@@ -349,4 +350,4 @@ def gc_frozen() -> Iterator[None]:
             gc.unfreeze()
         if was_enabled:
             gc.enable()
-        gc.collect(1)
+        gc.collect(after)

@@ -36,10 +36,8 @@ young-generation collection), interleaved with ones that walk the young generati
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
+import functools
 import sys
-from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -202,23 +200,6 @@ def recapture(path: str | None, rounds: int, quick: bool, threads: int | None) -
     return 0
 
 
-@contextlib.contextmanager
-def _full_collection_after() -> Iterator[None]:
-    """`graphcap.capture.gc_frozen` as it was: a full collection after the pass."""
-    was_enabled, was_frozen = gc.isenabled(), gc.get_freeze_count() > 0
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if not was_frozen:
-            gc.unfreeze()
-        if was_enabled:
-            gc.enable()
-        gc.collect()
-
-
 def collections(path: str | None, rounds: int, quick: bool, threads: int | None) -> int:
     """Re-captures after a weight swap: young-generation collection after the pass vs a full one, interleaved."""
     torch.set_num_threads(threads or 1)
@@ -230,7 +211,7 @@ def collections(path: str | None, rounds: int, quick: bool, threads: int | None)
     young = manager_module.gc_frozen
     for index in range(2 * rounds):
         kind = ("young", "full")[index % 2]
-        manager_module.gc_frozen = young if kind == "young" else _full_collection_after
+        manager_module.gc_frozen = young if kind == "young" else functools.partial(young, after=2)
         model.lm_head = torch.nn.Parameter(model.lm_head.detach().clone(), requires_grad=False)
         seconds[kind].append(manager.capture().total_seconds)
     manager_module.gc_frozen = young
