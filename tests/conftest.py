@@ -91,3 +91,19 @@ def batches_and_keys(draw, *, uniform_query_len: int | None = None) -> tuple[Ste
     num_tokens = draw(st.integers(max(batch.num_tokens, 1), MAX_TOKENS))
     num_reqs = draw(st.integers(max(batch.num_reqs, 1), MAX_REQS))
     return batch, GraphKey(num_tokens, num_reqs, False)
+
+
+_SLOW_FIRST = ("tests/tools/", "tests/distributed/", "tests/cli/", "tests/reliability/")
+"""Folders whose tests start processes (tools, ranks, the command line) or run long campaigns."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the folders of long tests first (stable within each), so that with `-n 2` the workers
+    start on them and the short tests fill in, instead of one worker finishing a long test alone
+    at the end. No test depends on the order: each writes under its own `tmp_path`."""
+
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.replace("\\", "/")
+        return next((i for i, folder in enumerate(_SLOW_FIRST) if path.startswith(folder)), len(_SLOW_FIRST))
+
+    items.sort(key=rank)
