@@ -16,6 +16,14 @@ sys.path.insert(0, str(TOOLS))
 import mini_engine
 
 
+def _refused(capsys, *args: str) -> str:
+    """`mini_engine.main(args)` in this process: an argument error exits 2 (argparse) before any work; its stderr."""
+    with pytest.raises(SystemExit) as exited:
+        mini_engine.main(list(args))
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
 def test_a_short_run_agrees_every_step_and_prints_its_summary():
     result = run_tool("mini_engine.py", "--steps", "60", "--seed", "1", "--quiet", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -66,19 +74,18 @@ def test_an_engine_that_hands_out_the_null_block_is_stopped_before_the_model_run
         mini_engine.main(["--steps", "20", "--seed", "0", "--quiet"])
 
 
-def test_steps_must_be_positive():
-    result = run_tool("mini_engine.py", "--steps", "0")
-    assert result.returncode == 2 and "--steps must be >= 1; got 0" in result.stderr
+def test_steps_must_be_positive(capsys):
+    assert "--steps must be >= 1; got 0" in _refused(capsys, "--steps", "0")
 
 
-def test_lifecycle_needs_room_for_its_events():
-    result = run_tool("mini_engine.py", "--steps", "8", "--lifecycle")
-    assert result.returncode == 2 and "--lifecycle needs --steps >= 12" in result.stderr
+def test_lifecycle_needs_room_for_its_events(capsys):
+    assert "--lifecycle needs --steps >= 12" in _refused(capsys, "--steps", "8", "--lifecycle")
 
 
-def test_recapture_at_must_be_a_step_of_the_run():
-    result = run_tool("mini_engine.py", "--steps", "10", "--recapture-at", "10")
-    assert result.returncode == 2 and "--recapture-at must be a step in [0, 10); got 10" in result.stderr
+def test_recapture_at_must_be_a_step_of_the_run(capsys):
+    assert "--recapture-at must be a step in [0, 10); got 10" in _refused(
+        capsys, "--steps", "10", "--recapture-at", "10"
+    )
 
 
 def _digests(*args: str) -> list[str]:
@@ -94,10 +101,7 @@ def test_tensor_and_data_parallel_runs_sample_the_single_process_token_streams()
     assert _digests("--seed", "1", "--tp", "2", "--dp", "2") == single
 
 
-def test_parallel_flags_are_checked():
-    result = run_tool("mini_engine.py", "--tp", "3")
-    assert result.returncode == 2 and "--tp must be 1, 2 or 4 and --dp >= 1; got --tp 3 --dp 1" in result.stderr
-    result = run_tool("mini_engine.py", "--dp", "2", "--recapture-at", "1")
-    assert result.returncode == 2 and "--recapture-at and --lifecycle run in one process" in result.stderr
-    result = run_tool("mini_engine.py", "--tp", "2", "--lifecycle")
-    assert result.returncode == 2 and "--recapture-at and --lifecycle run in one process" in result.stderr
+def test_parallel_flags_are_checked(capsys):
+    assert "--tp must be 1, 2 or 4 and --dp >= 1; got --tp 3 --dp 1" in _refused(capsys, "--tp", "3")
+    assert "--recapture-at and --lifecycle run in one process" in _refused(capsys, "--dp", "2", "--recapture-at", "1")
+    assert "--recapture-at and --lifecycle run in one process" in _refused(capsys, "--tp", "2", "--lifecycle")
