@@ -1,4 +1,4 @@
-"""One data-parallel rank of the lazy-capture test: steps, `capture_pending` calls, a pickled result.
+"""One data-parallel rank of the lazy-capture test (spawned by `_spawn.spawn_world`): steps, `capture_pending` calls.
 
 Each rank sends different traffic (rank 0 decodes 3 requests, the others 6), so the ranks' own
 orders of pending keys differ; `capture_pending` must still capture the same keys on every rank.
@@ -10,12 +10,6 @@ times every replay below it (a forced asymmetry): every rank must drop every key
 
 from __future__ import annotations
 
-import datetime
-import os
-import pickle
-import sys
-import traceback
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,7 +18,7 @@ import torch
 from tests.configs import SMALL
 
 CONFIG = {**SMALL, "model.num_layers": 1, "capture.strategy": "lazy"}
-SLOW_S = 60.0  # store and dp timeouts: loaded CI machines are slow
+SLOW_S = 60.0  # the dp timeout: loaded CI machines are slow
 
 
 def _decode(num_reqs: int, seed: int):
@@ -35,34 +29,13 @@ def _decode(num_reqs: int, seed: int):
     return StepBatch(np.ones(num_reqs, np.int32), rng.integers(2, 40, num_reqs), rng.integers(0, 512, num_reqs), table)
 
 
-def run_rank(rank: int, world_size: int, directory: str) -> None:
-    """Spawn target: run the scenario on this rank, write `rank{rank}.pkl`, exit."""
-    out = Path(directory)
-    try:
-        torch.set_num_threads(1)  # several ranks share two cores
-        result = _scenario(rank, world_size, out)
-    except BaseException:
-        result = {"error": traceback.format_exc()}
-    try:
-        tmp = out / f"rank{rank}.tmp"
-        tmp.write_bytes(pickle.dumps(result))
-        os.replace(tmp, out / f"rank{rank}.pkl")
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
-def _scenario(rank: int, world_size: int, out: Path) -> dict[str, Any]:
+def scenario(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """`spawn_world` target: this rank's steps and `capture_pending` calls (see the module doc)."""
     import torch.distributed as dist
 
     from graphcap import CaptureManager, load_config
     from graphcap.models import build_model
 
-    dist.init_process_group(
-        "gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=SLOW_S),
-    )  # fmt: skip
     config = load_config(overrides=CONFIG)
     manager = CaptureManager(build_model(config), config, group=dist.group.WORLD, progress=False, dp_timeout=SLOW_S)
     result: dict[str, Any] = {"rank": rank, "calls": [], "mismatches": [], "keys": []}

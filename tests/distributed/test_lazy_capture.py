@@ -8,46 +8,17 @@ is dropped on every rank.
 
 from __future__ import annotations
 
-import pickle
-import time
-
 import pytest
-import torch.multiprocessing as mp
 
 from tests.distributed import _lazy_worker
+from tests.distributed._spawn import spawn_world
 
-WORLD_TIMEOUT_S = 240.0  # spawn to exit; a hang fails here instead of blocking CI
 WORLD_SIZE = 2
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> list[dict]:
-    directory = tmp_path_factory.mktemp("lazy_dp")
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_lazy_worker.run_rank, args=(rank, WORLD_SIZE, str(directory)), daemon=True)
-        for rank in range(WORLD_SIZE)
-    ]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + WORLD_TIMEOUT_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
-    for rank in hung:
-        procs[rank].kill()
-        procs[rank].join()
-    codes = [proc.exitcode for proc in procs]
-    assert not hung and codes == [0] * WORLD_SIZE, f"ranks hung: {hung}; exit codes: {codes}"
-    results = []
-    for rank in range(WORLD_SIZE):
-        path = directory / f"rank{rank}.pkl"
-        assert path.exists(), f"rank {rank} wrote no result"
-        result = pickle.loads(path.read_bytes())
-        if "error" in result:
-            pytest.fail(f"rank {rank} raised:\n{result['error']}")
-        results.append(result)
-    return results
+    return spawn_world(_lazy_worker.scenario, WORLD_SIZE, tmp_path_factory.mktemp("lazy_dp"))
 
 
 def test_every_capture_pending_call_captures_the_same_keys_on_every_rank(world):
