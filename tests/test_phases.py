@@ -8,7 +8,6 @@ the context exits, a model that asks replays correctly, and one that cannot ask 
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 
 import numpy as np
@@ -19,6 +18,7 @@ import graphcap
 from graphcap import BufferSpec, CaptureError, CaptureManager, StepBatch
 from graphcap.phases import DUMMY_PHASES
 from graphcap.testing import make_config
+from tests.distributed._models import CustomAllReduce
 
 VOCAB, HIDDEN = 128, 16
 
@@ -92,41 +92,21 @@ def test_prepare_and_an_engine_buffer_check_tell_a_dummy_step_from_a_real_one():
     assert model.prepares == [("replay", "replay"), ("eager", "eager")]
 
 
-class CustomAllReduce:
-    """vLLM's and SGLang's custom all-reduce, one rank: inside its `capture()` (the engine's capture
-    context) a run that is not being recorded is a warmup and returns a placeholder; `ask` says how it
-    learns whether a graph records (`graphcap`: graphcap.is_capturing(); `cuda`: torch's stream query,
-    which is False on a CPU, so the graph records the placeholder)."""
+class OneRankAllReduce(CustomAllReduce):
+    """The custom all-reduce of the multi-rank tests on one rank, with no group: its "sum" of two
+    identical shards is twice the input, and its placeholder outside a recording is `zeros_like`."""
 
     def __init__(self, ask: str) -> None:
-        self.ask = ask
-        self.in_capture = False
-        self.placeholders = 0
+        super().__init__(None, ask)
 
-    @contextlib.contextmanager
-    def capture(self):
-        self.in_capture = True
-        try:
-            yield
-        finally:
-            self.in_capture = False
-
-    def all_reduce(self, y: torch.Tensor) -> torch.Tensor:
-        if self.in_capture:
-            if self.ask == "graphcap":
-                recording = graphcap.is_capturing()
-            else:
-                recording = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-            if not recording:
-                self.placeholders += 1
-                return torch.zeros_like(y)
-        return y * 2  # one rank's "sum" of two identical shards
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        return y * 2
 
 
 class ReducedModel(PhaseModel):
     def __init__(self, ask: str) -> None:
         super().__init__()
-        self.comm = CustomAllReduce(ask)
+        self.comm = OneRankAllReduce(ask)
 
     def forward(self, inputs) -> torch.Tensor:
         h = self.emb[inputs.input_ids.long()]

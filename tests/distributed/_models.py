@@ -56,6 +56,7 @@ class CustomAllReduce:
     def __init__(self, group, ask: str) -> None:
         self.group, self.ask = group, ask
         self.in_capture = False
+        self.placeholders = 0
 
     @contextlib.contextmanager
     def capture(self):
@@ -72,7 +73,11 @@ class CustomAllReduce:
             else:
                 recording = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             if not recording:
+                self.placeholders += 1
                 return torch.zeros_like(y)
+        return self.reduce(y)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
         out = torch.ops._c10d_functional.all_reduce(y, "sum", self.group.group_name)
         return torch.ops._c10d_functional.wait_tensor(out)
 
