@@ -43,9 +43,6 @@ __all__ = ["COUNTS_BUFFER", "AgreedStep", "StepAgreement", "counts_buffers", "is
 COUNTS_BUFFER = "num_tokens_across_dp"
 """The engine buffer of per-rank token counts (`dp_token_counts=True`): int32 [DP world size]."""
 
-EMPTY = IDLE
-"""The batch of an idle rank (no requests): `execute(None)`, or a rank that joins its peers' step."""
-
 
 def counts_buffers(group: Any, enabled: bool) -> tuple[BufferSpec, ...]:
     """The engine buffer that holds every DP rank's token count, when `enabled` (and a group is given)."""
@@ -76,11 +73,11 @@ class AgreedStep:
 
     def refuse(self, error: BaseException) -> tuple[StepBatch, Dispatch]:
         """Join the step idle after `error` (a refusal after the agreement); re-raise if already idle."""
-        if self.batch is EMPTY:
+        if self.batch is IDLE:
             raise error
-        self.refused, self.batch = error, EMPTY
+        self.refused, self.batch = error, IDLE
         if self.dispatch.mode is Mode.EAGER:
-            self.dispatch = self.dispatch._replace(key=_eager_key(EMPTY, self.padded))
+            self.dispatch = self.dispatch._replace(key=_eager_key(IDLE, self.padded))
         return self.batch, self.dispatch
 
     def raise_refusal(self) -> None:
@@ -189,7 +186,7 @@ class StepAgreement:
         try:
             self._stage(batch, own.key)
         except BatchError as exc:
-            refused, batch = exc, EMPTY
+            refused, batch = exc, IDLE
             own, uniform = self._own(batch)
         if self.tp is not None:
             digest = 1 if refused is not None else self._digest(batch, own.key)
@@ -202,7 +199,7 @@ class StepAgreement:
                     "Every rank of the group ran this step idle"
                 )
                 mismatch.__cause__ = refused
-                refused, batch = mismatch, EMPTY
+                refused, batch = mismatch, IDLE
                 own, uniform = self._own(batch)
         dispatch, counts, padded = own, (batch.num_tokens,), None
         if self.dp is not None:
