@@ -12,6 +12,7 @@ tensors the graph records.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import sys
@@ -33,14 +34,14 @@ from graphcap.errors import CaptureError
 from graphcap.failures import FailurePolicy
 from graphcap.inputs import BufferSpec, ForwardInputs, KVGroup
 from graphcap.keys import GraphKey, KeyRegistry, Mode
-from graphcap.outputs import OutputRows
+from graphcap.outputs import OutputRows, cloned
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
 from graphcap.probe import probe_batch
 from graphcap.report import GraphRecord, format_bytes
 from graphcap.staging.extras import sampled
 from graphcap.timing import replay_speedup
-from graphcap.verification import DUMMY_MISMATCH, compare_replay, probe_mismatch
+from graphcap.verification import DUMMY_MISMATCH, LastRun, compare_replay, probe_mismatch
 
 __all__ = ["CapturePass", "gc_frozen", "progress_bar", "uncompiled_warnings"]
 
@@ -73,6 +74,7 @@ class CapturePass:
     """What times each key's replay against eager (`replay_speedup`); None: CUDA events or perf_counter."""
     on_captured: Callable[[GraphKey], None] | None = None
     """Called with each key right after its graph is captured (communicators register its buffers)."""
+    _reference: LastRun | None = dataclasses.field(default=None, init=False, repr=False)
 
     def run(
         self, keys: Iterable[GraphKey], *, context: Callable[[], AbstractContextManager], progress: bool | None
@@ -84,21 +86,21 @@ class CapturePass:
         """
         records: list[GraphRecord] = []
         graphs: dict[GraphKey, CapturedGraph] = {}
+        verify = self.config.checks.verify_replay
+        # With no engine context to leave and no peers, each key is verified right after its capture, against
+        # its last warmup's output (an eager run of the same batch): one forward less per key.
+        inline = verify and context is contextlib.nullcontext and self.failures.peers is None
         try:
             with context():
                 for key in progress_bar(list(keys), self.backend, progress):
-                    record, graph = self.capture(key)
-                    records.append(record)
+                    record, graph = self.capture(key, keep_reference=inline)
                     if graph is not None:
                         graphs[key] = graph
                         if self.on_captured is not None:
                             self.on_captured(key)
-            if self.config.checks.verify_replay:  # after the context: the engine registered its buffers
-                for i, record in enumerate(records):
-                    with in_phase("verify"):
-                        records[i] = self.verify(record, graphs.get(record.key))
-                    if records[i].status == "skipped":
-                        graphs.pop(record.key, None)  # the failure policy released it
+                    records.append(self._verified(record, graphs) if inline else record)
+            if verify and not inline:  # after the context: the engine registered its buffers
+                records = [self._verified(record, graphs) for record in records]
             for i, record in enumerate(records):  # what each graph buys, timed again when a minimum decides
                 if record.key in graphs and self.config.capture.min_speedup is not None:
                     with in_phase("verify"):  # graphcap's dummy batch, replayed and run eagerly
@@ -111,17 +113,28 @@ class CapturePass:
             raise
         return records, graphs
 
-    def capture(self, key: GraphKey) -> tuple[GraphRecord, CapturedGraph | None]:
+    def capture(self, key: GraphKey, *, keep_reference: bool = False) -> tuple[GraphRecord, CapturedGraph | None]:
         """Stage the key's dummy batch, warm up, capture. A failure is settled by the policy
-        (raised, or the key recorded as skipped with no graph)."""
+        (raised, or the key recorded as skipped with no graph).
+
+        `keep_reference`: keep the real rows of the last plain warmup of a full graph (an eager run of the
+        dummy batch, with the same reads as a run right after it) as the expected result of `verify`.
+        """
         start = time.perf_counter()
         eager_seconds = 0.0
         graph = failure = None
         mode = self.registry.mode_of(key)
+        self._reference = None
         try:
             inputs = self.stage(self.capture_batch(key), key, phase="capture", dummy=True)
+            warmups = self.config.capture.num_warmups
+            run = self._warmup_run(inputs, mode)
+            if keep_reference and warmups > 0 and mode is not Mode.PIECEWISE:
+                run = self._reference = LastRun(
+                    run, 1 + warmups, self.backend, lambda out: self.outputs.real(cloned(out), inputs)
+                )
             t0 = time.perf_counter()
-            self.backend.warmup(self._warmup_run(inputs, mode), self.config.capture.num_warmups)
+            self.backend.warmup(run, warmups)
             self.backend.synchronize()  # time the warmups' GPU work, not their launches
             eager_seconds += time.perf_counter() - t0
             statics = self.static_inputs(inputs)
@@ -151,6 +164,14 @@ class CapturePass:
             key, "captured", seconds, graph.memory_bytes, False, "", eager_seconds, pieces=pieces, eager_ops=calls
         )
         return record, graph
+
+    def _verified(self, record: GraphRecord, graphs: dict[GraphKey, CapturedGraph]) -> GraphRecord:
+        """`verify` in its phase; a graph the failure policy released leaves `graphs`."""
+        with in_phase("verify"):
+            record = self.verify(record, graphs.get(record.key))
+        if record.status == "skipped":
+            graphs.pop(record.key, None)
+        return record
 
     def verify(self, record: GraphRecord, graph: CapturedGraph | None) -> GraphRecord:
         """Replay the key's dummy batch, then a partly filled probe batch, each against an eager run.
@@ -230,6 +251,14 @@ class CapturePass:
 
     def _verify_dummy(self, key: GraphKey, graph: CapturedGraph, timings: dict | None = None) -> float:
         inputs = self.stage(self.capture_batch(key), key, phase="capture", dummy=True)
+        reference, self._reference = self._reference, None
+        if reference is not None and reference.output is not None:  # the last warmup ran this batch eagerly
+            timings = {} if timings is None else timings
+            tolerance = self.config.checks.tolerance
+            compare_replay(graph, inputs, lambda: reference.output, tolerance=tolerance, backend=self.backend,
+                           message=DUMMY_MISMATCH, outputs=self.outputs, timings=timings)  # fmt: skip
+            timings["eager"] = reference.seconds
+            return 0.0  # counted with the warmups
         run = self._reference_run(inputs, self.registry.mode_of(key))
         return compare_replay(
             graph,

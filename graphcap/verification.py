@@ -5,7 +5,9 @@ expected real rows), compare with `torch.testing.assert_close` at the configured
 raise `CaptureError(message(difference))` when they differ. The manager runs it twice per key,
 after the capture pass's context has exited: on the capture's own dummy batch, and on
 `probe_batch`, partly filled and unlike the dummy in every value, so padded rows run and a host
-value the graph froze at capture (a Python count, an `.item()`) shows.
+value the graph froze at capture (a Python count, an `.item()`) shows. Where a key is verified
+right after its capture (no engine context, no peers), the dummy batch's expected rows are its last
+warmup's output (`LastRun`), which ran that batch eagerly just before: the same reads, one forward fewer.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from graphcap.inputs import ForwardInputs
 from graphcap.outputs import OutputRows, cloned, flatten_output
 from graphcap.piecewise import running
 
-__all__ = ["DUMMY_MISMATCH", "NORM_TOLERANCE", "compare_replay", "probe_mismatch"]
+__all__ = ["DUMMY_MISMATCH", "NORM_TOLERANCE", "LastRun", "compare_replay", "probe_mismatch"]
 
 DUMMY_MISMATCH = (
     "replay differs from eager on the same inputs ({diff}); the forward depends on something the "
@@ -94,6 +96,27 @@ def compare_replay(
     if diff is not None:
         raise CaptureError(message.format(diff=diff) if isinstance(message, str) else message(diff))
     return seconds
+
+
+class LastRun:
+    """A warmup forward that keeps what its last of `calls` runs returned (`keep(output)`) and how long it took."""
+
+    def __init__(self, run: Callable[[], Any], calls: int, backend: GraphBackend, keep: Callable[[Any], Any]) -> None:
+        self.run, self.left, self.backend, self.keep = run, calls, backend, keep
+        self.output: Any = None
+        self.seconds = 0.0
+
+    def __call__(self) -> Any:
+        self.left -= 1
+        if self.left > 0:
+            return self.run()
+        self.backend.synchronize()
+        t0 = time.perf_counter()
+        output = self.run()
+        self.backend.synchronize()  # the GPU work, not the launches
+        self.seconds = time.perf_counter() - t0
+        self.output = self.keep(output)
+        return output
 
 
 NORM_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-3}

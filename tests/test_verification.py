@@ -8,13 +8,16 @@ and fails this one, at capture instead of on the first real step.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphcap import CaptureError, GraphKey
+from graphcap import CaptureError, GraphKey, verification
+from graphcap import capture as capture_module
 from graphcap.capture import CapturePass
 from graphcap.models import build_model
 from graphcap.probe import probe_batch
@@ -70,6 +73,50 @@ def test_the_dummy_batch_alone_would_have_passed(monkeypatch):
     )
     with pytest.raises(AssertionError):
         torch.testing.assert_close(manager.execute(batch).clone(), manager.eager(batch))
+
+
+@pytest.mark.parametrize("engine_context", [False, True], ids=["right_after_capture", "after_the_context"])
+def test_a_value_that_changes_every_call_fails_the_dummy_batch_check(engine_context):
+    """A Python value that changes on every call (here a call count) is frozen at capture: the dummy batch's
+    replay differs from its eager run. Without an engine context each key is verified right after its capture,
+    against its last warmup's output; with one, after the context, against a fresh eager run. Both catch it
+    on the dummy batch, before the probe batch."""
+    config = make_config(capture__sizes=[4])
+    calls = []
+
+    def count(inputs):
+        calls.append(1)
+        return float(len(calls))
+
+    model = FrozenCount(build_model(config), count)
+    manager = make_manager(config, capture_context=contextlib.nullcontext if engine_context else None)
+    manager.model, manager._forward = model, model.forward
+    with pytest.raises(CaptureError, match="replay differs from eager on the same inputs"):
+        manager.capture()
+
+
+def test_the_warmup_reference_is_the_same_check_as_a_fresh_eager_run(monkeypatch):
+    """Control for the reference kept from the last warmup: a correct model verifies every key either way,
+    and the replayed rows equal the fresh eager run's rows bit for bit (the CPU runs the same kernels)."""
+    seen = []
+    original = verification.compare_replay
+
+    def recorded(graph, inputs, eager, **kwargs):
+        seen.append((eager(), kwargs["message"]))
+        return original(graph, inputs, eager, **kwargs)
+
+    monkeypatch.setattr(capture_module, "compare_replay", recorded)
+    manager = make_manager(make_config(capture__sizes=[4, 8]))
+    report = manager.capture()
+    assert report.records and all(r.verified and r.speedup > 0 for r in report.records)
+    dummies = [expected for expected, message in seen if message is verification.DUMMY_MISMATCH]
+    assert len(dummies) == len(report.records)
+    job = manager._capture_pass()
+    for record, expected in zip(report.records, dummies):
+        inputs = job.stage(job.capture_batch(record.key), record.key, phase="capture", dummy=True)
+        with torch.inference_mode():
+            fresh = manager._outputs.real(job._reference_run(inputs, job.registry.mode_of(record.key))(), inputs)
+        torch.testing.assert_close(expected, fresh, rtol=0, atol=0)
 
 
 def test_a_forward_that_slices_the_kv_write_by_a_python_count_fails_capture():

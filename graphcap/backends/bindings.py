@@ -37,6 +37,10 @@ class _Probe(TorchDispatchMode):
 
     seen: tuple[Any, tuple, dict] | None = None
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no dynamo wrapper (see `UnsafeOpMode`): nothing is compiled inside a probe
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.seen = (func, args, kwargs or {})
         raise _ProbeStop
@@ -53,6 +57,40 @@ def native_binding(func: Any, args: tuple, kwargs: dict) -> Callable | None:
     namespace, _, name = func._schema.name.partition("::")
     if namespace != "aten":
         return None
+    try:
+        shape = (func, _signature(args), tuple((k, _signature(v)) for k, v in kwargs.items()))
+        known = _found.get(shape, _UNKNOWN)
+    except TypeError:  # an unhashable constant: probe without the cache
+        shape, known = None, _UNKNOWN
+    if known is not _UNKNOWN:
+        return known
+    found = _probe_bindings(func, name, args, kwargs)
+    if shape is not None:
+        _found[shape] = found
+    return found
+
+
+_UNKNOWN = object()
+_found: dict[Any, Callable | None] = {}
+"""The binding found for an overload and the types of its arguments: the Python argument parser picks the
+overload from the types alone (a zero-dimensional tensor may stand for a number, so that is part of the
+type), so one probe answers every later call with the same types."""
+
+
+def _signature(value: Any) -> Any:
+    """What the argument parser sees of `value`: a tensor's type and whether it has no dimensions, a number's
+    type, a sequence's element signatures; any other constant (dtype, device, str, None) itself."""
+    if isinstance(value, torch.Tensor):
+        return (type(value), value.dim() == 0)
+    if isinstance(value, (bool, int, float, complex)):
+        return type(value)
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_signature(v) for v in value))
+    hash(value)  # TypeError for an unhashable constant
+    return (type(value), value)
+
+
+def _probe_bindings(func: Any, name: str, args: tuple, kwargs: dict) -> Callable | None:
     for owner in _BINDING_NAMESPACES:
         candidate = getattr(owner, name, None)
         if candidate is None:

@@ -162,6 +162,13 @@ class UnsafeOpMode(TorchDispatchMode):
         super().__init__()
         self.device = torch.device(device)
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in a dynamo-disabling wrapper (importing dynamo on the first
+        # op, seconds, and a few microseconds on every op after); the checks run with torch.compile off
+        # (`eager_only`), so nothing is ever compiled inside this mode.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         check_op(func, args, kwargs, self.device)
@@ -176,12 +183,36 @@ class UnsafeOpMode(TorchDispatchMode):
         # Under inference mode a composite op (aten.to, narrow.Tensor) reaches the mode whole;
         # the kernel below would then run its parts unchecked (FakeTensorMode decomposes it
         # out of sight): decompose it here, with the checker on, so every part is checked.
-        if func.namespace == "aten":
+        decompose = _composite_kernel(func)
+        if decompose is not None:
             with self:
-                result = func.decompose(*args, **kwargs)
+                result = decompose(*args, **kwargs)
             if result is not NotImplemented:
                 return result
         return func(*args, **kwargs)
+
+
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+
+
+@functools.cache
+def _composite_kernel(func: Any) -> Callable | None:
+    """What runs an aten composite op as its parts (each reaching the mode again), or None for an op with no parts.
+
+    The C++ composite kernel where torch has one (what eager runs, and far cheaper than the Python
+    decomposition torch registers for tracing: matmul's costs about a millisecond a call), else
+    `OpOverload.decompose`. Looked up once per overload: most ops have no composite kernel, and then
+    the mode is not entered again at all.
+    """
+    if func.namespace != "aten":
+        return None
+    native = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE)
+    op_dk = getattr(func, "_op_dk", None)  # private: feature-detected
+    if native and op_dk is not None:
+        return functools.partial(op_dk, _COMPOSITE)
+    if native or _COMPOSITE in getattr(func, "py_kernels", {}):
+        return func.decompose
+    return None
 
 
 class _SyncGuard:
