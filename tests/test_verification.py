@@ -215,3 +215,40 @@ def test_16_bit_outputs_are_compared_by_norm_relative_error_unless_tolerances_ar
     nan[0, 0] = float("nan")
     assert "non-finite" in _difference(nan, eager, {})
     assert _difference(near, eager, {"atol": 1e-5, "rtol": 1e-5}) is not None  # explicit: elementwise
+
+
+@given(
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.bool]),
+    n=st.integers(0, 6),
+    noise=st.sampled_from([0.0, 1e-9, 1e-6, 1e-5, 1e-3, 3e-2, 1.0]),
+    nan=st.booleans(),
+    tolerance=st.sampled_from([{}, {"rtol": 1e-3, "atol": 1e-3}, {"rtol": 0.0, "atol": 0.0}]),
+    reshaped=st.booleans(),
+    seed=st.integers(0, 3),
+)
+@settings(max_examples=200, deadline=None)
+def test_the_fast_comparison_never_accepts_what_assert_close_refuses(dtype, n, noise, nan, tolerance, reshaped, seed):
+    """Verification decides with `torch.allclose` first and asks `torch.testing.assert_close` (which writes the
+    message) only when that says no: the decision is assert_close's on every input."""
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, 3, generator=generator, dtype=torch.float64)
+    a = base.to(dtype) if dtype is not torch.bool else base > 0
+    b = (base + noise * torch.randn(n, 3, generator=generator, dtype=torch.float64)).to(dtype)
+    if dtype is torch.bool:
+        b = (base + noise * torch.randn(n, 3, generator=generator, dtype=torch.float64)) > 0
+    if nan and n and a.is_floating_point():
+        a[0, 0] = b[0, 0] = float("nan")
+    if reshaped and n:
+        b = b.reshape(3, n)
+    try:
+        torch.testing.assert_close(a, b, **tolerance)
+        passes = True
+    except AssertionError:
+        passes = False
+    surely = verification._surely_close(a, b, tolerance)
+    assert not surely or passes
+    if a.is_floating_point() and a.shape == b.shape:
+        assert surely == passes  # floats never need the slow path to pass
+    if tolerance or dtype not in verification.NORM_TOLERANCE:  # 16-bit without tolerances: the norm check
+        assert (verification._difference(a, b, tolerance) is None) == passes
+        assert (verification._difference((a, a), (b, b), tolerance) is None) == passes

@@ -93,7 +93,7 @@ class KeyTimes:
         try:
             yield
         finally:
-            torch.cuda.synchronize()
+            self.manager.backend.synchronize()  # the device work, not the launches
             self.seconds[self._key][step] += time.perf_counter() - start
 
     def _around(self, fn, step: str | None, key_from_arg: bool = False):
