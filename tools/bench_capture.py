@@ -156,7 +156,9 @@ def where_a_pass_goes(manager: CaptureManager, eager_ms: float, rounds: int) -> 
     print(f"{'part':<40} {'seconds':>8} {'units':>6}")
     for step, seconds in parts.items():
         print(f"{step:<40} {seconds:>8.3f} {seconds / unit:>6.2f}")
-    print(f"{'whole pass (median; min-max)':<40} {wall:>8.3f} {wall / unit:>6.2f}   {min(walls):.3f}-{max(walls):.3f} s")
+    print(
+        f"{'whole pass (median; min-max)':<40} {wall:>8.3f} {wall / unit:>6.2f}   {min(walls):.3f}-{max(walls):.3f} s"
+    )
     print(
         f"capture pass / 4 eager forwards per key: {wall / unit / 4:.2f}x (goal <= {CAPTURE_GOAL}x); the four: the "
         "checked preflight, a warmup, the recorded capture, the verification's eager run"

@@ -458,6 +458,7 @@ def levels(rounds: int, calls: int, warmup: int) -> int:
     header = f"{'case':<28} {'basic':>8} {'full':>8} {'rule by rule':>13} {'full/rules':>11} {'p10-p90':>11}"
     print(header)
     print("-" * len(header))
+    goal = None
     for case in make_cases(config, registry):
         table = buffers.block_table
         table.reset()
@@ -476,7 +477,17 @@ def levels(rounds: int, calls: int, warmup: int) -> int:
             f"{case.name:<28} {np.median(basic):>6.1f}us {np.median(full):>6.1f}us {np.median(rules):>11.1f}us "
             f"{np.median(ratio):>11.2f} {lo:>5.2f}-{hi:<5.2f}"
         )
+        if case.name == FULL_GOAL_CASE:
+            goal = (np.median(full), np.median(ratio))
+    if goal is not None:
+        print(
+            f"goal (issue 25): full at {FULL_GOAL_CASE} <= {FULL_GOAL_US:g} us, filed at {FULL_FILED_US:g} us "
+            f"(rule by rule), i.e. <= {FULL_GOAL_US / FULL_FILED_US:.2f}x of it: now {goal[0]:.1f} us, {goal[1]:.2f}x"
+        )
     return 0
+
+
+FULL_GOAL_CASE, FULL_GOAL_US, FULL_FILED_US = "decode 256 reqs", 25.0, 70.0
 
 
 def main(argv: list[str] | None = None) -> int:

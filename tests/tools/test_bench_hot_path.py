@@ -15,6 +15,7 @@ def test_bench_guard_prints_the_checks_before_and_after_the_launch():
     names = ("check_before_replay()", "check_after_replay()", "check() (both)", "data_ptr sweep only", "walk")
     assert rows(result.stdout, names)[:3] == list(names[:3])
     assert "302 static tensors (300 parameters)" in result.stdout
+    assert "goal (issue 25): what a replay waits for before its launch <= 5 us: check_before_replay() " in result.stdout
 
 
 def test_bench_execute_prints_each_part_and_the_overhead_over_the_replay():
@@ -22,6 +23,7 @@ def test_bench_execute_prints_each_part_and_the_overhead_over_the_replay():
     assert result.returncode == 0, result.stderr
     names = ("execute", "replay", "dispatch", "stage", "guard", "cut")
     assert rows(result.stdout, names) == ["execute", "replay", "dispatch", "stage", "guard", "cut", "execute - replay"]
+    assert "goal (issue 25): execute - replay <= 12 us: " in result.stdout
 
 
 def test_bench_stage_levels_prints_basic_full_and_the_rule_by_rule_checks():
@@ -30,3 +32,4 @@ def test_bench_stage_levels_prints_basic_full_and_the_rule_by_rule_checks():
     header = next(line for line in result.stdout.splitlines() if line.startswith("case"))
     assert header.split()[1:4] == ["basic", "full", "rule"]
     assert len(rows(result.stdout, ("decode", "prefill"))) == 5
+    assert "goal (issue 25): full at decode 256 reqs <= 25 us, filed at 70 us (rule by rule)" in result.stdout

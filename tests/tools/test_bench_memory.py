@@ -21,7 +21,8 @@ def test_bench_memory_quick_prints_estimate_and_peak():
 def test_bench_startup_quick_times_every_command():
     done = run_tool("bench_startup.py", "--quick", timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    header, *rows = done.stdout.splitlines()
+    header, *rows, goal = done.stdout.splitlines()
     assert header.split()[-2:] == ["x", "bare"]  # each command beside a bare interpreter, in one process
     assert [row.split()[0] for row in rows] == ["python", "--help", "--version", "validate", "sizes"]
     assert rows[0].endswith(" 1.0x")
+    assert goal.startswith("goal (issue 25): graphcap --help <= 2x a bare interpreter: ")

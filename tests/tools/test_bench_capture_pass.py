@@ -1,0 +1,19 @@
+"""`tools/bench_capture.py` prints each key's capture beside its forwards, and where a re-capture pass goes."""
+
+from __future__ import annotations
+
+from tests.tools import run_tool
+
+
+def test_bench_capture_prints_where_a_pass_goes_beside_the_goal():
+    result = run_tool("bench_capture.py", "--quick", "--threads", "1", timeout=600)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("capture overhead (emulated backend on cpu, 1 threads)")
+    parts = out.split("where a re-capture pass goes (2 passes;")[1].splitlines()
+    names = [line.split("  ")[0].strip() for line in parts[2:8]]
+    assert names == ["preflight", "warmups", "capture", "verification", "outside the keys (GC, report, set-up)",
+                     "whole pass (median; min-max)"]  # fmt: skip
+    units = [float(line.split()[-1]) for line in parts[2:6]]
+    assert all(value > 0 for value in units)  # each step of every key was timed
+    assert "capture pass / 4 eager forwards per key: " in out and "(goal <= 1.5x)" in out
