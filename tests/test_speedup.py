@@ -96,9 +96,9 @@ def test_keys_are_timed_again_only_when_a_minimum_decides(min_speedup):
     manager = CaptureManager(model, config, progress=False)
     manager.capture()
     extra = 0 if min_speedup is None else SPEEDUP_REPS  # eager runs of the key's own dummy batch
-    # the preflight, one warmup and the capture: verification compares the dummy batch's replay with the
-    # warmup's output (no engine context, no peers: each key is verified right after its capture)
-    assert set(model.calls[key] for key in manager.registry.planned) == {3 + extra}
+    # the preflight, one warmup, the capture and the probe batch's eager run (verification compares the
+    # dummy batch's replay with the warmup's output: no engine context, no peers)
+    assert set(model.calls[key] for key in manager.registry.planned) == {4 + extra}
 
 
 def test_without_verification_or_a_minimum_no_speedup_is_recorded():

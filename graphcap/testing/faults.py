@@ -18,6 +18,7 @@ import torch
 
 from graphcap.config import CaptureConfig
 from graphcap.manager import CaptureManager
+from graphcap.phases import phase
 
 __all__ = [
     "FAULTS",
@@ -53,8 +54,11 @@ class FaultyModel(torch.nn.Module):
 
     Calls are counted per key since `arm`: with one warmup and `verify_replay`, call 1 of a
     key is its preflight (the checked first run), call 2 its plain warmup, call 3 its capture
-    (under the emulated backend's recorder) and call 4 the eager run verification compares the
-    replay with (`PHASES`), so `on_call` picks the phase that fails.
+    (under the emulated backend's recorder) and call 4 the first eager run of its verification
+    (`PHASES`), so `on_call` picks the phase that fails. A verification forward counts for the
+    key it verifies: its own key (a dummy batch run again), else the key verified by the
+    verification forward before it, else the key captured last (a key verified right after its
+    capture: the probe batch, staged at an eager key of its own size).
     """
 
     def __init__(self, inner: torch.nn.Module) -> None:
@@ -62,11 +66,13 @@ class FaultyModel(torch.nn.Module):
         self.inner = inner
         self.fault: tuple[int, Callable[[], BaseException], int | None] | None = None
         self.calls: Counter = Counter()
+        self._captured = self._verifying = None
 
     def arm(self, num_tokens: int, make_exc: Callable[[], BaseException], on_call: int | None = None) -> None:
         """Raise `make_exc()` when a key of `num_tokens` runs (on its `on_call`-th call, or every call)."""
         self.fault = (num_tokens, make_exc, on_call)
         self.calls.clear()
+        self._captured = self._verifying = None
 
     def disarm(self) -> None:
         self.fault = None
@@ -77,7 +83,13 @@ class FaultyModel(torch.nn.Module):
 
     def forward(self, inputs) -> torch.Tensor:
         key = inputs.key
+        if phase() == "verify":
+            key = self._verifying = key if self.calls[key] >= 3 else (self._verifying or self._captured)
+        else:
+            self._verifying = None
         self.calls[key] += 1
+        if self.calls[key] == 3 and self._verifying is None:
+            self._captured = key
         if self.fault is not None:
             num_tokens, make_exc, on_call = self.fault
             if key.num_tokens == num_tokens and on_call in (None, self.calls[key]):
