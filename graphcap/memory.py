@@ -17,10 +17,15 @@ How graph memory adds up depends on the backend:
 
 - `cuda`: every graph of a backend shares one pool, captured largest first, and a graph's
   static output is not kept alive after capture (it is valid until any graph of the pool
-  replays), so the pool holds about the largest key's activations and output together.
-- `emulated`: capturing records the whole forward and keeps each intermediate until the tape
-  is compiled, so the transient is every intermediate of the largest key's forward; between
-  replays only the static outputs stay.
+  replays), so the pool holds about the largest key's activations and output together. The
+  warmups and the verification run eagerly outside the pool: their working set (a key's
+  activations; with `checks.verify_replay`, a copy of its output and the comparison too) is
+  the capture transient. Not measured on a GPU yet (docs/BENCHMARKS.md).
+- `emulated`: recording a key keeps every intermediate of its forward until the tape is
+  compiled, next to the outputs of the keys captured before it (largest first, so the first
+  key's recording is usually the peak); then, with every output held, each key's verification
+  copies its output, runs the forward eagerly and compares. The capture transient is that
+  peak above the outputs, which are all that stays between replays.
 
 This module does not import torch (`graphcap sizes` shows the estimate without it).
 """
@@ -72,8 +77,9 @@ class MemoryEstimate:
     """Bytes by part, and the peak they add up to (`total`).
 
     `parts` holds the memory that stays: `weights`, `kv_cache` (or a factory model's own
-    parts), `buffers` and `graphs` (what the captured graphs keep); `build_transient` and
-    the largest key's `capture_transient` are held only for a moment, one at a time.
+    parts), `buffers` and `graphs` (what the captured graphs keep); `build_transient` (while
+    the weights are drawn) and `capture_transient` (the capture's peak above the `graphs` part:
+    see the module docstring) are held only for a moment, one at a time.
     """
 
     backend: str
@@ -85,15 +91,22 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return sum(self.parts.values()) + max(self.build_transient, self.capture_transient)
+        """The peak: every part with the capture transient, or the weights while they are drawn (alone then)."""
+        return max(self._at_capture(), self._at_build())
+
+    def _at_capture(self) -> int:
+        return sum(self.parts.values()) + self.capture_transient
+
+    def _at_build(self) -> int:
+        return self.parts.get("weights", 0) + self.build_transient
 
     def largest_part(self) -> tuple[str, int]:
-        """The part that weighs most at the peak (graphs counted with the capture transient)."""
+        """The part that weighs most at the peak (graphs with the capture transient, or the weights being drawn)."""
+        if self._at_build() > self._at_capture():
+            return "weights", self._at_build()
         parts = dict(self.parts)
-        if self.capture_transient >= self.build_transient:
+        if self.capture_transient:
             parts["graphs"] = parts.get("graphs", 0) + self.capture_transient
-        else:
-            parts["weights"] = parts.get("weights", 0) + self.build_transient
         name = max(parts, key=lambda part: parts[part])
         return name, parts[name]
 
@@ -147,7 +160,8 @@ def estimate_memory(
     parts: dict[str, int] = {}
     notes: list[str] = []
     build_transient = 0
-    keys = KeyRegistry.from_config(config).planned
+    registry = KeyRegistry.from_config(config)
+    keys = registry.planned
     graphs: tuple[GraphMemory, ...] = ()
     if config.model.factory is None:
         weights, build_transient = _weights(config, backend)
@@ -169,7 +183,8 @@ def estimate_memory(
     parts["buffers"] = _buffers(config, backend, (*config.buffers, *buffers))
     if config.model.factory is None:  # a factory model's graphs are in its own estimate, or unknown
         parts["graphs"] = graphs_bytes(graphs, backend)
-    transient = max((g.transient if backend == "emulated" else 0 for g in graphs), default=0)
+    by_key = dict(zip(keys, graphs))
+    transient = _capture_transient(config, backend, [by_key[key] for key in registry.capture_order() if key in by_key])
     return MemoryEstimate(backend, parts, build_transient, transient, graphs, tuple(notes))
 
 
@@ -182,6 +197,22 @@ _PIECEWISE_NOTES = {
 }
 
 
+def _capture_transient(config: Any, backend: str, graphs: list[GraphMemory]) -> int:
+    """The capture's peak above what its graphs keep (`graphs_bytes`); `graphs` in capture order."""
+    if not graphs:
+        return 0
+    # Verifying a key: a copy of the replayed output, then the eager forward, then the comparison
+    # (torch.testing.assert_close holds four more copies of the output while it runs).
+    verify = max(g.output + max(g.activations, 5 * g.output) for g in graphs) if config.checks.verify_replay else 0
+    if backend == "cuda":  # the warmups and the verification allocate outside the pool
+        return max(verify, max(g.activations for g in graphs))
+    held = peak = 0
+    for graph in graphs:  # each recording beside the outputs of the keys captured before it
+        peak = max(peak, held + graph.transient)
+        held += graph.output
+    return max(peak, held + verify) - held
+
+
 def graphs_bytes(graphs: Iterable[GraphMemory], backend: str) -> int:
     """The `graphs` part of an estimate over `graphs`: what they hold together (cuda: one pool; emulated: outputs)."""
     graphs = list(graphs)
@@ -191,19 +222,22 @@ def graphs_bytes(graphs: Iterable[GraphMemory], backend: str) -> int:
 
 
 def _weights(config: Any, backend: str) -> tuple[int, int]:
-    """(bytes of parameters and rotary tables, transient bytes while drawing them)."""
+    """(bytes of parameters and rotary tables, bytes above them while they are drawn).
+
+    Each weight is drawn in float32 (randn, then scaled and shifted: two tensors alive), then cast;
+    the largest (the lm head, drawn last) is drawn beside all the others. The rotary angles are
+    built in float64 after the weights (angles, cos, sin). The KV cache comes after both.
+    """
     m, kv = config.model, config.kv_cache
     s = _DTYPE_BYTES[m.dtype]
     E, D, F, V = m.hidden_size, m.head_dim, m.ffn_size, m.vocab_size
     per_layer = 2 * E + E * (m.num_heads + 2 * m.num_kv_heads) * D + E * m.num_heads * D + 3 * E * F
     params = 2 * V * E + m.num_layers * per_layer + E
     rope = 2 * kv.max_model_len * (D // 2) * s
-    # Each weight is drawn in float32 (randn, then scaled and shifted: two tensors alive), and
-    # the rotary angles are built in float64 (angles, cos, sin).
     largest = max(V * E, E * (m.num_heads + 2 * m.num_kv_heads) * D, 2 * F * E)
-    transient = max(8 * largest + (s * largest if s != 4 else 0), 3 * kv.max_model_len * (D // 2) * 8)
+    transient = max((8 - s) * largest, 3 * kv.max_model_len * (D // 2) * 8)  # its own bytes are in the weights
     if backend == "cuda" and params > _DRAW_ON_DEVICE:
-        transient = 8 * largest  # drawn on the device: the same two float32 tensors, there
+        transient = (8 - s) * largest  # drawn on the device: the same two float32 tensors, there
     return params * s + rope, transient
 
 
@@ -227,27 +261,38 @@ def _buffers(config: Any, backend: str, extras: Iterable[Any]) -> int:
 
 
 def _graph(config: Any, T: int, R: int) -> GraphMemory:
-    """The tiny-llama forward at `T` tokens and `R` requests (see `TinyLlama.forward`)."""
+    """The tiny-llama forward at `T` tokens and `R` requests (see `TinyLlama.forward`).
+
+    `transient` is every storage the forward's aten ops return, byte for byte, as the emulated
+    recording keeps them (the ops' inner scratch is freed before the next op and not counted);
+    `activations` the most of them a replay holds at once (every layer's scratch is dead by the next).
+    """
     m, kv = config.model, config.kv_cache
     s = _DTYPE_BYTES[m.dtype]
     H, KV, D, E, F, V = m.num_heads, m.num_kv_heads, m.head_dim, m.hidden_size, m.ffn_size, m.vocab_size
     B = kv.max_blocks_per_req
     L = B * kv.block_size
-    cast = s if s != 4 else 0  # a float32 copy that only exists for 16-bit dtypes
-    # _paging: index tensors every layer reads (int64 rows, [T, L] masks), rotary rows, h.
-    paging = 8 * (R + 1) + 12 * (R + 1) + 4 * (R + 1) * B + 4 * T * B + 16 * KV * T * B + 8 * L + 28 * T
-    persistent = paging + T * L + T * D * s + T * E * s
-    norm = 3 * T * E * 4 + T * E * cast + T * E * s  # float32 statistics, then the cast back
+    half = 0 if s == 4 else 1  # casts to and from float32 that only exist for 16-bit dtypes
+    # _paging (int32 inputs): repeats, the token -> request map, padded tables, read rows, the [T, L] masks.
+    requests = 4 * R + 4 + 4 * (R + 1) + 8 * (R + 1) + 8 * (R + 1) + 8 * T + 4 + 4 * (R + 1) + 4 * B
+    blocks = 4 * (R + 1) * B + 4 * T * B + 16 * KV * T * B  # padded table, each token's blocks, + plane offsets
+    visible = 8 * L + 4 * T + 3 * T * L + 8 * T + T + 8 * T  # j, seq lens, masks; write slots
+    persistent = requests + blocks + visible + 2 * T * (D // 2) * s + T * E * s  # + rotary rows, h
+    # _rms_norm: float32 x^2, mean, + eps, rsqrt, two products; 16-bit: x and weight in float32, cast back.
+    norm = 3 * T * E * 4 + 3 * 4 * T + half * (T * E * 4 + E * 4 + T * E * s)
     qkv = T * (H + 2 * KV) * D * s
-    rope = 7 * T * (H + KV) * (D // 2) * s + T * KV * D * s  # halves, products, cat; v's copy
-    gather = 2 * KV * T * L * D * s  # each token's keys and values: [2, KV, T, L, D]
-    scores = H * T * L * (s + 4 + cast) + 2 * T * L  # scores, float32 softmax, cast; the mask
-    attn_out = 2 * T * KV * D * s + 3 * T * H * D * s  # stacked k/v, scaled q, out and its copy
-    mlp = 2 * T * F * s + 2 * T * F * s + 3 * T * E * s  # gate_up, silu and product, projections
-    logits = norm + T * V * s + (T * V * 4 if s != 4 else 0)  # lm head, then its float32 copy
+    rope = 4 * T * (H + KV) * D * s  # four products, two sums (halves), the cat; for q and for k
+    gather = 2 * T * KV * D * s + 2 * KV * T * L * D * s  # stacked k, v written; each token's keys and values
+    copied = T > 1 and KV > 1  # out.transpose(0, 1).reshape copies unless a dimension is 1
+    scores = H * T * L * (s + 4 + half * s) + T * L  # scores, float32 softmax (16-bit: cast back), the mask
+    attn_out = T * H * D * s * (2 + copied)  # scaled q, probs @ v, its [T, H*D] copy
+    residual = 2 * T * E * s  # o_proj and the sum
+    mlp = 2 * T * F * s + 2 * T * F * s + 2 * T * E * s  # gate_up, silu and product, down_proj and the sum
+    logits = norm + T * V * s + half * T * V * 4  # lm head, then its float32 copy
     attend = gather + scores + attn_out
-    activations = persistent + max(norm + qkv + rope + attend, norm + mlp, logits)
-    every = persistent + m.num_layers * (2 * norm + qkv + rope + attend + mlp) + logits
+    inner = half * H * T * L * 4  # softmax's float32 copy of 16-bit scores, freed inside the op
+    activations = persistent + max(norm + qkv + rope + attend + inner, norm + mlp + residual, logits)
+    every = persistent + m.num_layers * (2 * norm + qkv + rope + attend + residual + mlp) + logits
     return GraphMemory(T, R, activations, every, T * V * 4)
 
 

@@ -65,7 +65,7 @@ def build_manager(args: argparse.Namespace, config: CaptureConfig | None = None)
         if available is not None and estimate.total > available:
             part, size = estimate.largest_part()
             named = estimate.name_of(part)
-            if part == "graphs" and estimate.capture_transient >= estimate.build_transient:
+            if part == "graphs" and estimate.capture_transient:
                 named += " with the capture transient"
             raise UserError(
                 f"the memory estimate {format_bytes(estimate.total)} does not fit in the {format_bytes(available)} "

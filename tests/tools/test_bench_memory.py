@@ -14,8 +14,9 @@ def test_bench_memory_quick_prints_estimate_and_peak():
     done = run_tool("bench_memory.py", "--quick", timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     header, row = done.stdout.splitlines()[:2]
-    assert header.split()[:4] == ["config", "estimate", "peak", "RSS"]
+    assert header.split() == ["config", "estimate", "alloc", "peak", "MiB", "est/alloc", "RSS", "growth", "MiB"]
     assert row.startswith("default (fp32, 2 layers, sizes to 64)")
+    assert float(row.split()[-3]) >= 1.0  # the estimate over the exact allocation peak: never below
 
 
 def test_bench_startup_quick_times_every_command():
