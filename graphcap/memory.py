@@ -198,19 +198,26 @@ _PIECEWISE_NOTES = {
 
 
 def _capture_transient(config: Any, backend: str, graphs: list[GraphMemory]) -> int:
-    """The capture's peak above what its graphs keep (`graphs_bytes`); `graphs` in capture order."""
+    """The capture's peak above what its graphs keep (`graphs_bytes`); `graphs` in capture order.
+
+    A key is verified right after its capture (no engine context, no peers), its dummy batch compared with a
+    copy of its last warmup's output kept through the recording, or after the whole pass beside every output
+    (an engine context or peers): the peak is the larger of the two orders.
+    """
     if not graphs:
         return 0
+    verifies = config.checks.verify_replay
     # Verifying a key: a copy of the replayed output, then the eager forward, then the comparison
     # (torch.testing.assert_close holds four more copies of the output while it runs).
-    verify = max(g.output + max(g.activations, 5 * g.output) for g in graphs) if config.checks.verify_replay else 0
+    work = [g.output + max(g.activations, 5 * g.output) if verifies else 0 for g in graphs]
+    kept = [g.output if verifies and config.capture.num_warmups > 0 else 0 for g in graphs]  # the warmup's copy
     if backend == "cuda":  # the warmups and the verification allocate outside the pool
-        return max(verify, max(g.activations for g in graphs))
+        return max(max(k + w for k, w in zip(kept, work)), max(g.activations for g in graphs))
     held = peak = 0
-    for graph in graphs:  # each recording beside the outputs of the keys captured before it
-        peak = max(peak, held + graph.transient)
+    for graph, copy, verify in zip(graphs, kept, work):  # each key beside the outputs captured before it
+        peak = max(peak, held + copy + graph.transient, held + graph.output + copy + verify)
         held += graph.output
-    return max(peak, held + verify) - held
+    return max(peak, held + max(work)) - held
 
 
 def graphs_bytes(graphs: Iterable[GraphMemory], backend: str) -> int:
