@@ -544,3 +544,23 @@ def test_in_place_collectives_are_refused_only_where_the_graph_device_is_the_cpu
     check_op(allreduce, ([torch.empty(4, device="meta")],), {}, torch.device("meta"))
     with pytest.raises(CaptureUnsafeError, match=r"c10d\.allreduce_ at .*_functional_collectives\.all_reduce"):
         check_op(allreduce, ([torch.empty(4)],), {}, torch.device("cpu"))
+
+
+def test_a_capture_pass_imports_neither_dynamo_nor_the_dtensor_stack():
+    """The checker's modes carry no dynamo wrapper and verification compares without assert_close's set-up,
+    so the first capture of a process pays neither import (each cost seconds of the first key)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from graphcap import CaptureManager, load_config\n"
+        "from graphcap.models import build_model\n"
+        "config = load_config('tiny-cpu-ci')\n"
+        "report = CaptureManager(build_model(config), config, progress=False).capture()\n"
+        "assert report.records and all(r.verified for r in report.records)\n"
+        "print(sorted(m for m in ('torch._dynamo', 'torch.distributed.tensor', 'sympy') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
