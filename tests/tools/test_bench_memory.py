@@ -17,6 +17,9 @@ def test_bench_memory_quick_prints_estimate_and_peak():
     assert header.split() == ["config", "estimate", "alloc", "peak", "MiB", "est/alloc", "RSS", "growth", "MiB"]
     assert row.startswith("default (fp32, 2 layers, sizes to 64)")
     assert float(row.split()[-3]) >= 1.0  # the estimate over the exact allocation peak: never below
+    words = row.split()
+    assert words[8] == "MiB"  # the estimate, then the peak resident memory's growth (median) in MiB
+    assert float(words[-2]) <= 1.2 * float(words[7])  # the process's RSS growth stays within the estimate's reach
 
 
 def test_bench_startup_quick_times_every_command():
