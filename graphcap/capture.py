@@ -74,7 +74,6 @@ class CapturePass:
     """What times each key's replay against eager (`replay_speedup`); None: CUDA events or perf_counter."""
     on_captured: Callable[[GraphKey], None] | None = None
     """Called with each key right after its graph is captured (communicators register its buffers)."""
-    _reference: LastRun | None = dataclasses.field(default=None, init=False, repr=False)
 
     def run(
         self, keys: Iterable[GraphKey], *, context: Callable[[], AbstractContextManager], progress: bool | None
@@ -93,12 +92,14 @@ class CapturePass:
         try:
             with context():
                 for key in progress_bar(list(keys), self.backend, progress):
-                    record, graph = self.capture(key, keep_reference=inline)
+                    full = self.registry.mode_of(key) is not Mode.PIECEWISE
+                    reference = LastRun() if inline and full else None
+                    record, graph = self.capture(key, reference=reference)
                     if graph is not None:
                         graphs[key] = graph
                         if self.on_captured is not None:
                             self.on_captured(key)
-                    records.append(self._verified(record, graphs) if inline else record)
+                    records.append(self._verified(record, graphs, reference) if inline else record)
             if verify and not inline:  # after the context: the engine registered its buffers
                 records = [self._verified(record, graphs) for record in records]
             for i, record in enumerate(records):  # what each graph buys, timed again when a minimum decides
@@ -113,24 +114,23 @@ class CapturePass:
             raise
         return records, graphs
 
-    def capture(self, key: GraphKey, *, keep_reference: bool = False) -> tuple[GraphRecord, CapturedGraph | None]:
+    def capture(self, key: GraphKey, *, reference: LastRun | None = None) -> tuple[GraphRecord, CapturedGraph | None]:
         """Stage the key's dummy batch, warm up, capture. A failure is settled by the policy
         (raised, or the key recorded as skipped with no graph).
 
-        `keep_reference`: keep the real rows of the last plain warmup of a full graph (an eager run of the
-        dummy batch, with the same reads as a run right after it) as the expected result of `verify`.
+        `reference`: keeps the real rows of the last plain warmup (an eager run of the dummy batch, with the
+        same reads as a run right after it), for `verify` to compare the dummy batch's replay with.
         """
         start = time.perf_counter()
         eager_seconds = 0.0
         graph = failure = None
         mode = self.registry.mode_of(key)
-        self._reference = None
         try:
             inputs = self.stage(self.capture_batch(key), key, phase="capture", dummy=True)
             warmups = self.config.capture.num_warmups
             run = self._warmup_run(inputs, mode)
-            if keep_reference and warmups > 0 and mode is not Mode.PIECEWISE:
-                run = self._reference = LastRun(
+            if reference is not None and warmups > 0:
+                run = reference.around(
                     run, 1 + warmups, self.backend, lambda out: self.outputs.real(cloned(out), inputs)
                 )
             t0 = time.perf_counter()
@@ -165,15 +165,17 @@ class CapturePass:
         )
         return record, graph
 
-    def _verified(self, record: GraphRecord, graphs: dict[GraphKey, CapturedGraph]) -> GraphRecord:
+    def _verified(
+        self, record: GraphRecord, graphs: dict[GraphKey, CapturedGraph], reference: LastRun | None = None
+    ) -> GraphRecord:
         """`verify` in its phase; a graph the failure policy released leaves `graphs`."""
         with in_phase("verify"):
-            record = self.verify(record, graphs.get(record.key))
+            record = self.verify(record, graphs.get(record.key), reference)
         if record.status == "skipped":
             graphs.pop(record.key, None)
         return record
 
-    def verify(self, record: GraphRecord, graph: CapturedGraph | None) -> GraphRecord:
+    def verify(self, record: GraphRecord, graph: CapturedGraph | None, reference: LastRun | None = None) -> GraphRecord:
         """Replay the key's dummy batch, then a partly filled probe batch, each against an eager run.
 
         Collective with data-parallel ranks (every rank verifies every record, in order). A
@@ -185,7 +187,7 @@ class CapturePass:
         start, eager_seconds, timings = time.perf_counter(), 0.0, {}
         if graph is not None:
             try:
-                eager_seconds = self._verify_dummy(key, graph, timings) + self._verify_probe(key, graph)
+                eager_seconds = self._verify_dummy(key, graph, timings, reference) + self._verify_probe(key, graph)
             except (KeyboardInterrupt, SystemExit):
                 raise
             except Exception as exc:
@@ -249,9 +251,10 @@ class CapturePass:
         shape = self.registry.capture_shape(key)
         return self._sampled(dummy_batch(shape, max_model_len=self.config.kv_cache.max_model_len), 0)
 
-    def _verify_dummy(self, key: GraphKey, graph: CapturedGraph, timings: dict | None = None) -> float:
+    def _verify_dummy(
+        self, key: GraphKey, graph: CapturedGraph, timings: dict | None = None, reference: LastRun | None = None
+    ) -> float:
         inputs = self.stage(self.capture_batch(key), key, phase="capture", dummy=True)
-        reference, self._reference = self._reference, None
         if reference is not None and reference.output is not None:  # the last warmup ran this batch eagerly
             timings = {} if timings is None else timings
             tolerance = self.config.checks.tolerance

@@ -99,24 +99,34 @@ def compare_replay(
 
 
 class LastRun:
-    """A warmup forward that keeps what its last of `calls` runs returned (`keep(output)`) and how long it took."""
+    """The output of a key's last warmup (`keep(output)`: its real rows, copied) and how long that run took.
 
-    def __init__(self, run: Callable[[], Any], calls: int, backend: GraphBackend, keep: Callable[[Any], Any]) -> None:
-        self.run, self.left, self.backend, self.keep = run, calls, backend, keep
+    `around(run, calls, backend, keep)` gives the warmup forward that fills it on the last of its `calls` runs;
+    `output` stays None until then (no warmup ran, or the warmups failed).
+    """
+
+    def __init__(self) -> None:
         self.output: Any = None
         self.seconds = 0.0
 
-    def __call__(self) -> Any:
-        self.left -= 1
-        if self.left > 0:
-            return self.run()
-        self.backend.synchronize()
-        t0 = time.perf_counter()
-        output = self.run()
-        self.backend.synchronize()  # the GPU work, not the launches
-        self.seconds = time.perf_counter() - t0
-        self.output = self.keep(output)
-        return output
+    def around(
+        self, run: Callable[[], Any], calls: int, backend: GraphBackend, keep: Callable[[Any], Any]
+    ) -> Callable[[], Any]:
+        left = [calls]
+
+        def warmup() -> Any:
+            left[0] -= 1
+            if left[0] > 0:
+                return run()
+            backend.synchronize()
+            t0 = time.perf_counter()
+            output = run()
+            backend.synchronize()  # the GPU work, not the launches
+            self.seconds = time.perf_counter() - t0
+            self.output = keep(output)
+            return output
+
+        return warmup
 
 
 NORM_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
