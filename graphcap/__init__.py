@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name loads on first use
     from graphcap.batch import StepBatch, dummy_batch
     from graphcap.block_table import BlockTable
+    from graphcap.checks.invariants import check_invariants
     from graphcap.communicators import Communicator
     from graphcap.config import PAD_SLOT_ID, CaptureConfig, PadRules, load_config
     from graphcap.errors import (
@@ -35,7 +36,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
         StaticInputMovedError,
     )
     from graphcap.inputs import BufferSpec, ForwardInputs
-    from graphcap.invariants import check_invariants
     from graphcap.keys import GraphKey
     from graphcap.manager import CaptureManager
     from graphcap.phases import is_capturing, phase
@@ -61,7 +61,7 @@ _EXPORTS = {
     "StaticInputMovedError": "graphcap.errors",
     "BufferSpec": "graphcap.inputs",
     "ForwardInputs": "graphcap.inputs",
-    "check_invariants": "graphcap.invariants",
+    "check_invariants": "graphcap.checks.invariants",
     "GraphKey": "graphcap.keys",
     "CaptureManager": "graphcap.manager",
     "is_capturing": "graphcap.phases",

@@ -22,14 +22,14 @@ from graphcap.batch import StepBatch, step_or_idle
 from graphcap.block_table import BlockTable
 from graphcap.budget import MemoryBudget
 from graphcap.capture import CapturePass, uncompiled_warnings
+from graphcap.checks.guard import StaticGuard
+from graphcap.checks.invariants import check_invariants
 from graphcap.communicators import Communicator, communicators_of, key_captured_hook, pass_context
 from graphcap.config import CaptureConfig
 from graphcap.distributed import StepAgreement, counts_buffers
 from graphcap.errors import ConfigError, ConfigProblem, InvariantViolation
 from graphcap.failures import FailurePolicy
-from graphcap.guard import StaticGuard
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
-from graphcap.invariants import check_invariants
 from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode, StepStats
 from graphcap.lazy import LazyCapture, check_time_limits
 from graphcap.lifecycle import LiveGraphs, PassHistory, check_kv_fits, resize_plan
