@@ -1,7 +1,7 @@
 """`CaptureManager`: capture the planned keys, then dispatch, stage, check and replay each step.
 
-Upfront capture walks every key largest first before serving; lazy capture (`graphcap.lazy`) serves
-at once and captures in idle time. Either way a key goes through `CapturePass` (`graphcap.capture`):
+Upfront capture walks every key largest first before serving; lazy capture (`graphcap.capture.lazy`) serves
+at once and captures in idle time. Either way a key goes through `CapturePass` (`graphcap.capture.runner`):
 its dummy batch staged as real steps are, warmups, capture inside the engine's `capture_context`,
 verification after it exits, within `capture.memory_budget` (`graphcap.budget`).
 """
@@ -21,18 +21,18 @@ from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_
 from graphcap.batch import StepBatch, step_or_idle
 from graphcap.block_table import BlockTable
 from graphcap.budget import MemoryBudget
-from graphcap.capture import CapturePass, uncompiled_warnings
+from graphcap.capture.failures import FailurePolicy
+from graphcap.capture.lazy import LazyCapture, check_time_limits
+from graphcap.capture.lifecycle import LiveGraphs, PassHistory, check_kv_fits, resize_plan
+from graphcap.capture.runner import CapturePass, uncompiled_warnings
 from graphcap.checks.guard import StaticGuard
 from graphcap.checks.invariants import check_invariants
 from graphcap.communicators import Communicator, communicators_of, key_captured_hook, pass_context
 from graphcap.config import CaptureConfig
 from graphcap.distributed import StepAgreement, counts_buffers
 from graphcap.errors import ConfigError, ConfigProblem, InvariantViolation
-from graphcap.failures import FailurePolicy
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
 from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode, StepStats
-from graphcap.lazy import LazyCapture, check_time_limits
-from graphcap.lifecycle import LiveGraphs, PassHistory, check_kv_fits, resize_plan
 from graphcap.outputs import OutputRows
 from graphcap.phases import in_phase
 from graphcap.piecewise import running

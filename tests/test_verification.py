@@ -16,9 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphcap import CaptureError, GraphKey, verification
-from graphcap import capture as capture_module
-from graphcap.capture import CapturePass
+from graphcap import CaptureError, GraphKey
+from graphcap.capture import runner as capture_module
+from graphcap.capture import verification
+from graphcap.capture.runner import CapturePass
 from graphcap.models import build_model
 from graphcap.probe import probe_batch
 from graphcap.testing import make_config, make_manager
@@ -198,7 +199,7 @@ def test_probe_batch_is_partly_filled_and_fits_its_key(T, R, uniform, seed):
 def test_16_bit_outputs_are_compared_by_norm_relative_error_unless_tolerances_are_given():
     """A replay at the padded shape runs other GEMM kernels than the eager run at the real shape: for
     16-bit logits one element off by a few ulps must not fail a correct graph; a wrong one still fails."""
-    from graphcap.verification import _difference
+    from graphcap.capture.verification import _difference
 
     torch.manual_seed(0)
     eager = torch.randn(64, 512).to(torch.bfloat16)

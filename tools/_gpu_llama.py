@@ -63,7 +63,7 @@ class KeyTimes:
 
         # Private methods of the capture pass, wrapped only where they exist (a renamed one loses its
         # column, never the case): `capture(key)` per key, then the two verifications per key.
-        from graphcap.capture import CapturePass
+        from graphcap.capture.runner import CapturePass
 
         hooks = {"capture": None, "_verify_dummy": "verification", "_verify_probe": "verification"}
         patched = {

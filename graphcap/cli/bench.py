@@ -136,7 +136,7 @@ def _time_keys(manager, keys: list, steps: int, *, progress: bool) -> dict:
     """`time_key` for every key, with a progress bar on stderr (a terminal only; none with --no-progress)."""
     from tqdm import tqdm
 
-    from graphcap.timing import time_key
+    from graphcap.capture.timing import time_key
 
     timed = {}
     with tqdm(keys, desc="timing", unit="key", disable=None if progress else True, leave=False) as bar:

@@ -12,7 +12,7 @@
 | `dp_agreement.py` | data-parallel ranks with different configs (not imported here) |
 | `outputs.py` | per-request outputs, whole engine buffers, values stored as inf, the null block (not imported here) |
 
-`Workload`, `fill_batch` (`graphcap.workload`) and `time_key` (`graphcap.timing`) are product
+`Workload`, `fill_batch` (`graphcap.workload`) and `time_key` (`graphcap.capture.timing`) are product
 code that the command line uses; they are re-exported here for the tests and `tools/`.
 
 `TINY` is the small configuration the test suite and `tools/reliability.py` share, and
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from graphcap.capture.timing import KeyTiming, time_key
 from graphcap.config import CaptureConfig, load_config
 from graphcap.manager import CaptureManager
 from graphcap.models import build_model
@@ -65,7 +66,6 @@ from graphcap.testing.threads import (
     run_threads,
     thread_batches,
 )
-from graphcap.timing import KeyTiming, time_key
 from graphcap.workload import Request, Workload, fill_batch
 
 __all__ = [

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from graphcap.capture import gc_frozen
+from graphcap.capture.runner import gc_frozen
 from graphcap.errors import DistributedTimeoutError
 from graphcap.keys import GraphKey, KeyRegistry, StepStats
 from graphcap.report import format_bytes

@@ -29,9 +29,11 @@ from tqdm import tqdm
 from graphcap.backends import CapturedGraph, GraphBackend
 from graphcap.backends.pieces import forbidden_reads
 from graphcap.batch import StepBatch, dummy_batch
+from graphcap.capture.failures import FailurePolicy
+from graphcap.capture.timing import replay_speedup
+from graphcap.capture.verification import DUMMY_MISMATCH, LastRun, compare_replay, probe_mismatch
 from graphcap.config import CaptureConfig
 from graphcap.errors import CaptureError
-from graphcap.failures import FailurePolicy
 from graphcap.inputs import BufferSpec, ForwardInputs, KVGroup
 from graphcap.keys import GraphKey, KeyRegistry, Mode
 from graphcap.outputs import OutputRows, cloned
@@ -40,8 +42,6 @@ from graphcap.piecewise import running
 from graphcap.probe import probe_batch
 from graphcap.report import GraphRecord, format_bytes
 from graphcap.staging.extras import sampled
-from graphcap.timing import replay_speedup
-from graphcap.verification import DUMMY_MISMATCH, LastRun, compare_replay, probe_mismatch
 
 __all__ = ["CapturePass", "gc_frozen", "progress_bar", "uncompiled_warnings"]
 
