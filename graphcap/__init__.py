@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from graphcap.phases import is_capturing, phase
     from graphcap.piecewise import current_inputs, eager_op
     from graphcap.report import CaptureReport
-    from graphcap.sizes import CaptureSizes, default_capture_sizes
+    from graphcap.sizing.sizes import CaptureSizes, default_capture_sizes
     from graphcap.staging import PersistentBuffers
 
 _EXPORTS = {
@@ -69,8 +69,8 @@ _EXPORTS = {
     "current_inputs": "graphcap.piecewise",
     "eager_op": "graphcap.piecewise",
     "CaptureReport": "graphcap.report",
-    "CaptureSizes": "graphcap.sizes",
-    "default_capture_sizes": "graphcap.sizes",
+    "CaptureSizes": "graphcap.sizing.sizes",
+    "default_capture_sizes": "graphcap.sizing.sizes",
     "PersistentBuffers": "graphcap.staging.buffers",
 }
 """Public name -> the module that defines it: the list `__all__` and the imports above must match."""

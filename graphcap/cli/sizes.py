@@ -1,5 +1,5 @@
 """`graphcap sizes`: the capture schedule, the padding table, the keys, the expected waste; with
-`--max-graphs` (or `--memory-budget`), the sizes chosen for a traffic histogram (`graphcap.size_choice`)."""
+`--max-graphs` (or `--memory-budget`), the sizes chosen for a traffic histogram (`graphcap.sizing.choice`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from graphcap.cli._common import UserError, add_common, config_from_args
 from graphcap.cli._histogram import read_histogram
-from graphcap.sizes import CaptureSizes, default_capture_sizes
+from graphcap.sizing.sizes import CaptureSizes, default_capture_sizes
 
 EPILOG = """examples:
   graphcap sizes                                   # the embedded default config
@@ -151,7 +151,7 @@ def _check_schedule_flags(max_size: int, uniform_query_len: int) -> None:
 def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_graphs: int, budget: int | None) -> int:
     """`--max-graphs`/`--memory-budget`: `sizes: [...]`, the table, the comparison, `--out`."""
     from graphcap.report import atomic_write, format_bytes
-    from graphcap.size_choice import SizeConstraints, candidate_sizes, choose_sizes
+    from graphcap.sizing.choice import SizeConstraints, candidate_sizes, choose_sizes
 
     if config is None:
         if budget is not None:
@@ -232,7 +232,7 @@ def _costs(config: Any, sizes: tuple[int, ...]) -> tuple[Any, list[Any]]:
     """`GraphCosts` for the backends the config's device may use, and with two (device `auto`) the
     larger of each part, so a choice within a budget fits on either."""
     from graphcap.graph_costs import graph_costs
-    from graphcap.size_choice import GraphCosts
+    from graphcap.sizing.choice import GraphCosts
 
     each = [graph_costs(config, sizes, _backend_of(config.device))]
     if len(each) == 1:

@@ -21,7 +21,7 @@ from graphcap.byte_counts import MAX_BYTES, parse_bytes
 from graphcap.config._schema import Section, problem, spec
 from graphcap.errors import ConfigProblem
 from graphcap.fields import INT32_MAX, INT32_MIN
-from graphcap.sizes import CaptureSizes, default_capture_sizes
+from graphcap.sizing.sizes import CaptureSizes, default_capture_sizes
 
 __all__ = [
     "DEFAULT_MAX_SIZE",
