@@ -3,7 +3,7 @@
 Upfront capture walks every key largest first before serving; lazy capture (`graphcap.capture.lazy`) serves
 at once and captures in idle time. Either way a key goes through `CapturePass` (`graphcap.capture.runner`):
 its dummy batch staged as real steps are, warmups, capture inside the engine's `capture_context`,
-verification after it exits, within `capture.memory_budget` (`graphcap.budget`).
+verification after it exits, within `capture.memory_budget` (`graphcap.memory.budget`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import torch
 from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_device
 from graphcap.batch import StepBatch, step_or_idle
 from graphcap.block_table import BlockTable
-from graphcap.budget import MemoryBudget
 from graphcap.capture.failures import FailurePolicy
 from graphcap.capture.lazy import LazyCapture, check_time_limits
 from graphcap.capture.lifecycle import LiveGraphs, PassHistory, check_kv_fits, resize_plan
@@ -33,6 +32,7 @@ from graphcap.distributed import StepAgreement, counts_buffers
 from graphcap.errors import ConfigError, ConfigProblem, InvariantViolation
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
 from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode, StepStats
+from graphcap.memory.budget import MemoryBudget
 from graphcap.outputs import OutputRows
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
@@ -237,6 +237,7 @@ class CaptureManager:
             kv_groups=self.buffers.limits.kv_groups,
             group_scratch=group_scratch or {},
             on_captured=key_captured_hook(self._communicators),
+            precision=_precision(self.model),
         )
 
     def _check_ready(self) -> None:
@@ -398,3 +399,11 @@ class CaptureManager:
 
     def __repr__(self) -> str:
         return f"CaptureManager({len(self.graphs)} graphs, backend={self.backend.name}, device={self.device})"
+
+
+def _precision(model: Any) -> torch.dtype | None:
+    """The lowest-precision floating dtype of `model`'s parameters (None: not a module, or none)."""
+    if not isinstance(model, torch.nn.Module):
+        return None
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return max(dtypes, key=lambda d: torch.finfo(d).eps, default=None)  # the largest epsilon

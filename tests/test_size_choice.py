@@ -11,8 +11,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from graphcap import load_config
-from graphcap.graph_costs import graph_costs
-from graphcap.memory import estimate_memory
+from graphcap.memory.estimate import estimate_memory
+from graphcap.memory.graph_costs import graph_costs
 from graphcap.sizing.choice import SizeConstraints, candidate_sizes, choose_sizes
 from graphcap.sizing.sizes import CaptureSizes, default_capture_sizes
 from graphcap.testing.traffic import TRAFFIC_SHAPES, traffic_histogram

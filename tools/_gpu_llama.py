@@ -15,7 +15,7 @@ from _gpu_report import checkpoint
 
 from graphcap import CaptureManager, load_config
 from graphcap.backends import get_backend
-from graphcap.memory import estimate_memory
+from graphcap.memory.estimate import estimate_memory
 from graphcap.models import build_model
 from graphcap.report import format_bytes
 from graphcap.testing import fill_batch, time_key

@@ -74,6 +74,8 @@ class CapturePass:
     """What times each key's replay against eager (`replay_speedup`); None: CUDA events or perf_counter."""
     on_captured: Callable[[GraphKey], None] | None = None
     """Called with each key right after its graph is captured (communicators register its buffers)."""
+    precision: torch.dtype | None = None
+    """The model's lowest floating parameter dtype: a 16-bit one sets how verification judges outputs."""
 
     def run(
         self, keys: Iterable[GraphKey], *, context: Callable[[], AbstractContextManager], progress: bool | None
@@ -258,8 +260,17 @@ class CapturePass:
         if reference is not None and reference.output is not None:  # the last warmup ran this batch eagerly
             timings = {} if timings is None else timings
             tolerance = self.config.checks.tolerance
-            compare_replay(graph, inputs, lambda: reference.output, tolerance=tolerance, backend=self.backend,
-                           message=DUMMY_MISMATCH, outputs=self.outputs, timings=timings)  # fmt: skip
+            compare_replay(
+                graph,
+                inputs,
+                lambda: reference.output,
+                tolerance=tolerance,
+                backend=self.backend,
+                message=DUMMY_MISMATCH,
+                outputs=self.outputs,
+                timings=timings,
+                precision=self.precision,
+            )
             timings["eager"] = reference.seconds
             return 0.0  # counted with the warmups
         run = self._reference_run(inputs, self.registry.mode_of(key))
@@ -272,6 +283,7 @@ class CapturePass:
             message=DUMMY_MISMATCH,
             outputs=self.outputs,
             timings=timings,
+            precision=self.precision,
         )
 
     def _verify_probe(self, key: GraphKey, graph: CapturedGraph) -> float:
@@ -299,7 +311,14 @@ class CapturePass:
         message = probe_mismatch(batch.num_tokens, batch.num_reqs, key.num_tokens, shape.num_reqs, writes)
         tolerance = self.config.checks.tolerance
         return compare_replay(
-            graph, inputs, eager, tolerance=tolerance, backend=self.backend, message=message, outputs=self.outputs
+            graph,
+            inputs,
+            eager,
+            tolerance=tolerance,
+            backend=self.backend,
+            message=message,
+            outputs=self.outputs,
+            precision=self.precision,
         )
 
     def _reference_run(self, inputs: ForwardInputs, mode: Mode) -> Callable[[], Any]:

@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from graphcap.keys import MIXED_ROWS_FLOOR, MIXED_ROWS_STEP, KeyRegistry  # numpy: loaded when run
-    from graphcap.memory import estimate_memory
+    from graphcap.memory.estimate import estimate_memory
 
     choosing = args.max_graphs is not None or args.memory_budget is not None
     if not choosing and args.out is not None:
@@ -231,7 +231,7 @@ def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gr
 def _costs(config: Any, sizes: tuple[int, ...]) -> tuple[Any, list[Any]]:
     """`GraphCosts` for the backends the config's device may use, and with two (device `auto`) the
     larger of each part, so a choice within a budget fits on either."""
-    from graphcap.graph_costs import graph_costs
+    from graphcap.memory.graph_costs import graph_costs
     from graphcap.sizing.choice import GraphCosts
 
     each = [graph_costs(config, sizes, _backend_of(config.device))]

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from graphcap.keys import KeyRegistry
-from graphcap.memory import estimate_memory
+from graphcap.memory.estimate import estimate_memory
 from graphcap.sizing.choice import GraphCosts
 
 __all__ = ["graph_costs"]

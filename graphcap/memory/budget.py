@@ -22,7 +22,7 @@ from typing import Any
 
 from graphcap.errors import ConfigError, ConfigProblem
 from graphcap.keys import GraphKey, KeyRegistry
-from graphcap.memory import estimate_memory, graphs_bytes
+from graphcap.memory.estimate import estimate_memory, graphs_bytes
 from graphcap.report import GraphRecord, format_bytes
 
 __all__ = ["OVER_BUDGET", "MemoryBudget"]
