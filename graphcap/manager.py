@@ -28,6 +28,7 @@ from graphcap.checks.guard import StaticGuard
 from graphcap.checks.invariants import check_invariants
 from graphcap.communicators import Communicator, communicators_of, key_captured_hook, pass_context
 from graphcap.config import CaptureConfig
+from graphcap.config.byte_counts import format_bytes
 from graphcap.distributed import StepAgreement, counts_buffers
 from graphcap.errors import ConfigError, ConfigProblem, InvariantViolation
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
@@ -37,7 +38,7 @@ from graphcap.outputs import OutputRows
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
 from graphcap.probe import group_scratch_ids, scratch_block_ids
-from graphcap.report import CaptureReport, check_report_path, format_bytes, write_report
+from graphcap.report import CaptureReport, check_report_path, write_report
 from graphcap.staging import PersistentBuffers
 from graphcap.staging.extras import merged_specs
 from graphcap.step_scope import StepScope

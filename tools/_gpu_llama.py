@@ -15,9 +15,9 @@ from _gpu_report import checkpoint
 
 from graphcap import CaptureManager, load_config
 from graphcap.backends import get_backend
+from graphcap.config.byte_counts import format_bytes
 from graphcap.memory.estimate import estimate_memory
 from graphcap.models import build_model
-from graphcap.report import format_bytes
 from graphcap.testing import fill_batch, time_key
 
 ROOT = Path(__file__).resolve().parents[1]

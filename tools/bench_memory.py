@@ -27,8 +27,8 @@ import sys
 from pathlib import Path
 
 from graphcap import load_config
+from graphcap.config.byte_counts import format_bytes
 from graphcap.memory.estimate import estimate_memory
-from graphcap.report import format_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from typing import Any
 
 from graphcap.capture.runner import gc_frozen
+from graphcap.config.byte_counts import format_bytes
 from graphcap.errors import DistributedTimeoutError
 from graphcap.keys import GraphKey, KeyRegistry, StepStats
-from graphcap.report import format_bytes
 
 __all__ = ["LazyCapture", "check_time_limits"]
 

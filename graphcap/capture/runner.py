@@ -33,6 +33,7 @@ from graphcap.capture.failures import FailurePolicy
 from graphcap.capture.timing import replay_speedup
 from graphcap.capture.verification import DUMMY_MISMATCH, LastRun, compare_replay, probe_mismatch
 from graphcap.config import CaptureConfig
+from graphcap.config.byte_counts import format_bytes
 from graphcap.errors import CaptureError
 from graphcap.inputs import BufferSpec, ForwardInputs, KVGroup
 from graphcap.keys import GraphKey, KeyRegistry, Mode
@@ -40,7 +41,7 @@ from graphcap.outputs import OutputRows, cloned
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
 from graphcap.probe import probe_batch
-from graphcap.report import GraphRecord, format_bytes
+from graphcap.report import GraphRecord
 from graphcap.staging.extras import sampled
 
 __all__ = ["CapturePass", "gc_frozen", "progress_bar", "uncompiled_warnings"]

@@ -32,9 +32,9 @@ def build_manager(args: argparse.Namespace, config: CaptureConfig | None = None)
     config = config_from_args(args) if config is None else config
     stage("importing torch")
     from graphcap.backends import resolve_device
+    from graphcap.config.byte_counts import format_bytes
     from graphcap.manager import CaptureManager
     from graphcap.memory.estimate import KEYS, estimate_memory
-    from graphcap.report import format_bytes
 
     device = resolve_device(config)  # ConfigError (exit 2) for a GPU that is not there
     backend = _backend_name(args.backend, device)
@@ -104,9 +104,9 @@ def _backend_name(requested: str, device: Any) -> str:
 
 
 def _build_model(config: CaptureConfig, device: Any, estimate: Any) -> Any:
+    from graphcap.config.byte_counts import format_bytes
     from graphcap.memory.estimate import KEYS
     from graphcap.models import build_model
-    from graphcap.report import format_bytes
 
     try:
         return build_model(config, device)

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
 
     from graphcap.cli._setup import build_manager
-    from graphcap.report import format_bytes
+    from graphcap.config.byte_counts import format_bytes
     from graphcap.workload import fill_batch
 
     check_at_least(steps=(args.steps, 1), threads=(args.threads, 1))

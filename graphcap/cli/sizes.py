@@ -150,7 +150,8 @@ def _check_schedule_flags(max_size: int, uniform_query_len: int) -> None:
 
 def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_graphs: int, budget: int | None) -> int:
     """`--max-graphs`/`--memory-budget`: `sizes: [...]`, the table, the comparison, `--out`."""
-    from graphcap.report import atomic_write, format_bytes
+    from graphcap.config.byte_counts import format_bytes
+    from graphcap.report import atomic_write
     from graphcap.sizing.choice import SizeConstraints, candidate_sizes, choose_sizes
 
     if config is None:
@@ -288,8 +289,8 @@ def _parse_max_graphs(text: str | None) -> int:
 
 
 def parse_bytes(text: str, flag: str) -> int:
-    """`graphcap.byte_counts.parse_bytes`, with `UserError` naming `flag`."""
-    from graphcap import byte_counts  # when a size is parsed: `graphcap --help` loads no more than it needs
+    """`graphcap.config.byte_counts.parse_bytes`, with `UserError` naming `flag`."""
+    from graphcap.config import byte_counts  # when a size is parsed: `graphcap --help` loads no more than it needs
 
     try:
         return byte_counts.parse_bytes(text)

@@ -20,10 +20,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from graphcap.config.byte_counts import format_bytes
 from graphcap.errors import ConfigError, ConfigProblem
 from graphcap.keys import GraphKey, KeyRegistry
 from graphcap.memory.estimate import estimate_memory, graphs_bytes
-from graphcap.report import GraphRecord, format_bytes
+from graphcap.report import GraphRecord
 
 __all__ = ["OVER_BUDGET", "MemoryBudget"]
 
