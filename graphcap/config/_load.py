@@ -147,8 +147,8 @@ def _from_text(
     data, override_keys = _apply_overrides(data, overrides or {}, problems)
 
     def where(key: str) -> str | None:
-        if key in override_keys or key.split("[")[0] in override_keys:
-            return "override"
+        if key in override_keys or key.split("[")[0] in override_keys or key.rpartition(".")[0] in override_keys:
+            return "override"  # the key itself, an entry of a list, or an entry of a mapping (capture.axes.lora)
         while key:
             if key in doc.lines:
                 return f"{source}:{doc.lines[key]}"

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import typing
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import ClassVar, Literal
 
 from graphcap.config._schema import Section, problem, spec
+from graphcap.config.axes import axes_problems
 from graphcap.config.byte_counts import MAX_BYTES, parse_bytes
 from graphcap.errors import ConfigProblem
 from graphcap.fields import INT32_MAX, INT32_MIN
@@ -208,6 +211,12 @@ class CaptureSectionConfig(Section):
     min_speedup: float | None = spec(None, gt=0)
     """Keep a graph only if its replay is at least this many times faster than eager at capture (else it
     is released, eager reason `no_speedup`). Null: keep every graph."""
+    axes: Mapping = field(default_factory=dict)
+    """Key axes beyond tokens (`graphcap.config.axes`): an axis name (a Python identifier: `lora`, `ubatch`)
+    to its captured values (ascending unique integers >= 0). Every token key is captured at every combination
+    of values; a step states its values (`StepBatch(axes={"lora": 3})`; a missing axis is its smallest
+    value), each padded to the smallest captured value at or above it; above the largest the step runs
+    eagerly (eager reason `above_max_axis.NAME`). The model reads its key's values in `inputs.axes`."""
 
     def __post_init__(self) -> None:
         if isinstance(self.mode, str) and self.mode.lower() in _MODES:
@@ -219,8 +228,13 @@ class CaptureSectionConfig(Section):
         if self.max_size is None:
             resolved = DEFAULT_MAX_SIZE if self.sizes == "auto" else max(self.sizes)
             object.__setattr__(self, "max_size", resolved)
+        # read-only, each axis's values a tuple (to_dict lists them)
+        object.__setattr__(self, "axes", MappingProxyType({name: tuple(v) for name, v in self.axes.items()}))
 
     def _check(self) -> list[ConfigProblem]:
+        return axes_problems(self.axes) or self._sizes_problems()
+
+    def _sizes_problems(self) -> list[ConfigProblem]:
         budget = self.memory_budget
         if isinstance(budget, str) or (budget is not None and not 1 <= budget < MAX_BYTES):
             shown = repr(budget) if isinstance(budget, str) else str(budget)
