@@ -43,6 +43,9 @@ class StepBatch:
     `extras`: real rows of the engine's own buffers (`BufferSpec`), by name.
     `kv_groups`: each extra KV-cache group's table (`kv_cache.groups`) by name, given as
       `block_table` is (an array, or the group's persistent table `manager.kv_group_tables[name]`).
+    `axes`: the step's value of each key axis (`capture.axes`) by name, integers >= 0 (a missing
+      axis is its smallest captured value); dispatch pads each to a captured value and refuses a
+      name the config does not plan.
 
     Construction checks what dispatch needs: shapes, lengths and `query_lens` (kept as a
     read-only copy, or a shared constant for a decode step, so `num_tokens` and uniformity
@@ -66,9 +69,12 @@ class StepBatch:
         "max_query_len",
         "extras",
         "kv_groups",
+        "axes",
     )
 
-    def __init__(self, query_lens, seq_lens, input_ids=None, block_table=None, *, extras=None, kv_groups=None) -> None:
+    def __init__(
+        self, query_lens, seq_lens, input_ids=None, block_table=None, *, extras=None, kv_groups=None, axes=None
+    ) -> None:
         # Hot path (every step): a decode step's int32 query_lens is one memcmp against a shared
         # row of ones; the other arrays are taken by reference (no copy, no scan: stage does both).
         q = query_lens
@@ -121,6 +127,7 @@ class StepBatch:
         self.max_query_len = q_max
         self.extras = _NO_EXTRAS if not extras else _owned_extras(extras)
         self.kv_groups = _NO_EXTRAS if not kv_groups else _owned_group_tables(kv_groups, num_reqs)
+        self.axes: Mapping[str, int] = _NO_EXTRAS if not axes else _owned_axes(axes)
 
     def is_uniform(self, query_len: int) -> bool:
         """True when every request has exactly `query_len` tokens (an empty batch is uniform)."""
@@ -144,9 +151,10 @@ class StepBatch:
         return int(amax(bt.ravel())) if isinstance(bt, np.ndarray) and bt.size else -1
 
     def __repr__(self) -> str:
+        axes = f", axes={dict(self.axes)}" if self.axes else ""
         return (
             f"StepBatch(num_reqs={self.num_reqs}, num_tokens={self.num_tokens}, "
-            f"query_lens={_short(self.query_lens)}, seq_lens={_short(self.seq_lens)})"
+            f"query_lens={_short(self.query_lens)}, seq_lens={_short(self.seq_lens)}{axes})"
         )
 
 
@@ -155,7 +163,8 @@ def dummy_batch(key: GraphKey, *, max_model_len: int | None = None) -> StepBatch
 
     Uniform key: `key.num_reqs` requests of `T / R` tokens each. Mixed key: all `T` tokens
     spread over fewer requests than `R` (when `R > 1`), so the padded requests of the
-    founding bug exist during capture. `max_model_len` caps each request's length.
+    founding bug exist during capture. `max_model_len` caps each request's length. The batch
+    states the key's axis values (`key.axes`).
     """
     T, R = key.num_tokens, key.num_reqs
     if key.uniform:
@@ -169,7 +178,7 @@ def dummy_batch(key: GraphKey, *, max_model_len: int | None = None) -> StepBatch
             raise BatchError(f"{key} cannot hold {T} tokens in requests of at most {limit}")
         q = np.full(num_real, T // num_real, dtype=np.int32)
         q[: T % num_real] += 1
-    return StepBatch(q, q.copy())
+    return StepBatch(q, q.copy(), axes=dict(key.axes))
 
 
 def step_or_idle(batch: StepBatch | None) -> StepBatch:
@@ -292,6 +301,22 @@ def _owned_extras(extras: Any) -> Mapping[str, np.ndarray]:
             raise BatchError(f"extras[{name!r}] must hold numbers or booleans; got dtype {array.dtype}")
         array.flags.writeable = False
         out[name] = array
+    return MappingProxyType(out)
+
+
+def _owned_axes(axes: Any) -> Mapping[str, int]:
+    """The step's axis values, checked (names are strings, values integers in [0, INT32_MAX]) and read-only."""
+    if not isinstance(axes, Mapping):
+        raise BatchError(f"axes must map axis names (capture.axes) to integers; got {type(axes).__name__}")
+    out = {}
+    for name, value in axes.items():
+        if not isinstance(name, str):
+            raise BatchError(f"axes names must be strings (the names of capture.axes); got {name!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise BatchError(f"axes[{name!r}] must be an integer; got {value!r} ({type(value).__name__})")
+        if not 0 <= value <= INT32_MAX:
+            raise BatchError(f"axes[{name!r}] is {int(value)}; axis values lie in [0, {INT32_MAX}]")
+        out[name] = int(value)
     return MappingProxyType(out)
 
 

@@ -48,7 +48,9 @@ class BufferSpec:
     invariant level (`basic` and `full`) on the staged host rows and raises to refuse them.
     `sample(rng, num_real_rows)`: the real rows of the batches graphcap makes for capture and
     verification (a numpy `Generator`; `num_real_rows` is 0 for a `none` buffer, which returns
-    the whole tensor), so verification runs the buffer with real values, not only its pad.
+    the whole tensor), so verification runs the buffer with real values, not only its pad; a
+    `sample` with a parameter named `axes` also gets the batch's key-axis values (`capture.axes`,
+    a dict) by keyword, so rows that index axis slots (an adapter slot) stay below them.
     Without it those batches hold the pad in every row. Values that index engine state (a
     second KV group's slots, a state row) must name rows the engine lets graphcap write: the
     capture pass writes what the model writes for them.
@@ -188,6 +190,13 @@ class ForwardInputs:
     """Extra KV-cache groups (`kv_cache.groups`) by name: each one's `block_table` and `slot_mapping`."""
     _basic: Any = field(default=None, init=False, repr=False, compare=False)
     """Cached by `check_invariants`: the views and expected bytes of this step's basic rules."""
+
+    @property
+    def axes(self) -> dict[str, int]:
+        """The key's axis values by name (`capture.axes`; empty without axes): constants of the graph a
+        forward is captured into, which may shape its Python-level structure (a loop over adapter slots).
+        Slots beyond the step's own value are padding: the forward must leave real rows unchanged by them."""
+        return dict(self.key.axes)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The static input tensors by name (built-ins in packed order, then the extras)."""

@@ -12,11 +12,13 @@ from this module.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from graphcap.errors import BatchError
 from graphcap.sizing.sizes import CaptureSizes, uniform_sizes
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "Mode",
     "StepStats",
     "mixed_request_rows",
+    "reason_kind",
 ]
 
 
@@ -39,23 +42,32 @@ class GraphKey(NamedTuple):
     count R (rows of `query_start_loc[:R+1]`, `seq_lens`, `block_table`), or None for a graph
     that holds any request count (a piecewise graph: its pieces read no request rows, so a
     step stages its own count, unpadded). `uniform`: every real request has exactly `T / R`
-    tokens (a decode or spec-decode step), which attention backends may exploit.
+    tokens (a decode or spec-decode step), which attention backends may exploit. `axes`: the
+    value of every key axis (`capture.axes`) as `(name, value)` pairs in the config's order, empty
+    without axes; the model reads them as `inputs.axes` (a capture-time constant of the graph).
     """
 
     num_tokens: int
     num_reqs: int | None
     uniform: bool
+    axes: tuple[tuple[str, int], ...] = ()
 
     @property
     def piecewise(self) -> bool:
         """Whether the key holds any request count (the key of a piecewise graph)."""
         return self.num_reqs is None
 
+    @property
+    def base(self) -> GraphKey:
+        """The key's token part, without its axis values."""
+        return GraphKey(self.num_tokens, self.num_reqs, self.uniform) if self.axes else self
+
     def __str__(self) -> str:
+        axes = "".join(f", {name}={value}" for name, value in self.axes)
         if self.num_reqs is None:
-            return f"piecewise(tokens={self.num_tokens})"
+            return f"piecewise(tokens={self.num_tokens}{axes})"
         kind = "uniform" if self.uniform else "mixed"
-        return f"{kind}(tokens={self.num_tokens}, reqs={self.num_reqs})"
+        return f"{kind}(tokens={self.num_tokens}, reqs={self.num_reqs}{axes})"
 
 
 class Mode(str, enum.Enum):
@@ -95,8 +107,15 @@ EAGER_REASONS = {
     "pending": "capture.strategy is lazy and its key is not captured yet (manager.capture_pending() captures it)",
     "over_budget": "its graph would take the graphs past capture.memory_budget",
     "no_speedup": "its replay was not capture.min_speedup times faster than eager at capture",
+    "above_max_axis": "an axis value above the largest of capture.axes.NAME (counted as above_max_axis.NAME)",
 }
-"""Why a step ran eagerly; the keys of `CaptureManager.stats.eager`."""
+"""Why a step ran eagerly; the keys of `CaptureManager.stats.eager` (`reason_kind` of each: a reason that
+names an axis, `above_max_axis.lora`, is counted under its own name)."""
+
+
+def reason_kind(reason: str) -> str:
+    """The `EAGER_REASONS` key of an eager reason (`above_max_axis.lora` -> `above_max_axis`)."""
+    return reason.partition(".")[0]
 
 
 MIXED_ROWS_STEP = 4
@@ -137,6 +156,11 @@ class KeyRegistry:
     `max_num_seqs`, plus `max_num_seqs * q` itself. Piecewise keys (modes `piecewise` and
     `full_and_piecewise`): one per size, `num_reqs` None; every step up to the largest size
     that has no uniform key replays one. Mode `none` plans nothing. Does not stage or run anything.
+
+    Key axes (`axes`, from `capture.axes`: name -> ascending values): every token key is planned at
+    every combination of axis values. A step's value of each axis pads to the smallest captured value
+    at or above it (one padding table per axis, built here), then the token tables pick the key as
+    without axes; a value above an axis's largest runs eagerly (reason `above_max_axis.NAME`).
     """
 
     def __init__(
@@ -146,11 +170,18 @@ class KeyRegistry:
         uniform_query_len: int,
         max_num_seqs: int,
         max_model_len: int | None = None,
+        axes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
         self.sizes = sizes
         self.mode = mode
         self.uniform_query_len = q = uniform_query_len
         self.max_num_seqs = max_num_seqs
+        self.axes: dict[str, tuple[int, ...]] = {name: tuple(values) for name, values in (axes or {}).items()}
+        """Each key axis's captured values, ascending (empty: no axes)."""
+        self._axis_names = tuple(self.axes)
+        self._axis_defaults = tuple((name, values[0]) for name, values in self.axes.items())
+        # Per axis, every value 0..largest -> the smallest captured value at or above it (one index per step).
+        self._axis_pad = tuple(_padding_table(values) for values in self.axes.values())
         planned: list[GraphKey] = []
         # Index by token count: the dispatch hot path is one list index per kind (mixed: the
         # size's keys by ascending request rows).
@@ -189,6 +220,12 @@ class KeyRegistry:
                 for key in mixed:
                     by_size[key.num_tokens] = (*by_size.get(key.num_tokens, ()), key)
                 self._mixed = [by_size[sizes.pad(n)] for n in range(sizes.max_size + 1)]
+        combos = [tuple(zip(self._axis_names, values)) for values in itertools.product(*self.axes.values())]
+        # Per combination of padded axis values, each token key -> its key at those values (dispatch's lookup).
+        self._variants: dict[tuple[int, ...], dict[GraphKey, GraphKey]] = {
+            tuple(v for _, v in combo): {key: key._replace(axes=combo) for key in planned} for combo in combos
+        }
+        planned = [key._replace(axes=combo) for key in planned for combo in combos]
         self.planned: tuple[GraphKey, ...] = tuple(sorted(planned, key=_ascending))
         self.captured: set[GraphKey] = set()
         self.skipped: dict[GraphKey, str] = {}
@@ -207,14 +244,16 @@ class KeyRegistry:
             config.capture.uniform_query_len,
             config.batching.max_num_seqs,
             config.kv_cache.max_model_len,
+            config.capture.axes,
         )
         if config.capture.strategy == "lazy":
             registry.uncaptured_reason = "pending"
         return registry
 
     def capture_order(self) -> list[GraphKey]:
-        """Largest first (smaller graphs then reuse the pool); uniform before mixed; more rows first."""
-        return sorted(self.planned, key=lambda k: (-k.num_tokens, *_ascending(k)[1:]))
+        """Largest first (smaller graphs then reuse the pool): by tokens, then by axis values (larger
+        first); uniform before mixed; more rows first."""
+        return sorted(self.planned, key=lambda k: (-k.num_tokens, tuple(-v for _, v in k.axes), *_ascending(k)[1:]))
 
     def mode_of(self, key: GraphKey) -> Mode:
         """How a planned key's graph runs: `PIECEWISE` for a key of any request count, else `FULL`."""
@@ -228,7 +267,7 @@ class KeyRegistry:
         """
         if key.num_reqs is not None:
             return key
-        return GraphKey(key.num_tokens, min(key.num_tokens, self.max_num_seqs), False)
+        return GraphKey(key.num_tokens, min(key.num_tokens, self.max_num_seqs), False, key.axes)
 
     def mark_captured(self, key: GraphKey) -> None:
         self._check_planned(key)
@@ -255,20 +294,62 @@ class KeyRegistry:
         self.declined.clear()
         self.uncaptured_reason = reason
 
-    def dispatch(self, num_tokens: int, num_reqs: int, uniform: bool) -> Dispatch:
+    def axis_values(self, axes: Mapping[str, int] | None) -> tuple[tuple[str, int], ...]:
+        """A step's value of every key axis, `(name, value)` in the config's order (a missing axis: its smallest
+        value); `BatchError` naming an axis that `capture.axes` does not plan, and the axes it plans."""
+        if not axes:
+            return self._axis_defaults
+        for name in axes:
+            if name not in self.axes:
+                planned = ", ".join(self._axis_names) or "none"
+                raise BatchError(
+                    f"axes names {name!r}, which capture.axes does not plan (its axes: {planned}); "
+                    f"add it to capture.axes or leave it out of StepBatch(axes=...)"
+                )
+        return tuple([(name, axes.get(name, floor)) for name, floor in self._axis_defaults])
+
+    def dispatch(
+        self, num_tokens: int, num_reqs: int, uniform: bool, axes: Mapping[str, int] | None = None
+    ) -> Dispatch:
         """How a step of these counts runs: its captured key and mode, or eagerly with a reason.
 
         `uniform`: every request of the step has exactly `uniform_query_len` tokens (an empty
         step is uniform). A uniform step prefers its uniform key and falls back to the mixed
         (or piecewise) key of its size; a key that was skipped or not captured yet is never
-        returned.
+        returned. `axes`: the step's key-axis values (`StepBatch.axes`), each padded to the
+        smallest captured value at or above it; `BatchError` for an axis `capture.axes` does not plan.
         """
+        if self._axis_names or axes:
+            return self._dispatch_axes(num_tokens, num_reqs, uniform, axes)
         if self.mode == "none":
             return self._eager(num_tokens, num_reqs, "mode_none")
         if num_tokens > self.sizes.max_size:
             return self._eager(num_tokens, num_reqs, "above_max_size")
+        return self._dispatch_tokens(num_tokens, num_reqs, uniform, None, ())
+
+    def _dispatch_axes(self, num_tokens: int, num_reqs: int, uniform: bool, axes: Any) -> Dispatch:
+        """`dispatch` with key axes: pad each axis (one table index), then the token keys at those values."""
+        values = self.axis_values(axes)
+        if self.mode == "none":
+            return self._eager(num_tokens, num_reqs, "mode_none", values)
+        if num_tokens > self.sizes.max_size:
+            return self._eager(num_tokens, num_reqs, "above_max_size", values)
+        padded = []
+        for (name, value), table in zip(values, self._axis_pad):
+            if value >= len(table):
+                return self._eager(num_tokens, num_reqs, f"above_max_axis.{name}", values)
+            padded.append(table[value])
+        return self._dispatch_tokens(num_tokens, num_reqs, uniform, self._variants[tuple(padded)], values)
+
+    def _dispatch_tokens(
+        self, num_tokens: int, num_reqs: int, uniform: bool, at: dict[GraphKey, GraphKey] | None, values: tuple
+    ) -> Dispatch:
+        """The token keys' dispatch (`dispatch`); `at` maps each token key to its key at the step's padded axis
+        values (None: no axes), `values` the step's own axis values (its eager key's)."""
         if uniform:
             key = self._uniform[num_tokens]
+            if at is not None and key is not None:
+                key = at[key]
             if key is not None and key in self.captured:
                 return Dispatch(Mode.FULL, key, "")
             if key is not None:  # traffic for its uniform key, whatever replays instead
@@ -278,30 +359,35 @@ class KeyRegistry:
             fallback = None
         piece = self._piecewise[num_tokens]
         if piece is not None:  # piecewise keys hold any request count the buffers hold
+            if at is not None:
+                piece = at[piece]
             if piece in self.captured:
                 return Dispatch(Mode.PIECEWISE, piece, "")
-            return self._eager(num_tokens, num_reqs, self._state(piece))
+            return self._eager(num_tokens, num_reqs, self._state(piece), values)
         keys = self._mixed[num_tokens]
         if not keys:  # full_decode_only plans no mixed keys
             reason = "decode_only" if fallback is None else self._state(fallback, count=False)
-            return self._eager(num_tokens, num_reqs, reason)
+            return self._eager(num_tokens, num_reqs, reason, values)
         fits = None  # the fewest rows that hold the step; a larger captured one replays instead
         for key in keys:
             if key.num_reqs >= num_reqs:
+                if at is not None:
+                    key = at[key]
                 if key in self.captured:
                     return Dispatch(Mode.FULL, key, "")
                 fits = fits or key
         if fits is None:
-            return self._eager(num_tokens, num_reqs, "too_many_requests")
-        return self._eager(num_tokens, num_reqs, self._state(fits))
+            return self._eager(num_tokens, num_reqs, "too_many_requests", values)
+        return self._eager(num_tokens, num_reqs, self._state(fits), values)
 
     @staticmethod
-    def eager_key(num_tokens: int, num_reqs: int) -> GraphKey:
-        """The key of an eager step: the step's own counts, unpadded, mixed (no graph has it)."""
-        return GraphKey(num_tokens, num_reqs, False)
+    def eager_key(num_tokens: int, num_reqs: int, axes: tuple[tuple[str, int], ...] = ()) -> GraphKey:
+        """The key of an eager step: the step's own counts and axis values (`axis_values`), unpadded, mixed
+        (no graph has it)."""
+        return GraphKey(num_tokens, num_reqs, False, axes)
 
-    def _eager(self, num_tokens: int, num_reqs: int, reason: str) -> Dispatch:
-        return Dispatch(Mode.EAGER, GraphKey(num_tokens, num_reqs, False), reason)
+    def _eager(self, num_tokens: int, num_reqs: int, reason: str, axes: tuple = ()) -> Dispatch:
+        return Dispatch(Mode.EAGER, GraphKey(num_tokens, num_reqs, False, axes), reason)
 
     def _state(self, key: GraphKey, *, count: bool = True) -> str:
         """Why a step whose key is `key` (not captured) runs eagerly; counts the step in `demand`."""
@@ -323,8 +409,17 @@ class KeyRegistry:
 
 
 def _ascending(key: GraphKey) -> tuple:
-    """Planned order: by size; uniform, then mixed (more rows first), then piecewise."""
-    return (key.num_tokens, not key.uniform, key.num_reqs is None, -(key.num_reqs or 0))
+    """Planned order: by size; uniform, then mixed (more rows first), then piecewise; then by axis values."""
+    return (key.num_tokens, not key.uniform, key.num_reqs is None, -(key.num_reqs or 0), key.axes)
+
+
+def _padding_table(values: tuple[int, ...]) -> list[int]:
+    """Every value `0..values[-1]` -> the smallest of `values` (ascending) at or above it."""
+    table, low = [], 0
+    for value in values:
+        table += [value] * (value + 1 - low)
+        low = value + 1
+    return table
 
 
 @dataclass

@@ -313,7 +313,7 @@ class CaptureManager:
             return self._run_eager(batch)
 
     def _run_eager(self, batch: StepBatch, key: GraphKey | None = None) -> Any:  # key: unpadded, or pad_eager's
-        key = key or self.registry.eager_key(batch.num_tokens, batch.num_reqs)
+        key = key or self.registry.eager_key(batch.num_tokens, batch.num_reqs, self.registry.axis_values(batch.axes))
         self.last_key = key
         with in_phase("eager"):
             inputs = self._stage(batch, key, phase="eager")
@@ -354,7 +354,8 @@ class CaptureManager:
         if self._peers is not None:
             return self._peers.plan(batch, "dispatch", step).dispatch
         registry = self.registry
-        return registry.dispatch(batch.num_tokens, batch.num_reqs, batch.is_uniform(registry.uniform_query_len))
+        uniform = batch.is_uniform(registry.uniform_query_len)
+        return registry.dispatch(batch.num_tokens, batch.num_reqs, uniform, batch.axes)
 
     # -- bookkeeping ---------------------------------------------------------------------
 

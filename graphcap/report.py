@@ -98,6 +98,7 @@ class GraphRecord:
             "num_reqs": self.key.num_reqs,
             "uniform": self.key.uniform,
             "piecewise": self.key.piecewise,
+            "axes": dict(self.key.axes),
         }
         return out
 
@@ -198,8 +199,11 @@ class CaptureReport:
         return path
 
     def table(self) -> str:
-        """A fixed-width table, one row per key, largest first (the capture order)."""
-        rows = [f"{'key':<9} {'tokens':>6} {'reqs':>5} {'capture ms':>10} {'memory':>10} {'verified':>8}  note"]
+        """A fixed-width table, one row per key, largest first (the capture order); a column per key axis."""
+        names = list(dict.fromkeys(name for r in self.records for name, _ in r.key.axes))
+        widths = [max(len(name), 5) for name in names]
+        axes = "".join(f" {name:>{w}}" for name, w in zip(names, widths))
+        rows = [f"{'key':<9} {'tokens':>6} {'reqs':>5}{axes} {'capture ms':>10} {'memory':>10} {'verified':>8}  note"]
         for r in self.records:
             kind = "piecewise" if r.key.piecewise else "uniform" if r.key.uniform else "mixed"
             reqs = "any" if r.key.piecewise else r.key.num_reqs
@@ -207,8 +211,10 @@ class CaptureReport:
             note = f"skipped: {r.reason}" if r.status == "skipped" else ""
             if r.key.piecewise and r.status == "captured":
                 note = f"{r.pieces} pieces around {r.eager_ops} eager ops"
+            values = dict(r.key.axes)
+            axes = "".join(f" {values.get(name, '-'):>{w}}" for name, w in zip(names, widths))
             rows.append(
-                f"{kind:<9} {r.key.num_tokens:>6} {reqs:>5} {r.capture_seconds * 1e3:>10.1f} "
+                f"{kind:<9} {r.key.num_tokens:>6} {reqs:>5}{axes} {r.capture_seconds * 1e3:>10.1f} "
                 f"{format_bytes(r.memory_bytes):>10} {verified:>8}  {note}".rstrip()
             )
         return "\n".join(rows)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from graphcap.backends import CapturedGraph, GraphBackend
 from graphcap.backends.pieces import forbidden_reads
 from graphcap.batch import StepBatch, dummy_batch
+from graphcap.capture.axes import verify_axes
 from graphcap.capture.failures import FailurePolicy
 from graphcap.capture.timing import replay_speedup
 from graphcap.capture.verification import DUMMY_MISMATCH, LastRun, compare_replay, probe_mismatch
@@ -191,6 +192,7 @@ class CapturePass:
         if graph is not None:
             try:
                 eager_seconds = self._verify_dummy(key, graph, timings, reference) + self._verify_probe(key, graph)
+                eager_seconds += verify_axes(self, key, graph)
             except (KeyboardInterrupt, SystemExit):
                 raise
             except Exception as exc:
@@ -299,12 +301,12 @@ class CapturePass:
             groups=self.kv_groups,
             group_scratch=self.group_scratch,
         )
-        batch = self._sampled(batch, 1)
+        batch = self._sampled(batch, 1, dict(key.axes))
         inputs = self.stage(batch, key, phase="capture", dummy=True, kv_writes=writes)
         phase = "eager" if self.registry.mode_of(key) is Mode.PIECEWISE else "full"
 
         def eager() -> Any:
-            eager_key = self.registry.eager_key(batch.num_tokens, batch.num_reqs)
+            eager_key = self.registry.eager_key(batch.num_tokens, batch.num_reqs, key.axes)
             eager_inputs = self.stage(batch, eager_key, phase="eager", dummy=True, kv_writes=writes)
             with running(eager_inputs, phase):  # the graph's code path: full graphs ran capturable stand-ins
                 return self.outputs.real(self.forward(eager_inputs), eager_inputs)
@@ -346,14 +348,18 @@ class CapturePass:
 
         return run
 
-    def _sampled(self, batch: StepBatch, seed: int) -> StepBatch:
-        """`batch` with real rows for every engine buffer that has a `sample`."""
-        if not any(spec.sample is not None for spec in self.extras):
+    def _sampled(self, batch: StepBatch, seed: int, axes: Mapping[str, int] | None = None) -> StepBatch:
+        """`batch` with real rows for every engine buffer that has a `sample`, stating `axes` (None: its own)."""
+        axes = batch.axes if axes is None else axes
+        samples = any(spec.sample is not None for spec in self.extras)
+        if not samples and axes == batch.axes:
             return batch
-        rng = np.random.default_rng([seed, batch.num_tokens, batch.num_reqs])
-        extras = sampled(self.extras, rng, batch.num_tokens, batch.num_reqs)
+        extras = batch.extras
+        if samples:
+            rng = np.random.default_rng([seed, batch.num_tokens, batch.num_reqs])
+            extras = sampled(self.extras, rng, batch.num_tokens, batch.num_reqs, axes)
         q, s, ids, table = batch.query_lens, batch.seq_lens, batch.input_ids, batch.block_table
-        return StepBatch(q, s, ids, table, extras=extras, kv_groups=batch.kv_groups)
+        return StepBatch(q, s, ids, table, extras=extras, kv_groups=batch.kv_groups, axes=axes)
 
 
 def progress_bar(keys: list[GraphKey], backend: GraphBackend, progress: bool | None) -> Iterator[GraphKey]:

@@ -6,6 +6,7 @@ does with them, so the built-in hot path stays free of it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -90,8 +91,17 @@ def check_extras_fit(
         _check_extra_values(spec, value)
 
 
-def sampled(extras: tuple[BufferSpec, ...], rng: np.random.Generator, num_tokens: int, num_reqs: int) -> dict:
-    """Real rows of every buffer with a `sample` for a batch graphcap makes (capture, verification)."""
+def sampled(
+    extras: tuple[BufferSpec, ...],
+    rng: np.random.Generator,
+    num_tokens: int,
+    num_reqs: int,
+    axes: Mapping[str, int] | None = None,
+) -> dict:
+    """Real rows of every buffer with a `sample` for a batch graphcap makes (capture, verification).
+
+    A `sample` with an `axes` parameter is called `sample(rng, num_real_rows, axes=...)` with the batch's
+    key-axis values (`capture.axes`), so rows that index axis slots stay below the batch's value."""
     out = {}
     for spec in extras:
         if spec.sample is None:
@@ -99,7 +109,10 @@ def sampled(extras: tuple[BufferSpec, ...], rng: np.random.Generator, num_tokens
         real = {"tokens": num_tokens, "reqs": num_reqs, "none": 0}[spec.rows]
         expected = real_shape(spec, None if spec.rows == "none" else real)
         try:
-            value = np.asarray(spec.sample(rng, real))
+            if _takes_axes(spec.sample):
+                value = np.asarray(spec.sample(rng, real, axes=dict(axes or {})))
+            else:
+                value = np.asarray(spec.sample(rng, real))
         except Exception as exc:
             raise ValueError(
                 f"BufferSpec {spec.name!r}: sample(rng, {real}) raised {type(exc).__name__}: {exc}; it must return "
@@ -112,6 +125,13 @@ def sampled(extras: tuple[BufferSpec, ...], rng: np.random.Generator, num_tokens
             )
         out[spec.name] = value
     return out
+
+
+def _takes_axes(sample) -> bool:
+    try:
+        return "axes" in inspect.signature(sample).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: the two-argument form
+        return False
 
 
 def stage_extra(host: np.ndarray, spec: BufferSpec, value: np.ndarray | None, T: int, R: int, n: int, r: int) -> None:
