@@ -27,7 +27,8 @@ def graph_costs(config: Any, sizes: Iterable[int], backend: str) -> GraphCosts:
     the largest key's activations and output (`shared`, an upper bound where a smaller key
     happens to need more); on `emulated` each key keeps its static output (`per_size`), and the
     uniform key of `batching.max_num_seqs` requests, which every schedule reaching it gets, is
-    `shared`. Raises `ValueError` for a factory model (no per-graph estimate).
+    `shared`. With key axes (`capture.axes`) a size costs its keys at every combination of axis values
+    (one schedule serves every combination). Raises `ValueError` for a factory model (no per-graph estimate).
     """
     sizes = tuple(sorted(set(sizes)))
     if config.model.factory is not None:
@@ -47,8 +48,8 @@ def graph_costs(config: Any, sizes: Iterable[int], backend: str) -> GraphCosts:
     extra_from, extra, peaks = None, 0, dict.fromkeys(sizes, 0)
     for key, graph in zip(keys, graphs, strict=True):
         own = graph.output if backend == "emulated" else 0
-        if key.uniform and (key.num_tokens, key.num_reqs) == top:
-            extra_from, extra = key.num_tokens, own
+        if key.uniform and (key.num_tokens, key.num_reqs) == top:  # once per combination of axis values
+            extra_from, extra = key.num_tokens, extra + own
         else:
             per_size[key.num_tokens] += own
         if backend == "cuda":  # a key counts from the smallest size whose schedules plan it
