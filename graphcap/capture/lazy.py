@@ -43,8 +43,8 @@ _MAX_TRAFFIC = (1 << 40) - 1  # traffic counts saturate here: the pair stays wit
 class LazyCapture:
     """The pending keys of one manager and the order, agreed with data-parallel peers, they are captured in.
 
-    Does not capture: `run` calls the manager's `capture_key(key) -> ([GraphRecord], bytes)` (the key's
-    record, and the device memory its capture added).
+    Does not capture: `run` calls the `capture_key` callable it is given, `capture_key(key) -> ([GraphRecord], bytes)`
+    (the key's record, and the device memory its capture added).
     """
 
     def __init__(
