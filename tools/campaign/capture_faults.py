@@ -13,14 +13,7 @@ import yaml
 
 from graphcap import CaptureError, StepBatch
 from graphcap.report import atomic_write
-from graphcap.testing import (
-    FAULT_SIZES,
-    FAULTS,
-    assert_nothing_left,
-    leftover_temp_files,
-    make_config,
-    make_manager,
-)
+from graphcap.testing import FAULT_SIZES, FAULTS, assert_nothing_left, leftover_temp_files, make_config, make_manager
 
 from .trials import Row, Scale, Tally
 

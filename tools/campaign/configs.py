@@ -26,11 +26,7 @@ from graphcap.config import (
     config_from_text,
     load_config,
 )
-from graphcap.testing import (
-    TINY,
-    assert_config_works,
-    nested,
-)
+from graphcap.testing import TINY, assert_config_works, nested
 
 from .dp_agreement import mismatched_world
 from .trials import Row, Scale, Tally

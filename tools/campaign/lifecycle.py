@@ -8,10 +8,7 @@ import numpy as np
 import torch
 
 from graphcap import BatchError, StepBatch
-from graphcap.testing import (
-    make_config,
-    make_manager,
-)
+from graphcap.testing import make_config, make_manager
 
 from .moved_inputs import PROBE_STEP
 from .trials import Row, Scale, Tally

@@ -10,11 +10,7 @@ from collections.abc import Callable
 import torch
 
 from graphcap import CaptureError, StaticInputMovedError, StepBatch
-from graphcap.testing import (
-    MOVES,
-    make_config,
-    make_manager,
-)
+from graphcap.testing import MOVES, make_config, make_manager
 
 from .trials import Row, Scale, Tally
 

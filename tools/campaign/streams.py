@@ -4,15 +4,7 @@ manager, with the lock removed as the control.
 
 from __future__ import annotations
 
-from graphcap.testing import (
-    EventLog,
-    NoLock,
-    expected_outputs,
-    make_config,
-    make_manager,
-    run_threads,
-    stress,
-)
+from graphcap.testing import EventLog, NoLock, expected_outputs, make_config, make_manager, run_threads, stress
 
 from .trials import Row, Scale, Tally
 
