@@ -23,9 +23,9 @@ from graphcap import (
     InvariantViolation,
     StepBatch,
 )
+from graphcap.checks.invariants import check_invariants
 from graphcap.cli._common import parse_overrides
 from graphcap.config import ConfigError, config_from_text
-from graphcap.invariants import check_invariants
 from graphcap.models import build_model
 from graphcap.staging import PersistentBuffers
 from graphcap.testing import TINY, make_config, nested

@@ -260,8 +260,8 @@ def _step_ms(manager: CaptureManager, step, batch, steps: int) -> float:
 def lazy_budget(device: str, quick: bool) -> dict:
     """`capture.strategy: lazy` within `capture.memory_budget`: a step served before any capture, the budget
     reserved in the graph pool by `capture()`, every key captured by `capture_pending()` inside it."""
-    from graphcap.budget import MemoryBudget
-    from graphcap.report import format_bytes
+    from graphcap.config.byte_counts import format_bytes
+    from graphcap.memory.budget import MemoryBudget
 
     probe = tiny_config(device, quick)
     cuda = device.startswith("cuda")

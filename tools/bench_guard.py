@@ -1,4 +1,4 @@
-"""Per-replay cost of the static-input check (`graphcap.guard.StaticGuard`) at 300 static tensors.
+"""Per-replay cost of the static-input check (`graphcap.checks.guard.StaticGuard`) at 300 static tensors.
 
 Every replay, at every invariant level, refuses a static tensor that moved since capture. On a
 model of 150 `nn.Linear` (300 parameters) with a KV-cache buffer and a staging tensor, this times,
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from _sampling import measure
 
-from graphcap.guard import StaticGuard
+from graphcap.checks.guard import StaticGuard
 
 NUM_LINEAR = 150  # 300 parameters (weight and bias each)
 

@@ -48,8 +48,8 @@ from vllm_prep import VllmStylePrep, graphcap_real_rows, load_step, metadata_mis
 
 from graphcap import BufferSpec
 from graphcap.batch import StepBatch
+from graphcap.checks.invariants import _check_full, _check_kv_writes, _lengths, check_invariants
 from graphcap.config import CaptureConfig, PadRules, load_config
-from graphcap.invariants import _check_full, _check_kv_writes, _lengths, check_invariants
 from graphcap.keys import GraphKey, KeyRegistry, Mode
 from graphcap.staging import PersistentBuffers
 

@@ -9,7 +9,7 @@
 | `traffic.py` | traffic shapes and their histograms, for choosing sizes (not imported here) |
 | `allocations.py` | the exact allocation peak of a capture, from the profiler (not imported here) |
 
-`Workload`, `fill_batch` (`graphcap.workload`) and `time_key` (`graphcap.timing`) are product
+`Workload`, `fill_batch` (`graphcap.workload`) and `time_key` (`graphcap.capture.timing`) are product
 code that the command line uses; they are re-exported here for the tests and `tools/`.
 
 `TINY` is the small configuration the test suite and the reliability campaign share, and
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from graphcap.capture.timing import KeyTiming, time_key
 from graphcap.config import CaptureConfig, load_config
 from graphcap.manager import CaptureManager
 from graphcap.models import build_model
@@ -62,7 +63,6 @@ from graphcap.testing.threads import (
     run_threads,
     thread_batches,
 )
-from graphcap.timing import KeyTiming, time_key
 from graphcap.workload import Request, Workload, fill_batch
 
 __all__ = [

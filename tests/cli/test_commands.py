@@ -142,7 +142,7 @@ def test_bench_prints_medians_and_spread_per_key(capsys):
 
 
 def test_bench_flags_noisy_keys(capsys, monkeypatch):
-    from graphcap import timing
+    from graphcap.capture import timing
 
     calls = iter(range(10**6))
 
@@ -243,7 +243,7 @@ def test_a_piecewise_mode_without_eager_ops_in_the_built_in_model_is_refused_bef
 def test_bench_pins_torch_threads_while_it_captures_and_times_and_puts_them_back(capsys, monkeypatch):
     import torch
 
-    from graphcap import timing
+    from graphcap.capture import timing
 
     seen = []
     real = timing.time_key

@@ -16,7 +16,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from graphcap import GraphKey, load_config
-from graphcap.sizes import CaptureSizes
+from graphcap.sizing.sizes import CaptureSizes
 from tests.distributed import _worker
 
 WORLD_TIMEOUT_S = 240.0  # whole world, spawn to exit; a hang fails here instead of blocking CI
