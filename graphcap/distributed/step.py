@@ -10,8 +10,9 @@ run leaves them blocked in it. The order, per `execute` (and `dispatch`, which r
    staged host rows (CRC-32 of the packed prefix the upload copies). TP ranks must stage the
    same rows; if they differ, every TP rank joins the step idle and raises `BatchError`.
 3. Data-parallel agreement (with a DP group): one agreement of the MAX of the token and request
-   counts, "cannot use a graph" and "not uniform", and every rank's token count; every rank
-   reaches the same key, or every rank runs eagerly. `pad_eager`: an eager step pads to the
+   counts, "cannot use a graph", "not uniform" and each key axis's value (`capture.axes`), and
+   every rank's token count; every rank reaches the same key (the same combination of axis
+   values), or every rank runs eagerly. `pad_eager`: an eager step pads to the
    agreed (largest) token and request counts on every rank, so an eager forward's collectives
    have one shape everywhere. The per-rank token counts are the model's to read
    (`inputs.extras["num_tokens_across_dp"]`, with `dp_token_counts=True`).
@@ -77,7 +78,7 @@ class AgreedStep:
             raise error
         self.refused, self.batch = error, IDLE
         if self.dispatch.mode is Mode.EAGER:
-            self.dispatch = self.dispatch._replace(key=_eager_key(IDLE, self.padded))
+            self.dispatch = self.dispatch._replace(key=_eager_key(IDLE, self.padded, self.dispatch.key.axes))
         return self.batch, self.dispatch
 
     def raise_refusal(self) -> None:
@@ -182,8 +183,8 @@ class StepAgreement:
         elif isinstance(number, bool) or not isinstance(number, int) or number < 0:
             raise ValueError(f"step must be an int >= 0 (the engine's step number); got {number!r}")
         refused: BaseException | None = None
-        own, uniform = self._own(batch)
         try:
+            own, uniform = self._own(batch)  # an axis the config does not plan is a refusal too
             self._stage(batch, own.key)
         except BatchError as exc:
             refused, batch = exc, IDLE
@@ -252,7 +253,7 @@ class StepAgreement:
 
     def _own(self, batch: StepBatch) -> tuple[Dispatch, bool]:
         uniform = batch.is_uniform(self.registry.uniform_query_len)
-        return self.registry.dispatch(batch.num_tokens, batch.num_reqs, uniform), uniform
+        return self.registry.dispatch(batch.num_tokens, batch.num_reqs, uniform, batch.axes), uniform
 
     def _digest(self, batch: StepBatch, key: GraphKey) -> int:
         """CRC-32 of the staged host rows and the counts, >= 2 (1 marks a refused batch)."""
@@ -269,22 +270,25 @@ class StepAgreement:
         """
         registry = self.registry
         cannot = own.mode is Mode.EAGER and not (batch.num_reqs == 0 and registry.mode != "none")
-        payload = [batch.num_tokens, int(cannot), int(not uniform), batch.num_reqs]
+        values = registry.axis_values(batch.axes)  # an idle rank: every axis at its smallest value
+        payload = [batch.num_tokens, int(cannot), int(not uniform), batch.num_reqs, *(v for _, v in values)]
         agreement = self.dp.agree(number, call, payload, value=batch.num_tokens)
-        num_tokens, any_cannot, any_mixed, num_reqs = agreement.payload
+        num_tokens, any_cannot, any_mixed, num_reqs, *largest = agreement.payload
+        axes = tuple(zip((name for name, _ in values), largest))  # each axis's largest value on any rank
         counts = tuple(agreement.values)
         padded = (num_tokens, num_reqs) if self.pad_eager else None
-        eager = Dispatch(Mode.EAGER, _eager_key(batch, padded), own.reason if own.mode is Mode.EAGER else "peer")
+        eager_key = _eager_key(batch, padded, axes if self.pad_eager else values)
+        eager = Dispatch(Mode.EAGER, eager_key, own.reason if own.mode is Mode.EAGER else "peer")
         if any_cannot:
             return eager, counts, padded
-        agreed = registry.dispatch(num_tokens, num_reqs, not any_mixed)
+        agreed = registry.dispatch(num_tokens, num_reqs, not any_mixed, dict(axes))
         return (eager if agreed.mode is Mode.EAGER else agreed), counts, padded
 
 
-def _eager_key(batch: StepBatch, padded: tuple[int, int] | None) -> GraphKey:
-    """The key of an eager step: the batch's own counts, or the counts every rank pads to."""
+def _eager_key(batch: StepBatch, padded: tuple[int, int] | None, axes: tuple[tuple[str, int], ...]) -> GraphKey:
+    """The key of an eager step: the batch's own counts, or the counts every rank pads to, at axis values `axes`."""
     num_tokens, num_reqs = padded if padded is not None else (batch.num_tokens, batch.num_reqs)
-    return KeyRegistry.eager_key(num_tokens, num_reqs)
+    return KeyRegistry.eager_key(num_tokens, num_reqs, axes)
 
 
 def is_collective_error(exc: BaseException) -> bool:
