@@ -20,6 +20,10 @@ the group's null block.
 A re-capture while requests are in flight (`--recapture-at STEP`, as after a weight swap)
 hands graphcap the free blocks of both groups as scratch and must leave every live request's
 KV blocks as they were: the run then prints the same token-stream digest as a run without it.
+`--lora` serves LoRA-style adapters from slots (`graphcap.models.adapters`): each step loads the distinct
+adapters of its requests into slots (an engine buffer of adapter ids, and each token's slot), and the slot
+count is a key axis (`capture.axes: {lora: [0, 1, 2, 4]}`): a step of 3 adapters replays the graph of 4
+slots, one of 5 or 6 runs eagerly (reason `above_max_axis.lora`); graph, eager and dense still agree.
 `--lifecycle` runs an engine's whole life on the way: a weight swap the guard refuses (the
 engine re-captures and retries the step), a re-capture, `release()` while asleep (steps run
 eagerly) and a wake-up capture, and a KV cache grown with `resize_kv` (live blocks copied, new
@@ -29,6 +33,7 @@ blocks handed out from the grown region), with the same digest as a run without 
     python tools/mini_engine.py --steps 40 --seed 1 --quiet   # the CI run
     python tools/mini_engine.py --steps 60 --seed 1 --recapture-at 20 --recapture-at 41
     python tools/mini_engine.py --steps 60 --seed 1 --lifecycle
+    python tools/mini_engine.py --steps 60 --seed 1 --lora
     python tools/mini_engine.py --steps 40 --seed 1 --tp 2 --dp 2   # 4 gloo ranks (tools/_parallel.py)
 """
 
@@ -46,6 +51,7 @@ import torch
 
 from graphcap import BufferSpec, CaptureManager, StaticInputMovedError, StepBatch, load_config
 from graphcap.models import TinyLlama, WindowedMemory, dense_reference, window_reference
+from graphcap.models.adapters import AdapterSlots, adapter_buffers
 
 CONFIG = {
     "device": "cpu",
@@ -74,6 +80,12 @@ BUFFERS = [
     BufferSpec("adapter", "tokens", pad=-1, sample=lambda rng, rows: rng.integers(-1, NUM_ADAPTERS, rows)),
     BufferSpec("temperature", "reqs", dtype="float32", pad=1.0, sample=lambda rng, rows: rng.uniform(0.5, 1.5, rows)),
 ]
+LORA_ADAPTERS = 6
+"""`--lora`: adapters requests choose from (a step of more than 4 distinct ones runs eagerly)."""
+LORA_SLOTS = 8
+"""`--lora`: slots of the adapter-id buffer (`lora_table`)."""
+LORA = {"capture.axes": {"lora": [0, 1, 2, 4]}}
+"""`--lora`: the slot count as a key axis."""
 
 
 class AdaptedLlama(torch.nn.Module):
@@ -85,10 +97,12 @@ class AdaptedLlama(torch.nn.Module):
     nothing is sliced by a Python count.
     """
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, *, lora: bool = False) -> None:
         super().__init__()
         self.llama = TinyLlama(config)
         self.memory = WindowedMemory(config, "window")
+        vocab = config.model.vocab_size
+        self.lora = AdapterSlots(vocab, LORA_ADAPTERS, seed=config.model.seed + 2) if lora else None
         generator = torch.Generator().manual_seed(config.model.seed + 1)
         bias = torch.randn(NUM_ADAPTERS, config.model.vocab_size, generator=generator)
         self.adapter_bias = torch.nn.Parameter(bias, requires_grad=False)  # [A, vocab]
@@ -101,6 +115,8 @@ class AdaptedLlama(torch.nn.Module):
 
     def forward(self, inputs) -> torch.Tensor:
         logits = self.llama(inputs) + self.memory(inputs)  # [T, vocab]
+        if self.lora is not None:  # a loop over inputs.axes["lora"] slots: one graph per slot count
+            logits = logits + self.lora(inputs)
         qsl, T, R = inputs.query_start_loc, inputs.input_ids.shape[0], inputs.seq_lens.shape[0]
         repeats = torch.cat((qsl.diff(), T - qsl[R:]))  # request R: the sink of padded tokens
         req = torch.repeat_interleave(torch.arange(R + 1, device=qsl.device), repeats, output_size=T)
@@ -119,6 +135,8 @@ class Request:
     num_generated: int = 0
     computed: int = 0
     """Tokens whose keys and values are in the KV cache."""
+    lora: int = -1
+    """`--lora`: the LoRA adapter the request uses (-1: none)."""
     blocks: list[int] = field(default_factory=list)
     window_blocks: list[int] = field(default_factory=list)
     """The window group's blocks by column; 0 (the null block) where the window has passed."""
@@ -146,6 +164,7 @@ class MiniEngine:
         self.idle_steps = idle_steps  # a data-parallel rank with nothing scheduled still steps (idle)
         self.config = manager.config
         self.rng = np.random.default_rng(seed)
+        self.lora_rng = np.random.default_rng([seed, 1]) if model.lora is not None else None  # scheduling unchanged
         self.pool = BlockPool(self.config.kv_cache.num_blocks)
         self.window_pool = BlockPool(self.config.kv_cache.groups[0].num_blocks)
         self.waiting: deque[Request] = deque()
@@ -169,6 +188,8 @@ class MiniEngine:
                 adapter=int(rng.integers(-1, NUM_ADAPTERS)),
                 temperature=float(rng.uniform(0.5, 1.5)),
             )
+            if self.lora_rng is not None:
+                request.lora = int(self.lora_rng.integers(-1, LORA_ADAPTERS))
             self.num_requests += 1
             self.waiting.append(request)
 
@@ -254,7 +275,15 @@ class MiniEngine:
         seq_lens = [r.computed + q for r, q in picked]
         temperature = np.array([r.temperature for r, _ in picked], dtype=np.float32)
         extras = {"adapter": adapters, "temperature": temperature}
-        return StepBatch(q_lens, seq_lens, ids, table, extras=extras, kv_groups={"window": window})
+        axes = None
+        if self.lora_rng is not None:  # the step's distinct adapters in slots, each token naming its slot
+            used = list(dict.fromkeys(r.lora for r, _ in picked if r.lora >= 0))
+            slots = np.full(LORA_SLOTS, -1, dtype=np.int32)
+            slots[: len(used)] = used
+            extras["lora_table"] = slots
+            extras["lora_slot"] = np.repeat([used.index(r.lora) if r.lora >= 0 else -1 for r, _ in picked], q_lens)
+            axes = {"lora": len(used)}
+        return StepBatch(q_lens, seq_lens, ids, table, extras=extras, kv_groups={"window": window}, axes=axes)
 
     def step(self, index: int) -> None:
         self.arrive()
@@ -341,6 +370,10 @@ class MiniEngine:
         rows = []
         for (request, q), logits in zip(picked, per_request):
             span = logits[request.computed : request.computed + q]  # [q, vocab]
+            if self.model.lora is not None:
+                span = span + self.model.lora.reference(
+                    request.tokens[request.computed : request.computed + q], request.lora
+                )
             adapter = torch.full((q,), request.adapter)
             temperature = torch.full((q,), request.temperature)
             rows.append(self.model.adapt(span, adapter, temperature))
@@ -372,12 +405,15 @@ def lifecycle_steps(steps: int) -> dict[int, str]:
     }
 
 
-def run(steps: int, seed: int, *, recapture_at: tuple[int, ...] = (), lifecycle: bool = False) -> Run:
+def run(
+    steps: int, seed: int, *, recapture_at: tuple[int, ...] = (), lifecycle: bool = False, lora: bool = False
+) -> Run:
     """The engine for `steps` steps; raises on any disagreement of graph, eager and dense."""
     torch.set_num_threads(1)
-    config = load_config(overrides=CONFIG)
-    model = AdaptedLlama(config)
-    manager = CaptureManager(model, config, progress=False, buffers=BUFFERS)
+    config = load_config(overrides={**CONFIG, **(LORA if lora else {})})
+    model = AdaptedLlama(config, lora=lora)
+    buffers = [*BUFFERS, *(adapter_buffers(LORA_SLOTS, LORA_ADAPTERS) if lora else ())]
+    manager = CaptureManager(model, config, progress=False, buffers=buffers)
     manager.capture()
     engine = MiniEngine(manager, model, seed)
     events: list[str] = []
@@ -427,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="weight swap, re-capture, release and wake, KV cache grown, spread over the run",
     )
+    parser.add_argument(
+        "--lora", action="store_true", help="LoRA-style adapters in slots, the slot count a key axis (capture.axes)"
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gloo processes; default 1)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (seeds seed, seed+1, ...)")
     args = parser.parse_args(argv)
@@ -440,10 +479,10 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= step < args.steps:
             parser.error(f"--recapture-at must be a step in [0, {args.steps}); got {step}")
     if args.tp > 1 or args.dp > 1:
-        if args.recapture_at or args.lifecycle:
-            parser.error("--recapture-at and --lifecycle run in one process (without --tp/--dp)")
+        if args.recapture_at or args.lifecycle or args.lora:
+            parser.error("--recapture-at, --lifecycle and --lora run in one process (without --tp/--dp)")
         return _parallel.run(args)
-    result = run(args.steps, args.seed, recapture_at=tuple(args.recapture_at), lifecycle=args.lifecycle)
+    result = run(args.steps, args.seed, recapture_at=tuple(args.recapture_at), lifecycle=args.lifecycle, lora=args.lora)
     engine, manager = result.engine, result.manager
     if not args.quiet:
         for event in result.events:
@@ -457,6 +496,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  tokens generated: {sum(len(s) for s in engine.streams.values())}")
     print(f"  steps replayed: {replayed}; eager: {sum(eager.values())} ({dict(eager) or 'none'})")
     print(f"  padded-token waste of replayed steps: {stats['padded_token_waste']:.1%}")
+    if args.lora:
+        slots = Counter(dict(key.axes)["lora"] for key in manager.stats.graph_hits.elements())
+        print(f"  lora: steps replayed per slot count {dict(sorted(slots.items()))}")
     print("  every step: graph == eager == dense logits, identical token streams")
     if args.lifecycle:
         print(

@@ -105,3 +105,20 @@ def test_parallel_flags_are_checked(capsys):
     assert "--tp must be 1, 2 or 4 and --dp >= 1; got --tp 3 --dp 1" in _refused(capsys, "--tp", "3")
     assert "--recapture-at and --lifecycle run in one process" in _refused(capsys, "--dp", "2", "--recapture-at", "1")
     assert "--recapture-at and --lifecycle run in one process" in _refused(capsys, "--tp", "2", "--lifecycle")
+
+
+def test_lora_slots_as_a_key_axis_give_the_token_streams_of_an_eager_run(monkeypatch):
+    """`--lora`: the slot count is a key axis; every step agrees, and the streams equal a run with no graphs."""
+    graphs = mini_engine.run(40, 1, lora=True)
+    stats = graphs.manager.stats
+    slots = {dict(key.axes)["lora"] for key in stats.graph_hits}
+    assert len(slots) >= 2 and slots <= {0, 1, 2, 4}  # steps replayed graphs of several slot counts
+    assert stats.eager["above_max_axis.lora"] >= 1  # and a step of more adapters than 4 slots ran eagerly
+    monkeypatch.setitem(mini_engine.CONFIG, "capture.mode", "none")
+    eager = mini_engine.run(40, 1, lora=True)
+    assert set(eager.manager.stats.eager) == {"mode_none"} and not eager.manager.graphs
+    assert eager.digest == graphs.digest
+
+
+def test_lora_runs_in_one_process(capsys):
+    assert "--lora run in one process" in _refused(capsys, "--steps", "5", "--lora", "--dp", "2")
