@@ -89,12 +89,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {span:>13}  {padded:>7}  {(padded - first) / padded:>13.1%}")
     print(f"  {'>' + str(sizes.max_size):>13}  {'eager':>7}")
     if registry is not None:
-        uniform = [k for k in registry.planned if k.uniform]
-        mixed = [k for k in registry.planned if not k.uniform and not k.piecewise]
-        pieces = [k for k in registry.planned if k.piecewise]
+        tokens = list(dict.fromkeys(k.base for k in registry.planned))  # each token key once, whatever its axes
+        uniform = [k for k in tokens if k.uniform]
+        mixed = [k for k in tokens if not k.uniform and not k.piecewise]
+        pieces = [k for k in tokens if k.piecewise]
         counts = f"{len(uniform)} uniform, {len(mixed)} mixed" + (f", {len(pieces)} piecewise" if pieces else "")
         print()
-        print(f"  graph keys: {len(registry.planned)} ({counts})")
+        if registry.axes:
+            combos = len(registry.planned) // max(1, len(tokens))
+            axes = "; ".join(f"{name} {', '.join(map(str, values))}" for name, values in registry.axes.items())
+            print(f"  graph keys: {len(registry.planned)} ({len(tokens)} token keys ({counts}) x {combos} combinations")
+            print(f"    of key axes: {axes})")
+        else:
+            print(f"  graph keys: {len(registry.planned)} ({counts})")
         if pieces:
             print(f"    piecewise (tokens, any request count): {' '.join(str(k.num_tokens) for k in pieces)}")
         if uniform:

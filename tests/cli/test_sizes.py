@@ -353,3 +353,11 @@ def test_under_full_decode_only_the_largest_uniform_key_bounds_the_choice(capsys
         "  steps that run eagerly: 11.1% (token count 40: above batching.max_num_seqs 16 x uniform_query_len 1)"
         in lines
     )
+
+
+def test_sizes_lists_each_token_key_once_and_the_combinations_of_key_axes(capsys):
+    code, out, _ = run(capsys, "--config", "tiny-cpu-ci", "--set", "capture.axes={lora: [0, 2], ubatch: [1, 2]}")
+    assert code == 0
+    assert "graph keys: 32 (8 token keys (4 uniform, 4 mixed) x 4 combinations" in out
+    assert "of key axes: lora 0, 2; ubatch 1, 2)" in out
+    assert "uniform (tokens/reqs): 1/1 2/2 4/4 8/8\n" in out
