@@ -15,7 +15,8 @@ every round):
 - `replay`: the bare `graph.replay()` of the key that step dispatches to;
 - the parts, each alone: `dispatch` (`KeyRegistry.dispatch`), `stage` (the manager's staging path:
   stage, prepare, invariants, upload), `guard` (the static guard before and after a replay), `cut`
-  (the output cut to its real rows).
+  (the output cut to its real rows); `dispatch, 1 axis`: the same dispatch with a key axis
+  (`capture.axes: {lora: [0, 1, 2, 4, 8]}`, a step of 3 adapters padded to 4).
 
 "execute - replay" is each round's median `execute` minus its median `replay`; the table shows
 the median of those differences and their p10-p90 over rounds (the rounds see the machine's
@@ -36,6 +37,7 @@ import torch
 from _sampling import measure
 
 from graphcap import CaptureManager, StepBatch, load_config
+from graphcap.keys import KeyRegistry
 from graphcap.testing import TINY
 
 try:  # graphcap before `OutputRows` cut outputs with a function
@@ -93,6 +95,12 @@ def cases(manager: CaptureManager, batch: StepBatch) -> dict[str, object]:
     def stage() -> None:
         manager._stage(batch, key, phase="replay")
 
+    sizes, q, rows = registry.sizes, registry.uniform_query_len, registry.max_num_seqs
+    with_axis = KeyRegistry(sizes, registry.mode, q, rows, None, {"lora": (0, 1, 2, 4, 8)})
+    for planned in with_axis.planned:
+        with_axis.mark_captured(planned)
+    step_axes = {"lora": 3}
+
     def guarded() -> None:
         before()
         after()
@@ -106,6 +114,7 @@ def cases(manager: CaptureManager, batch: StepBatch) -> dict[str, object]:
         "execute, no replay": lambda: hollow.execute(hollow_batch),
         "replay": graph.replay,
         "dispatch": lambda: registry.dispatch(n, n, uniform),
+        "dispatch, 1 axis": lambda: with_axis.dispatch(n, n, uniform, step_axes),
         "stage": stage,
         "guard": guarded,
         "cut": cut,
