@@ -28,7 +28,7 @@ def fill_batch(
     null block 0), so that no two tokens write one KV slot.
 
     Uniform keys get `T / R` tokens per request; mixed keys spread up to `T` tokens over the
-    requests at random. `num_reqs=0` is the empty batch.
+    requests at random. `num_reqs=0` is the empty batch. The batch states the key's axis values.
     """
     rng = np.random.default_rng(rng) if isinstance(rng, int) else rng
     kv = config.kv_cache
@@ -50,7 +50,7 @@ def fill_batch(
         context = np.minimum(context, kv.block_size)
     blocks = distinct_blocks(q + context, kv.block_size, kv.num_blocks, rng)
     ids = rng.integers(0, config.model.vocab_size, int(q.sum()))
-    return StepBatch(q, q + context, ids, blocks)
+    return StepBatch(q, q + context, ids, blocks, axes=dict(key.axes))  # at the key's axis values (capture.axes)
 
 
 @dataclass

@@ -149,3 +149,14 @@ def test_lazy_capture_takes_the_most_used_combination_first():
     assert {(k.uniform, lora_of(k)) for k in m.graphs} == {(True, 2), (False, 2)}
     m.capture_pending(max_keys=1)
     assert GraphKey(4, 4, True, (("lora", 1),)) in m.graphs  # then the combination used once
+
+
+def test_a_filled_batch_of_an_axis_key_dispatches_to_it_and_is_timed(captured):
+    from graphcap.testing import time_key
+    from graphcap.workload import fill_batch
+
+    m, _ = captured
+    key = GraphKey(4, 4, True, (("lora", 2),))
+    assert m.dispatch(fill_batch(key, m.config)) == key
+    timing = time_key(m, key, steps=2, warmup=0)
+    assert timing is not None and timing.key == key
