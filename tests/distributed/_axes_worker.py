@@ -48,4 +48,14 @@ def scenario(rank: int, world_size: int, directory: str) -> dict[str, Any]:
         result["steps"].append(step)
     result["eager"] = dict(manager.stats.eager)
     result["graph_hits"] = {str(k): v for k, v in manager.stats.graph_hits.items()}
+    # pad_eager: an eager step pads to the largest counts and axis values of any rank (one shape everywhere)
+    none = make_config({"capture.axes": AXES, "capture.sizes": [4, 8], "capture.mode": "none"})
+    padded = CaptureManager(
+        SlotLlama(none), none, group=dist.group.WORLD, progress=False, dp_timeout=SLOW_S, buffers=buffers(),
+        pad_eager=True,
+    )  # fmt: skip
+    spec = STEPS[0][rank]
+    batch = lora_step(*spec, seed=rank)
+    output = padded.execute(batch).clone()
+    result["pad_eager"] = {"key": padded.last_key, "matches_eager": bool(torch.allclose(output, padded.eager(batch)))}
     return result

@@ -43,3 +43,9 @@ def test_a_rank_naming_an_unplanned_axis_runs_the_step_idle_then_raises(world):
     assert refused["error"] == "BatchError" and "'lroa', which capture.axes does not plan" in refused["message"]
     assert refused["key"] == other["key"] == GraphKey(4, 4, True, (("lora", 1),))  # the peer's step went on
     assert other["matches_eager"]
+
+
+def test_pad_eager_pads_an_eager_step_to_the_largest_axis_values_too(world):
+    for result in world:
+        assert result["pad_eager"]["key"] == GraphKey(3, 3, False, (("lora", 3),))  # rank 1's 3 tokens, 3 adapters
+        assert result["pad_eager"]["matches_eager"]
