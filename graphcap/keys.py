@@ -182,6 +182,8 @@ class KeyRegistry:
         self._axis_defaults = tuple((name, values[0]) for name, values in self.axes.items())
         # Per axis, every value 0..largest -> the smallest captured value at or above it (one index per step).
         self._axis_pad = tuple(_padding_table(values) for values in self.axes.values())
+        self._axis_index = {name: i for i, name in enumerate(self.axes)}
+        self._axis_floors = tuple(values[0] for values in self.axes.values())  # captured values: padded already
         planned: list[GraphKey] = []
         # Index by token count: the dispatch hot path is one list index per kind (mixed: the
         # size's keys by ascending request rows).
@@ -325,27 +327,32 @@ class KeyRegistry:
             return self._eager(num_tokens, num_reqs, "mode_none")
         if num_tokens > self.sizes.max_size:
             return self._eager(num_tokens, num_reqs, "above_max_size")
-        return self._dispatch_tokens(num_tokens, num_reqs, uniform, None, ())
+        return self._dispatch_tokens(num_tokens, num_reqs, uniform, None, None)
 
     def _dispatch_axes(self, num_tokens: int, num_reqs: int, uniform: bool, axes: Any) -> Dispatch:
         """`dispatch` with key axes: pad each axis (one table index), then the token keys at those values."""
-        values = self.axis_values(axes)
         if self.mode == "none":
-            return self._eager(num_tokens, num_reqs, "mode_none", values)
+            return self._eager(num_tokens, num_reqs, "mode_none", axes)
         if num_tokens > self.sizes.max_size:
-            return self._eager(num_tokens, num_reqs, "above_max_size", values)
-        padded = []
-        for (name, value), table in zip(values, self._axis_pad):
+            return self._eager(num_tokens, num_reqs, "above_max_size", axes)
+        if not axes:
+            return self._dispatch_tokens(num_tokens, num_reqs, uniform, self._variants[self._axis_floors], axes)
+        padded, index, tables = list(self._axis_floors), self._axis_index, self._axis_pad
+        for name, value in axes.items():
+            i = index.get(name)
+            if i is None:
+                self.axis_values(axes)  # raises: names the axis and the planned ones
+            table = tables[i]
             if value >= len(table):
-                return self._eager(num_tokens, num_reqs, f"above_max_axis.{name}", values)
-            padded.append(table[value])
-        return self._dispatch_tokens(num_tokens, num_reqs, uniform, self._variants[tuple(padded)], values)
+                return self._eager(num_tokens, num_reqs, f"above_max_axis.{name}", axes)
+            padded[i] = table[value]
+        return self._dispatch_tokens(num_tokens, num_reqs, uniform, self._variants[tuple(padded)], axes)
 
     def _dispatch_tokens(
-        self, num_tokens: int, num_reqs: int, uniform: bool, at: dict[GraphKey, GraphKey] | None, values: tuple
+        self, num_tokens: int, num_reqs: int, uniform: bool, at: dict[GraphKey, GraphKey] | None, values: Any
     ) -> Dispatch:
         """The token keys' dispatch (`dispatch`); `at` maps each token key to its key at the step's padded axis
-        values (None: no axes), `values` the step's own axis values (its eager key's)."""
+        values (None: no axes), `values` the step's own axis values (`StepBatch.axes`: its eager key's)."""
         if uniform:
             key = self._uniform[num_tokens]
             if at is not None and key is not None:
@@ -386,8 +393,9 @@ class KeyRegistry:
         (no graph has it)."""
         return GraphKey(num_tokens, num_reqs, False, axes)
 
-    def _eager(self, num_tokens: int, num_reqs: int, reason: str, axes: tuple = ()) -> Dispatch:
-        return Dispatch(Mode.EAGER, GraphKey(num_tokens, num_reqs, False, axes), reason)
+    def _eager(self, num_tokens: int, num_reqs: int, reason: str, axes: Any = None) -> Dispatch:
+        """An eager dispatch; its key holds the step's own axis values (`axes`: the step's `StepBatch.axes`)."""
+        return Dispatch(Mode.EAGER, GraphKey(num_tokens, num_reqs, False, self.axis_values(axes)), reason)
 
     def _state(self, key: GraphKey, *, count: bool = True) -> str:
         """Why a step whose key is `key` (not captured) runs eagerly; counts the step in `demand`."""
