@@ -12,13 +12,12 @@ from this module.
 from __future__ import annotations
 
 import enum
-import itertools
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from graphcap.errors import BatchError
+from graphcap.key_axes import KeyAxes
 from graphcap.sizing.sizes import CaptureSizes, uniform_sizes
 
 __all__ = [
@@ -108,6 +107,7 @@ EAGER_REASONS = {
     "over_budget": "its graph would take the graphs past capture.memory_budget",
     "no_speedup": "its replay was not capture.min_speedup times faster than eager at capture",
     "above_max_axis": "an axis value above the largest of capture.axes.NAME (counted as above_max_axis.NAME)",
+    "no_axis_combination": "no combination of capture.axis_combinations holds the step's axis values",
 }
 """Why a step ran eagerly; the keys of `CaptureManager.stats.eager` (`reason_kind` of each: a reason that
 names an axis, `above_max_axis.lora`, is counted under its own name)."""
@@ -158,9 +158,12 @@ class KeyRegistry:
     that has no uniform key replays one. Mode `none` plans nothing. Does not stage or run anything.
 
     Key axes (`axes`, from `capture.axes`: name -> ascending values): every token key is planned at
-    every combination of axis values. A step's value of each axis pads to the smallest captured value
-    at or above it (one padding table per axis, built here), then the token tables pick the key as
-    without axes; a value above an axis's largest runs eagerly (reason `above_max_axis.NAME`).
+    every combination of axis values, or at those `combinations` lists (`capture.axis_combinations`).
+    A step's value of each axis pads to the smallest captured value at or above it (one padding table
+    per axis, built here); the padded combination maps (one dict lookup) to the listed combination that
+    holds it with the fewest padded slots, then the token tables pick the key as without axes. A value
+    above an axis's largest runs eagerly (reason `above_max_axis.NAME`), as does a step no listed
+    combination holds (`no_axis_combination`).
     """
 
     def __init__(
@@ -171,19 +174,18 @@ class KeyRegistry:
         max_num_seqs: int,
         max_model_len: int | None = None,
         axes: Mapping[str, tuple[int, ...]] | None = None,
+        combinations: Iterable[Mapping[str, int]] = (),
     ) -> None:
         self.sizes = sizes
         self.mode = mode
         self.uniform_query_len = q = uniform_query_len
         self.max_num_seqs = max_num_seqs
-        self.axes: dict[str, tuple[int, ...]] = {name: tuple(values) for name, values in (axes or {}).items()}
+        self._key_axes = key_axes = KeyAxes(axes, combinations)
+        self.axes: dict[str, tuple[int, ...]] = key_axes.values
         """Each key axis's captured values, ascending (empty: no axes)."""
-        self._axis_names = tuple(self.axes)
-        self._axis_defaults = tuple((name, values[0]) for name, values in self.axes.items())
-        # Per axis, every value 0..largest -> the smallest captured value at or above it (one index per step).
-        self._axis_pad = tuple(_padding_table(values) for values in self.axes.values())
-        self._axis_index = {name: i for i, name in enumerate(self.axes)}
-        self._axis_floors = tuple(values[0] for values in self.axes.values())  # captured values: padded already
+        # The hot path's reads, one attribute each (see `KeyAxes`)
+        self._axis_names, self._axis_pad, self._axis_index = key_axes.names, key_axes.tables, key_axes.index
+        self._axis_floors = key_axes.floors  # captured values: padded already
         planned: list[GraphKey] = []
         # Index by token count: the dispatch hot path is one list index per kind (mixed: the
         # size's keys by ascending request rows).
@@ -222,12 +224,12 @@ class KeyRegistry:
                 for key in mixed:
                     by_size[key.num_tokens] = (*by_size.get(key.num_tokens, ()), key)
                 self._mixed = [by_size[sizes.pad(n)] for n in range(sizes.max_size + 1)]
-        combos = [tuple(zip(self._axis_names, values)) for values in itertools.product(*self.axes.values())]
-        # Per combination of padded axis values, each token key -> its key at those values (dispatch's lookup).
+        at = {combo: {key: key._replace(axes=combo) for key in planned} for combo in key_axes.planned}
+        # Every combination of padded axis values -> each token key -> its key at the combination that holds it.
         self._variants: dict[tuple[int, ...], dict[GraphKey, GraphKey]] = {
-            tuple(v for _, v in combo): {key: key._replace(axes=combo) for key in planned} for combo in combos
+            values: at[combo] for values, combo in key_axes.holder.items()
         }
-        planned = [key._replace(axes=combo) for key in planned for combo in combos]
+        planned = [key._replace(axes=combo) for key in planned for combo in key_axes.planned]
         self.planned: tuple[GraphKey, ...] = tuple(sorted(planned, key=_ascending))
         self.captured: set[GraphKey] = set()
         self.skipped: dict[GraphKey, str] = {}
@@ -247,6 +249,7 @@ class KeyRegistry:
             config.batching.max_num_seqs,
             config.kv_cache.max_model_len,
             config.capture.axes,
+            config.capture.axis_combinations,
         )
         if config.capture.strategy == "lazy":
             registry.uncaptured_reason = "pending"
@@ -299,16 +302,7 @@ class KeyRegistry:
     def axis_values(self, axes: Mapping[str, int] | None) -> tuple[tuple[str, int], ...]:
         """A step's value of every key axis, `(name, value)` in the config's order (a missing axis: its smallest
         value); `BatchError` naming an axis that `capture.axes` does not plan, and the axes it plans."""
-        if not axes:
-            return self._axis_defaults
-        for name in axes:
-            if name not in self.axes:
-                planned = ", ".join(self._axis_names) or "none"
-                raise BatchError(
-                    f"axes names {name!r}, which capture.axes does not plan (its axes: {planned}); "
-                    f"add it to capture.axes or leave it out of StepBatch(axes=...)"
-                )
-        return tuple([(name, axes.get(name, floor)) for name, floor in self._axis_defaults])
+        return self._key_axes.of_step(axes)
 
     def dispatch(
         self, num_tokens: int, num_reqs: int, uniform: bool, axes: Mapping[str, int] | None = None
@@ -336,7 +330,10 @@ class KeyRegistry:
         if num_tokens > self.sizes.max_size:
             return self._eager(num_tokens, num_reqs, "above_max_size", axes)
         if not axes:
-            return self._dispatch_tokens(num_tokens, num_reqs, uniform, self._variants[self._axis_floors], axes)
+            at = self._variants.get(self._axis_floors)
+            if at is None:
+                return self._eager(num_tokens, num_reqs, "no_axis_combination", axes)
+            return self._dispatch_tokens(num_tokens, num_reqs, uniform, at, axes)
         padded, index, tables = list(self._axis_floors), self._axis_index, self._axis_pad
         for name, value in axes.items():
             i = index.get(name)
@@ -346,7 +343,10 @@ class KeyRegistry:
             if value >= len(table):
                 return self._eager(num_tokens, num_reqs, f"above_max_axis.{name}", axes)
             padded[i] = table[value]
-        return self._dispatch_tokens(num_tokens, num_reqs, uniform, self._variants[tuple(padded)], axes)
+        at = self._variants.get(tuple(padded))
+        if at is None:
+            return self._eager(num_tokens, num_reqs, "no_axis_combination", axes)
+        return self._dispatch_tokens(num_tokens, num_reqs, uniform, at, axes)
 
     def _dispatch_tokens(
         self, num_tokens: int, num_reqs: int, uniform: bool, at: dict[GraphKey, GraphKey] | None, values: Any
@@ -419,15 +419,6 @@ class KeyRegistry:
 def _ascending(key: GraphKey) -> tuple:
     """Planned order: by size; uniform, then mixed (more rows first), then piecewise; then by axis values."""
     return (key.num_tokens, not key.uniform, key.num_reqs is None, -(key.num_reqs or 0), key.axes)
-
-
-def _padding_table(values: tuple[int, ...]) -> list[int]:
-    """Every value `0..values[-1]` -> the smallest of `values` (ascending) at or above it."""
-    table, low = [], 0
-    for value in values:
-        table += [value] * (value + 1 - low)
-        low = value + 1
-    return table
 
 
 @dataclass

@@ -160,3 +160,12 @@ def test_a_filled_batch_of_an_axis_key_dispatches_to_it_and_is_timed(captured):
     assert m.dispatch(fill_batch(key, m.config)) == key
     timing = time_key(m, key, steps=2, warmup=0)
     assert timing is not None and timing.key == key
+
+
+def test_listed_combinations_are_all_that_is_captured_and_a_step_replays_one_that_holds_it():
+    m = manager(**{"capture.sizes": [4], "capture.axis_combinations": [{"lora": 4}, {"lora": 1}]})
+    report = m.capture()
+    assert {lora_of(r.key) for r in report.records} == {1, 4} and len(report.records) == 4
+    batch = lora_step([1, 1], [0, 2])  # 2 adapters: lora 2 is not listed, so the graph of 4 slots
+    torch.testing.assert_close(m.execute(batch).clone(), m.eager(batch))
+    assert lora_of(m.dispatch(batch)) == 4

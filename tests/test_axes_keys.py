@@ -8,6 +8,8 @@ dispatches to, and every valid step dispatches to a planned key that holds it or
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -20,8 +22,10 @@ from graphcap.sizing.sizes import CaptureSizes
 from graphcap.testing import make_config
 
 
-def registry(axes=None, *, mode="full", sizes=(1, 2, 4, 8), q=1, max_num_seqs=8, captured=True) -> KeyRegistry:
-    keys = KeyRegistry(CaptureSizes(sizes, 64), mode, q, max_num_seqs, 64, axes)
+def registry(
+    axes=None, *, mode="full", sizes=(1, 2, 4, 8), q=1, max_num_seqs=8, captured=True, combinations=()
+) -> KeyRegistry:
+    keys = KeyRegistry(CaptureSizes(sizes, 64), mode, q, max_num_seqs, 64, axes, combinations)
     if captured:
         for key in keys.planned:
             keys.mark_captured(key)
@@ -165,12 +169,16 @@ SETUPS = st.tuples(
     st.sampled_from([1, 2, 3]),
     st.integers(1, 12),
     AXES,
+    st.randoms(use_true_random=False),
 )
 
 
 def planned_registry(setup) -> KeyRegistry:
-    mode, sizes, q, max_num_seqs, axes = setup
-    return registry(axes, mode=mode, sizes=tuple(sizes), q=q, max_num_seqs=max_num_seqs)
+    """A registry of the setup, every combination planned or (half the time) a random subset listed."""
+    mode, sizes, q, max_num_seqs, axes, rng = setup
+    every = [dict(zip(axes, values)) for values in itertools.product(*axes.values())] if axes else []
+    listed = rng.sample(every, rng.randint(1, len(every))) if every and rng.random() < 0.5 else []
+    return registry(axes, mode=mode, sizes=tuple(sizes), q=q, max_num_seqs=max_num_seqs, combinations=listed)
 
 
 @settings(max_examples=150, deadline=None)
@@ -205,6 +213,8 @@ def test_every_valid_step_dispatches_to_a_planned_key_that_holds_it_or_eagerly_w
         if reason_kind(reason) == "above_max_axis":
             name = reason.partition(".")[2]
             assert values[name] > keys.axes[name][-1]
+        if reason == "no_axis_combination":  # no planned combination holds the step's values
+            assert not any(all(dict(k.axes)[n] >= v for n, v in values.items()) for k in keys.planned)
         return
     assert reason == ""
     assert_holds(keys, key, num_tokens, num_reqs, uniform, values)
@@ -215,8 +225,11 @@ def assert_holds(keys: KeyRegistry, key: GraphKey, num_tokens: int, num_reqs: in
     assert key in keys.planned and key in keys.captured
     assert key.num_tokens >= num_tokens and (key.num_reqs is None or key.num_reqs >= num_reqs)
     assert not key.uniform or uniform
-    for name, value in key.axes:
-        assert value == min(v for v in keys.axes[name] if v >= values[name]), (key, values)
+    padded = {name: min(v for v in keys.axes[name] if v >= values[name]) for name in keys.axes}
+    for name, value in key.axes:  # each axis at least its padded value: exactly it when that combination is planned
+        assert value >= padded[name], (key, values)
+    if key._replace(axes=tuple(padded.items())) in keys.planned:
+        assert dict(key.axes) == padded, (key, values)
 
 
 def test_the_check_fails_for_a_step_dispatched_to_a_key_built_for_another_value():
@@ -227,3 +240,40 @@ def test_the_check_fails_for_a_step_dispatched_to_a_key_built_for_another_value(
     key = keys.dispatch(2, 2, True, {"lora": 3}).key
     with pytest.raises(AssertionError):
         assert_holds(keys, key, 2, 2, True, {"lora": 3})
+
+
+def test_listed_combinations_are_planned_alone_and_a_step_replays_the_one_with_fewest_padded_slots():
+    listed = [{"lora": 4, "ubatch": 2}, {"lora": 0, "ubatch": 1}, {"lora": 2, "ubatch": 1}]
+    keys = registry({"lora": (0, 2, 4), "ubatch": (1, 2)}, combinations=listed)
+    assert {k.axes for k in keys.planned} == {tuple(c.items()) for c in listed}
+    assert dict(keys.dispatch(2, 2, True, {"lora": 1}).key.axes) == {"lora": 2, "ubatch": 1}
+    assert dict(keys.dispatch(2, 2, True, {"lora": 1, "ubatch": 2}).key.axes) == {"lora": 4, "ubatch": 2}
+    assert dict(keys.dispatch(2, 2, True).key.axes) == {"lora": 0, "ubatch": 1}
+
+
+def test_a_step_no_listed_combination_holds_runs_eagerly_under_its_reason():
+    keys = registry({"lora": (0, 2), "ubatch": (1, 2)}, combinations=[{"lora": 2, "ubatch": 1}])
+    mode, key, reason = keys.dispatch(2, 2, True, {"ubatch": 2})
+    assert (mode, reason) == (Mode.EAGER, "no_axis_combination") and reason in EAGER_REASONS
+    assert key.axes == (("lora", 0), ("ubatch", 2))
+
+
+@pytest.mark.parametrize(
+    ("listed", "match"),
+    [
+        ([{"lora": 2}], r"capture\.axis_combinations\[0\]: gives no value for ubatch"),
+        ([{"lora": 2, "ubatch": 1, "x": 1}], r"capture\.axis_combinations\[0\]: names 'x', not an axis"),
+        ([{"lora": 3, "ubatch": 1}], r"capture\.axis_combinations\[0\]: lora 3 is not a value of capture\.axes\.lora"),
+        ([{"lora": True, "ubatch": 1}], r"capture\.axis_combinations\[0\]: lora True is not a value"),
+        ([{"lora": 2, "ubatch": 1}, {"ubatch": 1, "lora": 2}], r"\[1\]: repeats capture\.axis_combinations\[0\]"),
+        ("x", r"capture\.axis_combinations: expected a list of mappings"),
+    ],
+)
+def test_a_bad_combination_names_its_entry_and_the_fix(listed, match):
+    with pytest.raises(ConfigError, match=match):
+        make_config({"capture.axes": {"lora": [0, 2], "ubatch": [1, 2]}, "capture.axis_combinations": listed})
+
+
+def test_combinations_without_axes_are_refused():
+    with pytest.raises(ConfigError, match=r"capture\.axis_combinations: lists combinations but capture\.axes names no"):
+        make_config({"capture.axis_combinations": [{"lora": 1}]})

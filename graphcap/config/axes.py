@@ -13,7 +13,14 @@ from collections.abc import Mapping
 from graphcap.config._schema import problem
 from graphcap.errors import ConfigProblem
 
-__all__ = ["AXIS_RESERVED", "MAX_AXES", "MAX_AXIS_COMBINATIONS", "MAX_AXIS_VALUE", "axes_problems"]
+__all__ = [
+    "AXIS_RESERVED",
+    "MAX_AXES",
+    "MAX_AXIS_COMBINATIONS",
+    "MAX_AXIS_VALUE",
+    "axes_problems",
+    "combination_problems",
+]
 
 MAX_AXES = 4
 """Most axes `capture.axes` may name: data-parallel ranks agree on every axis in one reduction."""
@@ -69,3 +76,34 @@ def _value_problems(key: str, values: object) -> list[ConfigProblem]:
                 problem(key, f"must be ascending and unique; got {list(values)} ({pair}): write {sorted(set(values))}")
             ]
     return []
+
+
+def combination_problems(axes: Mapping, combinations: tuple) -> list[ConfigProblem]:
+    """Every problem of `capture.axis_combinations` (keys `capture.axis_combinations[i]`): each entry gives every
+    axis of `capture.axes` one of its captured values, and no entry repeats another."""
+    key = "capture.axis_combinations"
+    if not combinations:
+        return []
+    if not axes:
+        return [problem(key, "lists combinations but capture.axes names no axis: add the axes or drop the list")]
+    out, seen = [], {}
+    names = ", ".join(axes)
+    for i, entry in enumerate(combinations):
+        where = f"{key}[{i}]"
+        unknown = [name for name in entry if name not in axes]
+        missing = [name for name in axes if name not in entry]
+        if unknown or missing:
+            what = f"names {unknown[0]!r}, not an axis" if unknown else f"gives no value for {missing[0]}"
+            out.append(problem(where, f"{what}: every entry gives each axis of capture.axes ({names}) one value"))
+            continue
+        wrong = [(n, v) for n, v in entry.items() if isinstance(v, bool) or not isinstance(v, int) or v not in axes[n]]
+        if wrong:
+            name, value = wrong[0]
+            captured = list(axes[name])
+            out.append(problem(where, f"{name} {value!r} is not a value of capture.axes.{name} {captured}"))
+            continue
+        values = tuple(entry[name] for name in axes)
+        if values in seen:
+            out.append(problem(where, f"repeats {key}[{seen[values]}]; drop one"))
+        seen.setdefault(values, i)
+    return out

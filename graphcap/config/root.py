@@ -190,7 +190,7 @@ def _section_dict(section: Section) -> dict[str, Any]:
 
 def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
-        return [_section_dict(v) if isinstance(v, Section) else v for v in value]
+        return [_section_dict(v) if isinstance(v, Section) else _plain(v) for v in value]
     if isinstance(value, MappingProxyType):  # tuples inside (capture.axes) as lists: YAML-ready
         return {k: list(v) if isinstance(v, tuple) else v for k, v in value.items()}
     return value

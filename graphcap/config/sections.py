@@ -20,7 +20,7 @@ from types import MappingProxyType
 from typing import ClassVar, Literal
 
 from graphcap.config._schema import Section, problem, spec
-from graphcap.config.axes import axes_problems
+from graphcap.config.axes import axes_problems, combination_problems
 from graphcap.config.byte_counts import MAX_BYTES, parse_bytes
 from graphcap.errors import ConfigProblem
 from graphcap.fields import INT32_MAX, INT32_MIN
@@ -217,6 +217,10 @@ class CaptureSectionConfig(Section):
     of values; a step states its values (`StepBatch(axes={"lora": 3})`; a missing axis is its smallest
     value), each padded to the smallest captured value at or above it; above the largest the step runs
     eagerly (eager reason `above_max_axis.NAME`). The model reads its key's values in `inputs.axes`."""
+    axis_combinations: tuple[Mapping, ...] = ()
+    """The combinations of axis values to capture, each a mapping giving every axis one of its values
+    (`{lora: 4, ubatch: 2}`); empty: every combination. A step's padded values replay the listed combination
+    that holds them with the fewest padded slots, or run eagerly (eager reason `no_axis_combination`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.mode, str) and self.mode.lower() in _MODES:
@@ -230,9 +234,15 @@ class CaptureSectionConfig(Section):
             object.__setattr__(self, "max_size", resolved)
         # read-only, each axis's values a tuple (to_dict lists them)
         object.__setattr__(self, "axes", MappingProxyType({name: tuple(v) for name, v in self.axes.items()}))
+        entries = tuple(MappingProxyType(dict(entry)) for entry in self.axis_combinations)
+        object.__setattr__(self, "axis_combinations", entries)
 
     def _check(self) -> list[ConfigProblem]:
-        return axes_problems(self.axes) or self._sizes_problems()
+        return (
+            axes_problems(self.axes)
+            or combination_problems(self.axes, self.axis_combinations)
+            or self._sizes_problems()
+        )
 
     def _sizes_problems(self) -> list[ConfigProblem]:
         budget = self.memory_budget
