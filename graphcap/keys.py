@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from graphcap.errors import BatchError
 from graphcap.key_axes import KeyAxes
 from graphcap.sizing.sizes import CaptureSizes, uniform_sizes
 
@@ -340,7 +341,9 @@ class KeyRegistry:
             if i is None:
                 self.axis_values(axes)  # raises: names the axis and the planned ones
             table = tables[i]
-            if value >= len(table):
+            if not 0 <= value < len(table):
+                if value < 0:
+                    raise BatchError(f"axes[{name!r}] is {value}; axis values are >= 0")
                 return self._eager(num_tokens, num_reqs, f"above_max_axis.{name}", axes)
             padded[i] = table[value]
         at = self._variants.get(tuple(padded))

@@ -118,6 +118,11 @@ def test_an_axis_the_config_does_not_plan_is_refused_naming_it_and_the_planned_a
         registry().dispatch(2, 2, True, {"lora": 1})
 
 
+def test_a_negative_value_given_to_the_registry_directly_is_refused():
+    with pytest.raises(BatchError, match=r"axes\['lora'\] is -1; axis values are >= 0"):
+        registry({"lora": (0, 2)}).dispatch(2, 2, True, {"lora": -1})
+
+
 def test_a_key_of_one_combination_not_captured_runs_eagerly_while_the_others_replay():
     keys = registry({"lora": (0, 2)}, captured=False)
     for key in keys.planned:
