@@ -103,8 +103,9 @@ def test_tensor_and_data_parallel_runs_sample_the_single_process_token_streams()
 
 def test_parallel_flags_are_checked(capsys):
     assert "--tp must be 1, 2 or 4 and --dp >= 1; got --tp 3 --dp 1" in _refused(capsys, "--tp", "3")
-    assert "--recapture-at and --lifecycle run in one process" in _refused(capsys, "--dp", "2", "--recapture-at", "1")
-    assert "--recapture-at and --lifecycle run in one process" in _refused(capsys, "--tp", "2", "--lifecycle")
+    refused = _refused(capsys, "--dp", "2", "--recapture-at", "1")
+    assert "--recapture-at, --lifecycle and --lora run in one process" in refused
+    assert "--recapture-at, --lifecycle and --lora run in one process" in _refused(capsys, "--tp", "2", "--lifecycle")
 
 
 def test_lora_slots_as_a_key_axis_give_the_token_streams_of_an_eager_run(monkeypatch):
