@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from graphcap.checks.invariants import check_invariants
     from graphcap.communicators import Communicator
     from graphcap.config import PAD_SLOT_ID, CaptureConfig, PadRules, load_config
+    from graphcap.distributed.options import Parallel
     from graphcap.errors import (
         BatchError,
         CaptureError,
@@ -53,6 +54,7 @@ _EXPORTS = {
     "CaptureConfig": "graphcap.config.root",
     "PadRules": "graphcap.config.sections",
     "load_config": "graphcap.config._load",
+    "Parallel": "graphcap.distributed.options",
     "BatchError": "graphcap.errors",
     "CaptureError": "graphcap.errors",
     "CaptureUnsafeError": "graphcap.errors",
@@ -92,6 +94,7 @@ __all__ = [  # the same names as _EXPORTS (tests/test_packaging.py holds them eq
     "InvariantViolation",
     "PAD_SLOT_ID",
     "PadRules",
+    "Parallel",
     "PersistentBuffers",
     "StaticInputMovedError",
     "StepBatch",

@@ -42,9 +42,12 @@ class FailurePolicy:
     `settle` for every key (failed or not) in the same order: it is a collective with peers.
     """
 
-    def __init__(self, on_error: str, peers: Any = None) -> None:
+    def __init__(self, on_error: str, peers: Any = None, context: str = "") -> None:
         self.on_error = on_error
         self.peers = peers
+        self.context = context
+        """What the engine runs around a pass ("capture_context", "communicators", both, or ""): named when a
+        verification of a forward that holds collectives fails."""
 
     def settle(self, what: str, failure: BaseException | None, graph: Any = None) -> str | None:
         """None when `what` (a key, or its verification) succeeded on every rank; else release `graph`
@@ -60,9 +63,9 @@ class FailurePolicy:
                 sticky = True
         if failure is None:
             return None
+        reason = describe_failure(failure) + self._collectives_hint(failure, graph)  # before the release
         if graph is not None:
             graph.release()
-        reason = describe_failure(failure)
         _drop_frames(failure)  # the failed forward's tensors must not outlive this key
         if sticky:
             raise CaptureError(f"{what} failed: {reason}; {STICKY_HINT}") from failure
@@ -74,6 +77,24 @@ class FailurePolicy:
             raise CaptureError(f"{what} failed: {reason}") from failure
         log.warning("skipping %s: %s", what, reason)
         return reason
+
+    def _collectives_hint(self, failure: BaseException, graph: Any) -> str:
+        """Why a replay can differ from eager when the forward holds collectives (a placeholder outside recording)."""
+        from graphcap.communicators import holds_collectives
+
+        if "replay differs from eager" not in str(failure) or graph is None:
+            return ""
+        holds = holds_collectives([graph], ())
+        if not holds and not self.context:
+            return ""
+        what = " holds collectives" if holds else ""
+        inside = f"{' and' if holds else ''} ran inside {self.context}" if self.context else ""
+        return (
+            f". The forward{what}{inside}: a communicator or capture mode that returns a placeholder when no graph "
+            "records (torch.cuda.is_current_stream_capturing() is False in warmups, verification and eager steps) "
+            "makes them differ from the replay. An engine must not wrap capture() in its own capture mode: give it "
+            "as capture_context= or a graphcap.Communicator, and let its collectives ask graphcap.is_capturing()"
+        )
 
     def _agree(self, what: str, failure: BaseException | None) -> BaseException | None:
         if self.peers is None:
