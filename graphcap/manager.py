@@ -26,16 +26,11 @@ from graphcap.capture.lifecycle import LiveGraphs, PassHistory, check_kv_fits, r
 from graphcap.capture.runner import CapturePass, uncompiled_warnings
 from graphcap.checks.guard import StaticGuard
 from graphcap.checks.invariants import check_invariants
-from graphcap.communicators import (
-    Communicator,
-    communicators_of,
-    holds_collectives,
-    key_captured_hook,
-    pass_context,
-)
+from graphcap.communicators import Communicator, communicators_of, key_captured_hook, pass_context
 from graphcap.config import CaptureConfig
 from graphcap.config.byte_counts import format_bytes
 from graphcap.distributed import StepAgreement, counts_buffers
+from graphcap.distributed.ledger import CollectiveLedger
 from graphcap.distributed.options import Parallel, parallel_of, refuse_moved
 from graphcap.errors import ConfigError, ConfigProblem, InvariantViolation
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
@@ -116,6 +111,9 @@ class CaptureManager:
         around = [name for name, given in (("capture_context", capture_context), ("communicators", self._communicators))
                   if given]  # fmt: skip
         self._failures = FailurePolicy(config.capture.on_error, self._peers, " and ".join(around))
+        # With peers, a capture forward that fails part-way issues the collectives its peers wait in (not on
+        # CUDA: a dispatch mode around the warmups would change what torch.compile traces there).
+        self._ledger = CollectiveLedger() if self._peers is not None and self.device.type != "cuda" else None
         self._budget = MemoryBudget(config, self.backend.name)
         self._lazy = LazyCapture(self.registry, self.stats, self._peers, is_lazy=config.capture.strategy == "lazy")
         self._counting = True
@@ -233,10 +231,8 @@ class CaptureManager:
         try:
             return self._live.add(job, keys, config=self.config, budget=self._budget, **kwargs)
         finally:
-            if self._peers is not None and self._peers.forward_collectives is not True:
-                seen = holds_collectives(self.graphs.values(), self._communicators)
-                if seen is not None:  # what decides whether eager steps pad (`Parallel.pad_eager` None)
-                    self._peers.forward_collectives = seen
+            if self._peers is not None:  # what decides whether eager steps pad (`Parallel.pad_eager` None)
+                self._peers.learn_collectives(self.graphs.values(), self._communicators)
 
     def _capture_pass(self, scratch_blocks: Iterable[int] = (), group_scratch_blocks: Any = None) -> CapturePass:
         scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
@@ -246,7 +242,7 @@ class CaptureManager:
             registry=self.registry,
             config=self.config,
             stage=self._stage,
-            forward=self._forward,
+            forward=self._forward if self._ledger is None else self._ledger.wrap(self._forward),
             static_inputs=lambda inputs: self._guard.collect(self.model, inputs.tensors()),
             extras=self.buffers.extras,
             failures=self._failures,

@@ -175,10 +175,27 @@ class StepAgreement:
 
     def first_failed(self, failed: bool, kind: str, what: str) -> int | None:
         """The lowest world rank that failed `what` (DP, then TP: every rank of a TP x DP grid learns it)."""
-        known = self.rank if failed else None
+        first = self.first_failure(failed, kind, what)
+        return None if first is None else first[0]
+
+    def first_failure(self, failed: bool, kind: str, what: str, *, derived: bool = False) -> tuple[int, bool] | None:
+        """(the world rank to name for failing `what`, whether its failure is derived), or None when none failed.
+
+        `derived`: this rank's failure may follow from a peer's (a verification mismatch after a peer's
+        forward failed part-way): the lowest rank whose failure is not derived is named first."""
+        known = (((1 << 20) if derived else 0) | self.rank) if failed else None
         for sync in self.syncs:
             known = sync.first_failed(known, self.steps, kind, what)
-        return known
+        return None if known is None else (known & ((1 << 20) - 1), bool(known >> 20))
+
+    def learn_collectives(self, graphs: Any, communicators: tuple = ()) -> None:
+        """After a capture: whether the forward holds a collective, from what the graphs recorded (once True, kept)."""
+        if self.forward_collectives is not True:
+            from graphcap.communicators import holds_collectives
+
+            seen = holds_collectives(graphs, communicators)
+            if seen is not None:
+                self.forward_collectives = seen
 
     def pads_eager(self) -> bool:
         """Whether this step's eager forward pads to the agreed counts (`Parallel.pad_eager`; None: unless a

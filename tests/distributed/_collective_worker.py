@@ -143,6 +143,36 @@ def tensor_parallel(rank: int, world: int, directory: str) -> dict[str, Any]:
     res["small_after"] = [_step(manager, model, 1, 12), _step(manager, model, 2, 13)]
     res["refused_twice"] = [_step(manager, model, 3, 14, bad_block=rank == 0) for _ in range(2)]
     res.update(_wrapped_capture(rank, world, config, tp_only))
+    res.update(_failing_before_collective(rank, world, tp_only))
+    return res
+
+
+def _failing_before_collective(rank: int, world: int, parallel) -> dict[str, Any]:
+    """A rank whose capture forward raises before its all-reduce: in the recording of size 4 (rank 1, on_error:
+    skip), in the verification of size 8 (rank 0, on_error: raise). Its peer is inside that all-reduce."""
+    import torch.distributed as dist
+
+    from graphcap import CaptureManager, load_config
+
+    res: dict[str, Any] = {}
+    cases = {"fail_recording": ("skip", 1, "capture", 4), "fail_verify": ("raise", 0, "verify", 8)}
+    for case, (on_error, failing, when, size) in cases.items():
+        model = TensorParallelMLP(rank, world, "functional", dist.group.WORLD)
+        forward = model.forward
+
+        def failing_forward(inputs, forward=forward, failing=failing, when=when, size=size):
+            if rank == failing and graphcap.phase() == when and inputs.key.num_tokens == size:
+                raise RuntimeError(f"injected failure on rank {rank} before the all-reduce")
+            return forward(inputs)
+
+        model.forward = failing_forward
+        config = load_config(overrides={**CONFIG, "capture.on_error": on_error})
+        manager = CaptureManager(model, config, backend="emulated", parallel=parallel, progress=False)
+        done = res[case] = outcome(lambda: len(manager.capture().captured))  # noqa: B023
+        done["skipped"] = sorted(manager.registry.skipped)
+        if "value" in done:
+            done["steps"] = [_step(manager, model, n, 300 + n) for n in (3, 8)]
+        done["completed"] = manager._ledger.completed
     return res
 
 

@@ -129,3 +129,24 @@ def test_a_refused_tp_rank_names_its_own_reason_and_each_failure_its_own_step(ra
     peer = ranks[1]["refused_twice"]
     assert [p["message"][:8] for p in peer] == ["step 8: ", "step 9: "]
     assert all("this rank's batch was refused" not in p["message"] for p in peer)
+
+
+def test_a_rank_failing_before_its_collective_in_a_recording_lets_every_rank_skip_the_key(ranks):
+    # Rank 1 raises before its all-reduce while size 4 records; it issues the all-reduce its warmup issued
+    # (zeros), so rank 0's recording completes, and both skip the key in the agreement after it.
+    for rank, result in enumerate(ranks):
+        done = result["fail_recording"]
+        assert done.get("value") == 6, f"rank {rank}: {done}"
+        assert done["skipped"] == [GraphKey(4, 4, False), uniform(4)]
+        assert [(s["match"], s["key"]) for s in done["steps"]] == [("ok", GraphKey(3, 3, False)), ("ok", uniform(8))]
+    assert [r["fail_recording"]["completed"] for r in ranks] == [0, 2]  # uniform(4) and mixed(4)
+
+
+def test_a_rank_failing_before_its_collective_in_verification_raises_on_every_rank_naming_it(ranks):
+    for rank, result in enumerate(ranks):
+        done = result["fail_verify"]
+        assert done["error"] == "CaptureError", f"rank {rank}: {done}"
+        assert "capturing uniform(tokens=8, reqs=8) failed" in done["message"]
+        expected = "injected failure on rank 0 before the all-reduce" if rank == 0 else "rank 0 failed to capture it"
+        assert expected in done["message"], done["message"]
+    assert [r["fail_verify"]["completed"] for r in ranks] == [1, 0]
