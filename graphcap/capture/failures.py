@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from graphcap.backends import is_sticky_cuda_error
+from graphcap.distributed.ledger import PHASES, phase_of
 from graphcap.errors import CaptureError, CaptureUnsafeError
 
 __all__ = ["OOM_HINT", "STICKY_HINT", "FailurePolicy", "describe_failure"]
@@ -63,7 +64,9 @@ class FailurePolicy:
                 sticky = True
         if failure is None:
             return None
-        reason = describe_failure(failure) + self._collectives_hint(failure, graph)  # before the release
+        where = PHASES.get(phase_of(failure) or "", (0, ""))[1]
+        reason = describe_failure(failure) + (f" (in its {where} on this rank)" if where else "")
+        reason += self._collectives_hint(failure, graph)  # before the release
         if graph is not None:
             graph.release()
         _drop_frames(failure)  # the failed forward's tensors must not outlive this key
@@ -101,12 +104,18 @@ class FailurePolicy:
             return failure
         # A mismatch may follow from a peer's failure (its forward failed part-way and issued placeholders).
         derived = failure is not None and "replay differs from eager" in str(failure)
-        first = self.peers.first_failure(failure is not None, "key", what, derived=derived)
-        failed_rank = None if first is None else first[0]
-        if first is not None and failed_rank != self.peers.rank and (failure is None or (derived and not first[1])):
+        code = PHASES.get(phase_of(failure) or "", (0, ""))[0]
+        first = self.peers.first_failure(failure is not None, "key", what, derived=derived, phase=code)
+        if first is None:
+            return failure
+        failed_rank, first_derived, first_phase = first
+        if failed_rank != self.peers.rank and (failure is None or (derived and not first_derived)):
             # Capture is in lockstep: a key one rank lacks is dropped by every rank (or raises).
+            where = next((f" in its {name}" for c, name in PHASES.values() if c == first_phase), "")
             then = "; this rank's verification failed after it" if failure is not None else ""
-            return CaptureError(f"rank {failed_rank} failed to capture it; parallel ranks keep the same keys{then}")
+            return CaptureError(
+                f"rank {failed_rank} failed to capture it{where}; parallel ranks keep the same keys{then}"
+            )
         return failure
 
 

@@ -178,15 +178,20 @@ class StepAgreement:
         first = self.first_failure(failed, kind, what)
         return None if first is None else first[0]
 
-    def first_failure(self, failed: bool, kind: str, what: str, *, derived: bool = False) -> tuple[int, bool] | None:
-        """(the world rank to name for failing `what`, whether its failure is derived), or None when none failed.
+    def first_failure(
+        self, failed: bool, kind: str, what: str, *, derived: bool = False, phase: int = 0
+    ) -> tuple[int, bool, int] | None:
+        """(the world rank to name for failing `what`, whether its failure is derived, its phase code), or None.
 
         `derived`: this rank's failure may follow from a peer's (a verification mismatch after a peer's
-        forward failed part-way): the lowest rank whose failure is not derived is named first."""
-        known = (((1 << 20) if derived else 0) | self.rank) if failed else None
+        forward failed part-way): the lowest rank whose failure is not derived is named first. `phase`: the
+        code of the capture phase this rank failed in (0: not known), which every rank learns with the rank."""
+        known = (((1 << 22) if derived else 0) | (phase << 20) | self.rank) if failed else None
         for sync in self.syncs:
             known = sync.first_failed(known, self.steps, kind, what)
-        return None if known is None else (known & ((1 << 20) - 1), bool(known >> 20))
+        if known is None:
+            return None
+        return known & ((1 << 20) - 1), bool(known >> 22), (known >> 20) & 3
 
     def learn_collectives(self, graphs: Any, communicators: tuple = ()) -> None:
         """After a capture: whether the forward holds a collective, from what the graphs recorded (once True, kept)."""

@@ -170,6 +170,7 @@ def _failing_before_collective(rank: int, world: int, parallel) -> dict[str, Any
         manager = CaptureManager(model, config, backend="emulated", parallel=parallel, progress=False)
         done = res[case] = outcome(lambda: len(manager.capture().captured))  # noqa: B023
         done["skipped"] = sorted(manager.registry.skipped)
+        done["reasons"] = [manager.registry.skipped[key] for key in done["skipped"]]
         if "value" in done:
             done["steps"] = [_step(manager, model, n, 300 + n) for n in (3, 8)]
         done["completed"] = manager._ledger.completed

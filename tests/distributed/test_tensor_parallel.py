@@ -140,6 +140,8 @@ def test_a_rank_failing_before_its_collective_in_a_recording_lets_every_rank_ski
         assert done["skipped"] == [GraphKey(4, 4, False), uniform(4)]
         assert [(s["match"], s["key"]) for s in done["steps"]] == [("ok", GraphKey(3, 3, False)), ("ok", uniform(8))]
     assert [r["fail_recording"]["completed"] for r in ranks] == [0, 2]  # uniform(4) and mixed(4)
+    assert "rank 1 failed to capture it in its recording" in ranks[0]["fail_recording"]["reasons"][0]
+    assert "(in its recording on this rank)" in ranks[1]["fail_recording"]["reasons"][0]
 
 
 def test_a_rank_failing_before_its_collective_in_verification_raises_on_every_rank_naming_it(ranks):
@@ -147,6 +149,11 @@ def test_a_rank_failing_before_its_collective_in_verification_raises_on_every_ra
         done = result["fail_verify"]
         assert done["error"] == "CaptureError", f"rank {rank}: {done}"
         assert "capturing uniform(tokens=8, reqs=8) failed" in done["message"]
-        expected = "injected failure on rank 0 before the all-reduce" if rank == 0 else "rank 0 failed to capture it"
+        expected = (
+            "injected failure on rank 0 before the all-reduce (in its verification on this rank)"
+            if rank == 0
+            else "rank 0 failed to capture it in its verification; parallel ranks keep the same keys; this rank's "
+            "verification failed after it"  # its eager reference reduced with rank 0's zeros
+        )
         assert expected in done["message"], done["message"]
     assert [r["fail_verify"]["completed"] for r in ranks] == [1, 0]
