@@ -7,7 +7,8 @@ inputs), the graph backends (`graphcap.backends`: capture one callable), and `Ca
 that keep a persistent block table write its rows through `CaptureManager.block_table`
 (`BlockTable`); models that run parts eagerly between graph pieces use `eager_op` and
 `current_inputs`; models and communicators that act differently while a graph records ask
-`is_capturing()` and `phase()`, and engines pass their communicators as `Communicator`s.
+`is_capturing()` and `phase()`, and engines pass their communicators as `Communicator`s and their
+data- and tensor-parallel groups as one `Parallel`.
 
 The names below load on first use: `import graphcap` alone imports neither torch nor numpy,
 so the `graphcap` command starts in milliseconds (`--help`, `--version`, `validate` never
@@ -78,34 +79,39 @@ _EXPORTS = {
 """Public name -> the module that defines it: the list `__all__` and the imports above must match."""
 
 __all__ = [  # the same names as _EXPORTS (tests/test_packaging.py holds them equal)
-    "BatchError",
-    "BlockTable",
-    "BufferSpec",
-    "CaptureConfig",
-    "CaptureError",
+    # What engines use: the manager, a step, the config, their parallel peers, their own buffers and block
+    # table, errors.
     "CaptureManager",
-    "CaptureReport",
-    "CaptureSizes",
-    "CaptureUnsafeError",
-    "Communicator",
-    "ConfigError",
-    "ForwardInputs",
-    "GraphKey",
-    "InvariantViolation",
-    "PAD_SLOT_ID",
-    "PadRules",
     "Parallel",
-    "PersistentBuffers",
-    "StaticInputMovedError",
     "StepBatch",
-    "check_invariants",
+    "load_config",
+    "CaptureConfig",
+    "BufferSpec",
+    "BlockTable",
+    "CaptureReport",
+    "ForwardInputs",
+    "BatchError",
+    "CaptureError",
+    "CaptureUnsafeError",
+    "ConfigError",
+    "InvariantViolation",
+    "StaticInputMovedError",
+    # What models and communicators call while a step or a capture runs.
+    "Communicator",
     "current_inputs",
-    "default_capture_sizes",
-    "dummy_batch",
     "eager_op",
     "is_capturing",
-    "load_config",
     "phase",
+    # Lower layers, under the manager (typically you don't call these yourself): staging and its
+    # checks, the key and size schedule, the pad rules and the dummy batch.
+    "PersistentBuffers",
+    "check_invariants",
+    "CaptureSizes",
+    "default_capture_sizes",
+    "GraphKey",
+    "PadRules",
+    "PAD_SLOT_ID",
+    "dummy_batch",
 ]
 
 

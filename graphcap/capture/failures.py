@@ -11,15 +11,27 @@ from __future__ import annotations
 import gc
 import logging
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphcap.backends import is_sticky_cuda_error
-from graphcap.distributed.ledger import PHASES, phase_of
 from graphcap.errors import CaptureError, CaptureUnsafeError
 
-__all__ = ["OOM_HINT", "STICKY_HINT", "FailurePolicy", "describe_failure"]
+if TYPE_CHECKING:  # distributed/ sits beside capture/; only the annotation needs it
+    from graphcap.distributed.step import StepAgreement
+
+__all__ = ["OOM_HINT", "PHASES", "STICKY_HINT", "FailurePolicy", "describe_failure", "phase_of"]
+
+PHASES = {"warmup": (1, "warmup"), "capture": (2, "recording"), "verify": (3, "verification")}
+"""A capture phase -> (its code in the failure agreement, its name in messages)."""
+
+
+def phase_of(failure: BaseException | None) -> str | None:
+    """The capture phase a failed forward ran in ("warmup", "capture", "verify"), where graphcap saw it
+    (`graphcap.distributed.ledger` marks the failures of the forwards it watches)."""
+    return getattr(failure, "graphcap_phase", None)
+
 
 log = logging.getLogger("graphcap")
 
@@ -43,7 +55,7 @@ class FailurePolicy:
     `settle` for every key (failed or not) in the same order: it is a collective with peers.
     """
 
-    def __init__(self, on_error: str, peers: Any = None, context: str = "") -> None:
+    def __init__(self, on_error: str, peers: StepAgreement | None = None, context: str = "") -> None:
         self.on_error = on_error
         self.peers = peers
         self.context = context

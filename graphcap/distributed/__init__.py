@@ -3,7 +3,7 @@
 `options.Parallel` is what an engine passes (`CaptureManager(..., parallel=Parallel(...))`).
 
 `groups` picks the CPU group an agreement runs on; `sync` is the one reduction, carrying the
-step and the call; `step` orders a step so no rank strands its peers. docs/parallel.md is the
+step and the call; `step` orders a step so no rank strands its peers. docs/guide/distributed.md is the
 user's view.
 """
 

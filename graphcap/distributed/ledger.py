@@ -27,20 +27,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphcap.distributed.step import is_collective_error
 from graphcap.phases import phase
 
-__all__ = ["PHASES", "CollectiveLedger", "phase_of"]
-
-PHASES = {"warmup": (1, "warmup"), "capture": (2, "recording"), "verify": (3, "verification")}
-"""A capture phase -> (its code in the failure agreement, its name in messages)."""
-
-
-def phase_of(failure: BaseException | None) -> str | None:
-    """The capture phase a failed forward ran in ("warmup", "capture", "verify"), where the ledger saw it."""
-    return getattr(failure, "graphcap_phase", None)
+__all__ = ["CollectiveLedger"]
 
 
 log = logging.getLogger("graphcap")
 
-_CAPTURE_PHASES = ("warmup", "capture", "verify")  # the keys of PHASES
+_CAPTURE_PHASES = ("warmup", "capture", "verify")  # the keys of graphcap.capture.failures.PHASES
 
 
 class _Call:
@@ -97,7 +89,7 @@ class CollectiveLedger:
                 with _Watch(calls):
                     output = forward(inputs)
             except Exception as exc:
-                exc.graphcap_phase = phase()  # type: ignore[attr-defined]  # the failure names it to every rank
+                exc.graphcap_phase = phase()  # type: ignore[attr-defined]  # failures.phase_of: named to every rank
                 if not is_collective_error(exc):  # a collective that failed itself: the group is gone
                     self._complete(shape, len(calls))
                 raise
