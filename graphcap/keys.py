@@ -306,7 +306,13 @@ class KeyRegistry:
         return self._key_axes.of_step(axes)
 
     def dispatch(
-        self, num_tokens: int, num_reqs: int, uniform: bool, axes: Mapping[str, int] | None = None
+        self,
+        num_tokens: int,
+        num_reqs: int,
+        uniform: bool,
+        axes: Mapping[str, int] | None = None,
+        *,
+        count: bool = True,
     ) -> Dispatch:
         """How a step of these counts runs: its captured key and mode, or eagerly with a reason.
 
@@ -315,16 +321,18 @@ class KeyRegistry:
         (or piecewise) key of its size; a key that was skipped or not captured yet is never
         returned. `axes`: the step's key-axis values (`StepBatch.axes`), each padded to the
         smallest captured value at or above it; `BatchError` for an axis `capture.axes` does not plan.
+        `count`: a key with no graph yet counts the step in `demand` (False: a look that is not the
+        step's key, such as a data-parallel rank's own before the agreement).
         """
         if self._axis_names or axes:
-            return self._dispatch_axes(num_tokens, num_reqs, uniform, axes)
+            return self._dispatch_axes(num_tokens, num_reqs, uniform, axes, count)
         if self.mode == "none":
             return self._eager(num_tokens, num_reqs, "mode_none")
         if num_tokens > self.sizes.max_size:
             return self._eager(num_tokens, num_reqs, "above_max_size")
-        return self._dispatch_tokens(num_tokens, num_reqs, uniform, None, None)
+        return self._dispatch_tokens(num_tokens, num_reqs, uniform, None, None, count)
 
-    def _dispatch_axes(self, num_tokens: int, num_reqs: int, uniform: bool, axes: Any) -> Dispatch:
+    def _dispatch_axes(self, num_tokens: int, num_reqs: int, uniform: bool, axes: Any, count: bool) -> Dispatch:
         """`dispatch` with key axes: pad each axis (one table index), then the token keys at those values."""
         if self.mode == "none":
             return self._eager(num_tokens, num_reqs, "mode_none", axes)
@@ -334,7 +342,7 @@ class KeyRegistry:
             at = self._variants.get(self._axis_floors)
             if at is None:
                 return self._eager(num_tokens, num_reqs, "no_axis_combination", axes)
-            return self._dispatch_tokens(num_tokens, num_reqs, uniform, at, axes)
+            return self._dispatch_tokens(num_tokens, num_reqs, uniform, at, axes, count)
         padded, index, tables = list(self._axis_floors), self._axis_index, self._axis_pad
         for name, value in axes.items():
             i = index.get(name)
@@ -349,10 +357,16 @@ class KeyRegistry:
         at = self._variants.get(tuple(padded))
         if at is None:
             return self._eager(num_tokens, num_reqs, "no_axis_combination", axes)
-        return self._dispatch_tokens(num_tokens, num_reqs, uniform, at, axes)
+        return self._dispatch_tokens(num_tokens, num_reqs, uniform, at, axes, count)
 
     def _dispatch_tokens(
-        self, num_tokens: int, num_reqs: int, uniform: bool, at: dict[GraphKey, GraphKey] | None, values: Any
+        self,
+        num_tokens: int,
+        num_reqs: int,
+        uniform: bool,
+        at: dict[GraphKey, GraphKey] | None,
+        values: Any,
+        count: bool = True,
     ) -> Dispatch:
         """The token keys' dispatch (`dispatch`); `at` maps each token key to its key at the step's padded axis
         values (None: no axes), `values` the step's own axis values (`StepBatch.axes`: its eager key's)."""
@@ -362,7 +376,7 @@ class KeyRegistry:
                 key = at[key]
             if key is not None and key in self.captured:
                 return Dispatch(Mode.FULL, key, "")
-            if key is not None:  # traffic for its uniform key, whatever replays instead
+            if key is not None and count:  # traffic for its uniform key, whatever replays instead
                 self.demand[key] += 1
             fallback = key
         else:
@@ -373,7 +387,7 @@ class KeyRegistry:
                 piece = at[piece]
             if piece in self.captured:
                 return Dispatch(Mode.PIECEWISE, piece, "")
-            return self._eager(num_tokens, num_reqs, self._state(piece), values)
+            return self._eager(num_tokens, num_reqs, self._state(piece, count=count), values)
         keys = self._mixed[num_tokens]
         if not keys:  # full_decode_only plans no mixed keys
             reason = "decode_only" if fallback is None else self._state(fallback, count=False)
@@ -388,7 +402,7 @@ class KeyRegistry:
                 fits = fits or key
         if fits is None:
             return self._eager(num_tokens, num_reqs, "too_many_requests", values)
-        return self._eager(num_tokens, num_reqs, self._state(fits), values)
+        return self._eager(num_tokens, num_reqs, self._state(fits, count=count), values)
 
     @staticmethod
     def eager_key(num_tokens: int, num_reqs: int, axes: tuple[tuple[str, int], ...] = ()) -> GraphKey:

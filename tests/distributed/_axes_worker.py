@@ -27,14 +27,13 @@ def scenario(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     """`spawn_world` target: capture, then the scripted steps (see the module doc)."""
     import torch.distributed as dist
 
-    from graphcap import CaptureManager, StepBatch
+    from graphcap import CaptureManager, Parallel, StepBatch
     from graphcap.testing import make_config
 
     config = make_config({"capture.axes": AXES, "capture.sizes": [4, 8]})
     model = SlotLlama(config)
-    manager = CaptureManager(
-        model, config, group=dist.group.WORLD, progress=False, dp_timeout=SLOW_S, buffers=buffers()
-    )
+    parallel = Parallel(dp_group=dist.group.WORLD, timeout=SLOW_S)
+    manager = CaptureManager(model, config, parallel=parallel, progress=False, buffers=buffers())
     result: dict[str, Any] = {"rank": rank, "captured": len(manager.capture().captured), "steps": []}
     for number, plan in enumerate(STEPS):
         spec = plan[rank]
@@ -50,10 +49,8 @@ def scenario(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     result["graph_hits"] = {str(k): v for k, v in manager.stats.graph_hits.items()}
     # pad_eager: an eager step pads to the largest counts and axis values of any rank (one shape everywhere)
     none = make_config({"capture.axes": AXES, "capture.sizes": [4, 8], "capture.mode": "none"})
-    padded = CaptureManager(
-        SlotLlama(none), none, group=dist.group.WORLD, progress=False, dp_timeout=SLOW_S, buffers=buffers(),
-        pad_eager=True,
-    )  # fmt: skip
+    parallel = Parallel(dp_group=dist.group.WORLD, timeout=SLOW_S, pad_eager=True)
+    padded = CaptureManager(SlotLlama(none), none, parallel=parallel, progress=False, buffers=buffers())
     spec = STEPS[0][rank]
     batch = lora_step(*spec, seed=rank)
     output = padded.execute(batch).clone()
