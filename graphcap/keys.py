@@ -190,6 +190,7 @@ class KeyRegistry:
                     by_size[key.num_tokens] = (*by_size.get(key.num_tokens, ()), key)
                 self._mixed = [by_size[sizes.pad(n)] for n in range(sizes.max_size + 1)]
         self.planned: tuple[GraphKey, ...] = tuple(sorted(planned, key=_ascending))
+        self._order = tuple(sorted(self.planned, key=lambda k: (-k.num_tokens, *_ascending(k)[1:])))
         self.captured: set[GraphKey] = set()
         self.skipped: dict[GraphKey, str] = {}
         self.declined: dict[GraphKey, str] = {}
@@ -214,7 +215,7 @@ class KeyRegistry:
 
     def capture_order(self) -> list[GraphKey]:
         """Largest first (smaller graphs then reuse the pool); uniform before mixed; more rows first."""
-        return sorted(self.planned, key=lambda k: (-k.num_tokens, *_ascending(k)[1:]))
+        return list(self._order)
 
     def mode_of(self, key: GraphKey) -> Mode:
         """How a planned key's graph runs: `PIECEWISE` for a key of any request count, else `FULL`."""
@@ -245,7 +246,12 @@ class KeyRegistry:
 
     def pending(self) -> list[GraphKey]:
         """Planned keys neither captured nor skipped, in `capture_order`."""
-        return [key for key in self.capture_order() if key not in self.captured and key not in self.skipped]
+        return [key for key in self._order if key not in self.captured and key not in self.skipped]
+
+    @property
+    def num_pending(self) -> int:
+        """How many keys `pending()` holds, in O(1): `captured` and `skipped` are disjoint sets of planned keys."""
+        return len(self.planned) - len(self.captured) - len(self.skipped)
 
     def reset(self, reason: str = "not_captured") -> None:
         """Forget capture state (keys stay planned); `reason`: why steps run eagerly until a capture

@@ -207,12 +207,29 @@ class CaptureManager:
         """Capture keys with no graph yet (`capture.strategy: lazy`), most traffic first, while `max_seconds` (None:
         no limit) have not passed and fewer than `max_keys` were taken; returns how many (0: none pending). Each is
         captured and verified as by `capture()`, within the budget, under `capture.on_error`; collective with peers.
+
+        Fits an engine's idle gap: `max_seconds` counts from this call's first line, a key starts only while time
+        is left (the call ends at most one key's capture past it), GC is paused around each key and never
+        collected whole; with nothing pending and no peers the call returns at once (`pending()` asks first).
         """
+        start = self._lazy.clock()
         check_time_limits(max_seconds, max_keys)
-        job = self._capture_pass(scratch_blocks, group_scratch_blocks)
+        scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
+        group_scratch = group_scratch_ids(group_scratch_blocks, self.buffers.limits.kv_groups)
+        if self._peers is None and not self.registry.num_pending:  # peers must still agree that every rank stops
+            return 0
         with self._scope("capture_pending"):
             self._check_ready()
-            return self._lazy.run(lambda key: self._capture_keys(job, [key], False), max_seconds, max_keys)
+            job = self._pass_of(scratch, group_scratch)
+            capture_key = lambda key: self._capture_keys(job, [key], False)  # noqa: E731
+            return self._lazy.run(capture_key, max_seconds, max_keys, start=start)
+
+    def pending(self) -> list[GraphKey]:
+        """The keys `capture_pending()` would capture, in the order it takes them (most traffic first, then
+        largest first); empty when there is nothing to capture (`capture.strategy: upfront` after `capture()`,
+        or every key captured or skipped). With peers: this rank's keys (`capture_pending` agrees on the order)."""
+        with self._lock:
+            return self._lazy.ordered() if self.registry.num_pending else []
 
     def _capture_keys(self, job: CapturePass, keys: list[GraphKey], progress: bool | None) -> tuple[list, int]:
         """Capture `keys` into the live graphs within the budget (arming the guard first); records, pool growth."""
@@ -224,6 +241,9 @@ class CaptureManager:
     def _capture_pass(self, scratch_blocks: Iterable[int] = (), group_scratch_blocks: Any = None) -> CapturePass:
         scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
         group_scratch = group_scratch_ids(group_scratch_blocks, self.buffers.limits.kv_groups)
+        return self._pass_of(scratch, group_scratch)
+
+    def _pass_of(self, scratch: tuple[int, ...], group_scratch: Any) -> CapturePass:
         return CapturePass(
             backend=self.backend,
             registry=self.registry,

@@ -100,8 +100,9 @@ def _drop_frames(exc: BaseException) -> None:
     The failure references its traceback, whose frames reference the failure again (a cycle)
     and every tensor of the failed forward; GC is off for the pass, so without this they would
     pin the pool until the pass ends. Frames keep their file and line for the traceback; only
-    their locals go. `gc.collect()` then frees any other cycle the forward left (cheap: the
-    heap is frozen).
+    their locals go. A collection of the youngest generation then frees any other cycle the
+    forward left: GC is off since the pass (or the lazy key) began, so everything it made is
+    young, and the engine's old heap is not walked.
     """
     pending, seen = [exc], set()
     while pending:
@@ -111,4 +112,4 @@ def _drop_frames(exc: BaseException) -> None:
         seen.add(id(error))
         traceback.clear_frames(error.__traceback__)
         pending += [error.__cause__, error.__context__]
-    gc.collect()
+    gc.collect(0)

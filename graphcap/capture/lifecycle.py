@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from graphcap.capture.runner import gc_frozen
+from graphcap.capture.gc_hold import gc_frozen
 from graphcap.config import CaptureConfig
 from graphcap.errors import ConfigError, ConfigProblem
 from graphcap.keys import EAGER_REASONS, GraphKey, KeyRegistry, StepStats
