@@ -39,6 +39,8 @@ PAD_SLOT_ID = -1
 """`slot_mapping` value of a token that must not write the KV cache."""
 
 DEFAULT_MAX_SIZE = 64
+DEFAULT_MAX_PADDING_FACTOR = 4.0
+"""`capture.max_padding_factor` by default (tools/bench_padding_factor.py, docs/BENCHMARKS.md)."""
 """`capture.max_size` when neither it nor an explicit `capture.sizes` list is given."""
 
 
@@ -208,6 +210,11 @@ class CaptureSectionConfig(Section):
     min_speedup: float | None = spec(None, gt=0)
     """Keep a graph only if its replay is at least this many times faster than eager at capture (else it
     is released, eager reason `no_speedup`). Null: keep every graph."""
+    max_padding_factor: float | None = spec(DEFAULT_MAX_PADDING_FACTOR, min=1)
+    """A step whose graph would compute more than this many times its real tokens runs eagerly instead
+    (eager reason `over_padding`): with sizes [1, 32] a 2-token step would replay 32 tokens. The default
+    never triggers on the default schedule (it pads at most 1.8x; 4x with `uniform_query_len` 4); null:
+    any padding replays."""
 
     def __post_init__(self) -> None:
         if isinstance(self.mode, str) and self.mode.lower() in _MODES:
