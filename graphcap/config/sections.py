@@ -24,6 +24,7 @@ from graphcap.fields import INT32_MAX, INT32_MIN
 from graphcap.sizing.sizes import CaptureSizes, default_capture_sizes
 
 __all__ = [
+    "DEFAULT_MAX_PADDING_FACTOR",
     "DEFAULT_MAX_SIZE",
     "PAD_SLOT_ID",
     "BatchingConfig",
