@@ -34,6 +34,7 @@ from graphcap.errors import ConfigError, ConfigProblem, InvariantViolation
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
 from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode, StepStats
 from graphcap.memory.budget import MemoryBudget
+from graphcap.model_facts import VOCAB_HINT, with_model_vocab
 from graphcap.outputs import OutputRows
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
@@ -55,7 +56,8 @@ class CaptureManager:
     threads never interleave staging and replay. The tensor `execute` returns is a view of
     the graph's static output: valid until the next step (clone it to keep it), as on every
     engine; with several threads, hold `lock` until you have read or cloned it.
-    Does not schedule, sample or manage KV blocks: the engine owns those.
+    Does not schedule, sample or manage KV blocks: the engine owns those. `config.model.vocab_size` is
+    read off the model when it declares its vocabulary (`graphcap.model_facts`); `manager.config` holds it.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class CaptureManager:
     ) -> None:
         if not callable(getattr(model, "forward", None)):
             raise TypeError(f"model must have a callable forward(inputs); got {type(model).__name__}")
+        config, vocab_known = with_model_vocab(config, model)  # the model's own vocabulary, when it says it
         self._communicators = communicators_of(communicators)
         self._capture_context = pass_context(capture_context, self._communicators)
         """Entered around a pass's captures, verification after it exits (an engine's `graph_capture()`)."""
@@ -104,7 +107,8 @@ class CaptureManager:
         self._peers = StepAgreement.create(  # DP (group) and TP peers, or None; agrees on the config first
             config, self.registry, self.buffers, group, tp_group, dp_timeout, pad_eager, dp_token_counts
         )
-        self._failures = FailurePolicy(config.capture.on_error, self._peers)
+        index_hint = None if vocab_known else VOCAB_HINT.format(vocab=config.model.vocab_size)
+        self._failures = FailurePolicy(config.capture.on_error, self._peers, index_hint)
         self._budget = MemoryBudget(config, self.backend.name)
         self._lazy = LazyCapture(self.registry, self.stats, self._peers, is_lazy=config.capture.strategy == "lazy")
         self._counting = True

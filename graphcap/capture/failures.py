@@ -42,9 +42,11 @@ class FailurePolicy:
     `settle` for every key (failed or not) in the same order: it is a collective with peers.
     """
 
-    def __init__(self, on_error: str, peers: Any = None) -> None:
+    def __init__(self, on_error: str, peers: Any = None, index_hint: str | None = None) -> None:
         self.on_error = on_error
         self.peers = peers
+        self.index_hint = index_hint
+        """Added to a failure that indexed out of range (an embedding given token ids past its vocabulary)."""
 
     def settle(self, what: str, failure: BaseException | None, graph: Any = None) -> str | None:
         """None when `what` (a key, or its verification) succeeded on every rank; else release `graph`
@@ -63,6 +65,8 @@ class FailurePolicy:
         if graph is not None:
             graph.release()
         reason = describe_failure(failure)
+        if self.index_hint is not None and isinstance(failure, IndexError) and "out of range" in str(failure):
+            reason = f"{reason}; {self.index_hint}"
         _drop_frames(failure)  # the failed forward's tensors must not outlive this key
         if sticky:
             raise CaptureError(f"{what} failed: {reason}; {STICKY_HINT}") from failure
