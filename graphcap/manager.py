@@ -34,6 +34,8 @@ from graphcap.errors import ConfigError, ConfigProblem, InvariantViolation
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
 from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode, StepStats
 from graphcap.memory.budget import MemoryBudget
+from graphcap.memory.estimate import GraphMemory
+from graphcap.memory.measured import measure_graph
 from graphcap.model_facts import VOCAB_HINT, with_model_vocab
 from graphcap.outputs import OutputRows
 from graphcap.phases import in_phase
@@ -109,7 +111,8 @@ class CaptureManager:
         )
         index_hint = None if vocab_known else VOCAB_HINT.format(vocab=config.model.vocab_size)
         self._failures = FailurePolicy(config.capture.on_error, self._peers, index_hint)
-        self._budget = MemoryBudget(config, self.backend.name)
+        measure = None if _is_built_in(model, config) else self._measure_key  # the model that is there
+        self._budget = MemoryBudget(config, self.backend.name, measure)
         self._lazy = LazyCapture(self.registry, self.stats, self._peers, is_lazy=config.capture.strategy == "lazy")
         self._counting = True
         self._history = PassHistory()
@@ -264,6 +267,12 @@ class CaptureManager:
             on_captured=key_captured_hook(self._communicators),
             precision=_precision(self.model),
         )
+
+    def _measure_key(self, key: GraphKey) -> GraphMemory:
+        """`key`'s graph memory measured on this model: its dummy batch staged as a warmup's, one forward."""
+        run = self._pass_of((), {}).key_run(key)
+        shape = self.registry.capture_shape(key)
+        return measure_graph(key.num_tokens, shape.num_reqs, run, self.backend)
 
     def _check_ready(self) -> None:
         """`ConfigError`: `num_warmups: 0` where the backend needs warmups (cuda), or a KV cache that shrank
@@ -424,6 +433,20 @@ class CaptureManager:
 
     def __repr__(self) -> str:
         return f"CaptureManager({len(self.graphs)} graphs, backend={self.backend.name}, device={self.device})"
+
+
+def _is_built_in(model: Any, config: CaptureConfig) -> bool:
+    """`model` is graphcap's built-in model built from `config`'s shapes: the estimate's arithmetic holds for it."""
+    from graphcap.models.llama import TinyLlama
+
+    built = getattr(model, "config", None)
+    return (
+        isinstance(model, TinyLlama)
+        and config.model.factory is None
+        and built.model == config.model
+        and (built.kv_cache.block_size, built.kv_cache.max_model_len)
+        == (config.kv_cache.block_size, config.kv_cache.max_model_len)
+    )
 
 
 def _precision(model: Any) -> torch.dtype | None:

@@ -247,6 +247,11 @@ class CapturePass:
         if why is not None:
             raise CaptureError(why)
 
+    def key_run(self, key: GraphKey) -> Callable[[], Any]:
+        """The forward of `key`'s graph on its dummy batch, staged as its warmups stage it (not run here)."""
+        inputs = self.stage(self.capture_batch(key), key, phase="capture", dummy=True)
+        return self._reference_run(inputs, self.registry.mode_of(key))
+
     def capture_batch(self, key: GraphKey) -> StepBatch:
         """The dummy batch that captures (and first verifies) `key`, with sampled engine-buffer rows."""
         shape = self.registry.capture_shape(key)
