@@ -11,9 +11,9 @@ of choosing on steps they were not chosen from, and keeps the better:
   sit where the ladder puts them, and at `max_graphs` >= the ladder's length the choice is the
   ladder itself.
 
-The histogram's steps are split in two halves (`split_steps`: the steps in token-count order,
-every other one to each half, so a count seen once lands in one half only, as in a second sample
-of the same traffic); each way chooses on one half and is scored on the other, both ways round.
+The histogram's steps are split in two halves (`split_steps`: each step to either half with even
+odds, seeded, so a count seen once lands in one half only and a common one splits unevenly, as two
+samples of the same traffic differ); each way chooses on one half and is scored on the other, both ways round.
 The way with the lower held-out waste is then chosen on the whole histogram. So the held-out
 waste of the choice is never above the ladder's at the same number of graphs, on this split.
 A step of the scoring half above every size chosen on the other half runs eagerly (not padding).
@@ -21,6 +21,8 @@ A step of the scoring half above every size chosen on the other half runs eagerl
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -30,6 +32,7 @@ from graphcap.sizing.sizes import default_capture_sizes
 __all__ = ["HeldOutChoice", "choose_held_out", "held_out_waste", "ladder_sizes", "split_steps"]
 
 WAYS = ("traffic", "ladder")
+_EXACT_DRAWS = 4096  # steps of one count drawn one by one; above, the normal limit of their binomial
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,21 +53,24 @@ class HeldOutChoice:
         return self.choice.waste
 
 
-def split_steps(histogram: Mapping[int, float]) -> tuple[dict[int, float], dict[int, float]] | None:
-    """Two halves of the steps: in token-count order, every other step to each; None when a count
-    is not a whole number of steps (relative weights cannot be split into steps)."""
+def split_steps(histogram: Mapping[int, float], seed: int = 0) -> tuple[dict[int, float], dict[int, float]] | None:
+    """Two halves of the steps, each step to either half with even odds (a seeded draw: the same halves
+    every run), as two samples of the same traffic would see them; None when a count is not a whole
+    number of steps (relative weights cannot be split into steps) or a half would be empty."""
+    rng = random.Random(seed)
     halves: tuple[dict[int, float], dict[int, float]] = ({}, {})
-    index = 0
     for n in sorted(histogram):
         steps = histogram[n]
         if steps != int(steps):
             return None
         steps = int(steps)
-        even = (index + steps + 1) // 2 - (index + 1) // 2  # steps at even places of the order: the first half's
-        for half, share in ((0, even), (1, steps - even)):
+        if steps <= _EXACT_DRAWS:
+            first = sum(rng.random() < 0.5 for _ in range(steps))
+        else:  # the binomial's normal limit: as exact as the draw needs, in O(1)
+            first = min(steps, max(0, round(rng.gauss(steps / 2, math.sqrt(steps) / 2))))
+        for half, share in ((0, first), (1, steps - first)):
             if share:
                 halves[half][n] = float(share)
-        index += steps
     return halves if halves[0] and halves[1] else None
 
 

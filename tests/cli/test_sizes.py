@@ -165,8 +165,8 @@ def test_max_graphs_prints_the_chosen_sizes_first_then_the_table(capsys, tmp_pat
     # padded 3*70 + 20*28 + 64*2 = 898 tokens for 558 real ones
     assert "  expected padded-token waste: 37.9% with 3 graphs (in sample)" in lines
     assert (
-        "  held-out waste: 37.9% (chosen on half the steps, scored on the other, both ways; traffic 37.9%, "
-        "ladder 44.2%: sizes chosen by traffic)"
+        "  held-out waste: 37.5% (chosen on half the steps, scored on the other, both ways; traffic 37.5%, "
+        "ladder 48.1%: sizes chosen by traffic)"
     ) in lines
     assert "  the config's 11 sizes: 7.0% (eager 0.0% of steps)" in lines
     assert "  steps that run eagerly: none (the largest size holds the largest observed step)" in lines
