@@ -20,6 +20,7 @@ import torch
 from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_device
 from graphcap.batch import StepBatch, step_or_idle
 from graphcap.block_table import BlockTable
+from graphcap.capture.driver import run_pass
 from graphcap.capture.failures import FailurePolicy
 from graphcap.capture.lazy import LazyCapture, check_time_limits
 from graphcap.capture.lifecycle import LiveGraphs, PassHistory, check_kv_fits, resize_plan
@@ -36,7 +37,7 @@ from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode, StepStats
 from graphcap.memory.budget import MemoryBudget
 from graphcap.memory.estimate import GraphMemory
 from graphcap.memory.measured import measure_graph
-from graphcap.model_facts import VOCAB_HINT, with_model_vocab
+from graphcap.model_facts import VOCAB_HINT, is_built_in, precision_of, with_model_vocab
 from graphcap.outputs import OutputRows
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
@@ -111,7 +112,7 @@ class CaptureManager:
         )
         index_hint = None if vocab_known else VOCAB_HINT.format(vocab=config.model.vocab_size)
         self._failures = FailurePolicy(config.capture.on_error, self._peers, index_hint)
-        measure = None if _is_built_in(model, config) else self._measure_key  # the model that is there
+        measure = None if is_built_in(model, config) else self._measure_key  # the model that is there
         self._budget = MemoryBudget(config, self.backend.name, measure)
         self._lazy = LazyCapture(self.registry, self.stats, self._peers, is_lazy=config.capture.strategy == "lazy")
         self._counting = True
@@ -243,7 +244,7 @@ class CaptureManager:
         if keys and not self.graphs:
             self._guard.arm(self.model, self.buffers.storage())
         kwargs = {"set_aside": self.buffers.table_set_aside, "context": self._capture_context, "progress": progress}
-        return self._live.add(job, keys, config=self.config, budget=self._budget, **kwargs)
+        return run_pass(job, self._live, keys, budget=self._budget, **kwargs)
 
     def _capture_pass(self, scratch_blocks: Iterable[int] = (), group_scratch_blocks: Any = None) -> CapturePass:
         scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
@@ -265,7 +266,7 @@ class CaptureManager:
             kv_groups=self.buffers.limits.kv_groups,
             group_scratch=group_scratch or {},
             on_captured=key_captured_hook(self._communicators),
-            precision=_precision(self.model),
+            precision=precision_of(self.model),
         )
 
     def _measure_key(self, key: GraphKey) -> GraphMemory:
@@ -433,25 +434,3 @@ class CaptureManager:
 
     def __repr__(self) -> str:
         return f"CaptureManager({len(self.graphs)} graphs, backend={self.backend.name}, device={self.device})"
-
-
-def _is_built_in(model: Any, config: CaptureConfig) -> bool:
-    """`model` is graphcap's built-in model built from `config`'s shapes: the estimate's arithmetic holds for it."""
-    from graphcap.models.llama import TinyLlama
-
-    built = getattr(model, "config", None)
-    return (
-        isinstance(model, TinyLlama)
-        and config.model.factory is None
-        and built.model == config.model
-        and (built.kv_cache.block_size, built.kv_cache.max_model_len)
-        == (config.kv_cache.block_size, config.kv_cache.max_model_len)
-    )
-
-
-def _precision(model: Any) -> torch.dtype | None:
-    """The lowest-precision floating dtype of `model`'s parameters (None: not a module, or none)."""
-    if not isinstance(model, torch.nn.Module):
-        return None
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    return max(dtypes, key=lambda d: torch.finfo(d).eps, default=None)  # the largest epsilon

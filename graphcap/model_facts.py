@@ -9,6 +9,9 @@ invariants refuse ids past it), so the manager takes the model's own vocabulary 
 - else the `nn.Embedding` returned by `get_input_embeddings()` (Hugging Face models);
 - else the model's only `nn.Embedding` (with several, which one embeds tokens is not known: nothing is
   inferred, and a capture that fails indexing an embedding names `model.vocab_size`).
+
+Also here: whether the model is graphcap's built-in one built from the config (`is_built_in`: the memory
+estimate's arithmetic holds for it; any other model is measured), and its lowest floating precision.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["VOCAB_HINT", "model_vocab_size", "with_model_vocab"]
+from graphcap.config import CaptureConfig
+
+__all__ = ["VOCAB_HINT", "is_built_in", "model_vocab_size", "precision_of", "with_model_vocab"]
 
 log = logging.getLogger("graphcap")
 
@@ -72,3 +77,25 @@ def _attr(config: Any) -> Any:
     if config is None or isinstance(config, (dict, list, tuple)):
         return None
     return getattr(config, "vocab_size", None)
+
+
+def is_built_in(model: Any, config: CaptureConfig) -> bool:
+    """`model` is graphcap's built-in model built from `config`'s shapes: the estimate's arithmetic holds for it."""
+    from graphcap.models.llama import TinyLlama
+
+    built = getattr(model, "config", None)
+    return (
+        isinstance(model, TinyLlama)
+        and config.model.factory is None
+        and built.model == config.model
+        and (built.kv_cache.block_size, built.kv_cache.max_model_len)
+        == (config.kv_cache.block_size, config.kv_cache.max_model_len)
+    )
+
+
+def precision_of(model: Any) -> torch.dtype | None:
+    """The lowest-precision floating dtype of `model`'s parameters (None: not a module, or none)."""
+    if not isinstance(model, torch.nn.Module):
+        return None
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return max(dtypes, key=lambda d: torch.finfo(d).eps, default=None)  # the largest epsilon

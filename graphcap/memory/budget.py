@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from graphcap.config import CaptureConfig
 from graphcap.config.byte_counts import format_bytes
 from graphcap.keys import GraphKey, KeyRegistry
 from graphcap.memory.estimate import GraphMemory, estimate_memory, graphs_bytes
@@ -41,7 +42,7 @@ class MemoryBudget:
     over each key measured on the model (`measure`)."""
 
     def __init__(
-        self, config: Any, backend_name: str, measure: Callable[[GraphKey], GraphMemory] | None = None
+        self, config: CaptureConfig, backend_name: str, measure: Callable[[GraphKey], GraphMemory] | None = None
     ) -> None:
         self.limit: int | None = config.capture.memory_budget
         self.kind = "cuda" if backend_name == "cuda" else "emulated"
@@ -50,14 +51,14 @@ class MemoryBudget:
         """A key's graph memory measured on the model (None: graphcap's arithmetic of its built-in model)."""
         self._measured: dict[GraphKey, GraphMemory] = {}
 
-    def estimate(self, config: Any, keys: Iterable[GraphKey]) -> int:
+    def estimate(self, config: CaptureConfig, keys: Iterable[GraphKey]) -> int:
         """Estimated bytes the graphs of `keys` hold together (the `graphs` part of `estimate_memory`, or
         the measured figures of each key)."""
         costs = self._costs(config, keys := list(keys))
         return graphs_bytes([costs[key] for key in keys], self.kind)
 
     def split(
-        self, config: Any, keys: Iterable[GraphKey], held: Iterable[GraphKey]
+        self, config: CaptureConfig, keys: Iterable[GraphKey], held: Iterable[GraphKey]
     ) -> tuple[list[GraphKey], list[GraphRecord]]:
         """`keys` in order, as those to capture and the skipped records of those that would cross the budget.
 
@@ -82,7 +83,9 @@ class MemoryBudget:
             declined.append(GraphRecord(key, "skipped", 0.0, 0, False, reason))
         return admitted, declined
 
-    def to_dict(self, config: Any, held: Iterable[GraphKey], pool_bytes: int, backend: Any) -> dict[str, Any] | None:
+    def to_dict(
+        self, config: CaptureConfig, held: Iterable[GraphKey], pool_bytes: int, backend: Any
+    ) -> dict[str, Any] | None:
         """A report's `memory_budget` entry (None without a budget): the budget, the estimate of the live
         graphs `held`, the pool growth the pass measured and the bytes `backend` reserved for the graphs."""
         if self.limit is None:
@@ -94,7 +97,7 @@ class MemoryBudget:
             "reserved_bytes": backend.reserved_bytes or 0,
         }
 
-    def _costs(self, config: Any, keys: list[GraphKey]) -> dict[GraphKey, GraphMemory]:
+    def _costs(self, config: CaptureConfig, keys: list[GraphKey]) -> dict[GraphKey, GraphMemory]:
         if self.measure is None:
             if config.model.factory is not None:
                 raise ValueError(f"model.factory {config.model.factory}: graphcap has no arithmetic for it; measure it")
