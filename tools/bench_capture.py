@@ -48,7 +48,7 @@ import sys
 import numpy as np
 import torch
 
-import graphcap.capture.lifecycle as lifecycle_module
+import graphcap.capture.driver as driver_module
 from graphcap import CaptureManager, load_config
 from graphcap.models import build_model
 from graphcap.sizing.choice import SizeConstraints, choose_sizes
@@ -262,13 +262,13 @@ def collections(path: str | None, rounds: int, quick: bool, threads: int | None)
     manager = CaptureManager(model, config, progress=False)
     manager.capture()
     seconds: dict[str, list[float]] = {"young": [], "full": []}
-    young = lifecycle_module.gc_frozen
+    young = driver_module.gc_frozen
     for index in range(2 * rounds):
         kind = ("young", "full")[index % 2]
-        lifecycle_module.gc_frozen = young if kind == "young" else functools.partial(young, after=2)
+        driver_module.gc_frozen = young if kind == "young" else functools.partial(young, after=2)
         model.lm_head = torch.nn.Parameter(model.lm_head.detach().clone(), requires_grad=False)
         seconds[kind].append(manager.capture().total_seconds)
-    lifecycle_module.gc_frozen = young
+    driver_module.gc_frozen = young
     ratio = np.array(seconds["young"]) / np.array(seconds["full"])
     print()
     print(f"re-capture after a weight swap, collection after the pass ({rounds} pairs, interleaved)")
