@@ -89,6 +89,8 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     overrides = {} if args.config else {"device": "cpu"}
+    if args.threads:  # the pass too (capture.num_threads), not only the eager steps
+        overrides["capture.num_threads"] = args.threads
     if args.quick:
         overrides["capture.max_size"] = 8
     steps = 3 if args.quick else args.steps

@@ -9,19 +9,27 @@ which keys (the manager and `LazyCapture` do) and keeps no state of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
+import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from graphcap.backends import GraphBackend
 from graphcap.capture.gc_hold import gc_frozen
 from graphcap.capture.lifecycle import LiveGraphs
 from graphcap.capture.runner import CapturePass
+from graphcap.config import CaptureConfig
 from graphcap.keys import GraphKey
 from graphcap.memory.budget import MemoryBudget
 from graphcap.report import GraphRecord
 
-__all__ = ["run_pass"]
+__all__ = ["EMULATED_CAPTURE_THREADS", "run_pass"]
+
+EMULATED_CAPTURE_THREADS = 1
+"""torch CPU threads while the emulated backend captures, unless `capture.num_threads` says otherwise: a
+pass of the default config took 2.4 s on one thread against 16.3 s on two on the shared 2-core reference
+VM (docs/BENCHMARKS.md, "Capture threads on the emulated backend")."""
 
 
 def run_pass(
@@ -47,7 +55,7 @@ def run_pass(
         live.reserve(budget)
         return [], 0
     admitted, declined = budget.split(job.config, keys, job.registry.captured)
-    with gc_frozen(), logging_redirect_tqdm(), set_aside():
+    with gc_frozen(), logging_redirect_tqdm(), set_aside(), _capture_threads(backend, job.config):
         if not live.graphs:
             backend.empty_cache()  # once per pass; the graphs then share the pool
         live.reserve(budget)
@@ -57,3 +65,22 @@ def run_pass(
     order = {key: i for i, key in enumerate(keys)}
     records = sorted(records + declined, key=lambda record: order[record.key])
     return records, max(0, backend.memory_in_use() - memory_before)
+
+
+@contextmanager
+def _capture_threads(backend: GraphBackend, config: CaptureConfig) -> Iterator[None]:
+    """torch's CPU threads set for an emulated pass (`capture.num_threads`, default `EMULATED_CAPTURE_THREADS`)
+    and restored after it; another backend's passes keep torch's setting."""
+    if backend.name != "emulated":
+        yield
+        return
+    wanted = config.capture.num_threads or EMULATED_CAPTURE_THREADS
+    was = torch.get_num_threads()
+    if wanted == was:
+        yield
+        return
+    torch.set_num_threads(wanted)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)

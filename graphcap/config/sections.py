@@ -211,6 +211,10 @@ class CaptureSectionConfig(Section):
     min_speedup: float | None = spec(None, gt=0)
     """Keep a graph only if its replay is at least this many times faster than eager at capture (else it
     is released, eager reason `no_speedup`). Null: keep every graph."""
+    num_threads: int | None = spec(None, min=1, max=1024)
+    """torch CPU threads while the emulated backend captures (set for each pass, restored after it). Null:
+    `EMULATED_CAPTURE_THREADS` (1: measured faster than torch's default on a shared 2-core machine); the
+    cuda backend leaves torch's setting alone."""
     max_padding_factor: float | None = spec(DEFAULT_MAX_PADDING_FACTOR, min=1)
     """A step whose graph would compute more than this many times its real tokens runs eagerly instead
     (eager reason `over_padding`): with sizes [1, 32] a 2-token step would replay 32 tokens. The default
