@@ -31,11 +31,13 @@ def scenario(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     """`spawn_world` target: this rank's steps (see the module doc)."""
     import torch.distributed as dist
 
-    from graphcap import CaptureManager, StepBatch, load_config
+    from graphcap import CaptureManager, Parallel, StepBatch, load_config
     from graphcap.models import build_model
 
     config = load_config(overrides=CONFIG)
-    manager = CaptureManager(build_model(config), config, group=dist.group.WORLD, progress=False, dp_timeout=SLOW_S)
+    manager = CaptureManager(
+        build_model(config), config, parallel=Parallel(dp_group=dist.group.WORLD, timeout=SLOW_S), progress=False
+    )
     manager.capture()
     result: dict[str, Any] = {"rank": rank}
     for name, tokens in STEPS.items():
