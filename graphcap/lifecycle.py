@@ -56,17 +56,15 @@ class LiveGraphs:
         """Capture and verify `keys` with `job` (a `CapturePass`) within `budget`, and keep what passed.
 
         GC is frozen and the block table set aside (`set_aside()`) meanwhile; the budget is reserved in
-        the pool once (`GraphBackend.reserve`). Returns every key's record, in `keys` order, and the
-        device memory the capture added. On an exception the graphs of `keys` are released, those
-        kept before stay.
+        the pool once (`GraphBackend.reserve`); the backend empties the allocator's cache before each
+        capture. Returns every key's record, in `keys` order, and the device memory the capture added.
+        On an exception the graphs of `keys` are released, those kept before stay.
         """
         if not keys:  # a lazy capture(): nothing to capture now, the budget reserved for later
             self.reserve(budget)
             return [], 0
         admitted, declined = budget.split(config, keys, self._registry.captured)
         with gc_frozen(), logging_redirect_tqdm(), set_aside():
-            if not self.graphs:
-                self._backend.empty_cache()  # once per pass; the graphs then share the pool
             self.reserve(budget)
             memory_before = self._backend.memory_in_use()
             records, graphs = job.run(admitted, context=context, progress=progress) if admitted else ([], {})
@@ -76,8 +74,11 @@ class LiveGraphs:
         return records, max(0, self._backend.memory_in_use() - memory_before)
 
     def reserve(self, budget: Any) -> None:
-        """Reserve `budget.limit` in the backend's pool, once (until the graphs are all released)."""
-        if budget.limit is not None and self._backend.reserved_bytes is None:
+        """Reserve `budget.limit` in the backend's pool, once (until the graphs are all released).
+
+        A pool that holds as much already (reserved by another manager sharing it) takes nothing more.
+        """
+        if budget.limit is not None and (self._backend.reserved_bytes or 0) < budget.limit:
             try:
                 self._backend.reserve(budget.limit)
             except torch.OutOfMemoryError as exc:  # now, not in a lazy capture later: the point of reserving
@@ -113,7 +114,8 @@ class LiveGraphs:
         self._guard.disarm()
         if self._owns_backend:
             self._backend.reset()
-        elif not self._backend.graphs:
+        elif not self._backend.graphs:  # no manager's graph is left: the reservation goes back too
+            self._backend.pool.release_reservation()
             self._backend.pool.rotate()
         return count
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_device
+from graphcap.backends import CapturedGraph, GraphBackend, backend_for, resolve_device
+from graphcap.backends.sync_debug import beside_engine_threads
 from graphcap.batch import StepBatch, step_or_idle
 from graphcap.block_table import BlockTable
 from graphcap.budget import MemoryBudget
@@ -54,7 +55,8 @@ class CaptureManager:
     threads never interleave staging and replay. The tensor `execute` returns is a view of
     the graph's static output: valid until the next step (clone it to keep it), as on every
     engine; with several threads, hold `lock` until you have read or cloned it.
-    Does not schedule, sample or manage KV blocks: the engine owns those.
+    Does not schedule, sample or manage KV blocks: the engine owns those. `generators`: the engine's
+    own `torch.Generator`s its forward draws from, registered with every graph (`backend_for`).
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class CaptureManager:
         pad_eager: bool = False,
         dp_token_counts: bool = False,
         communicators: Iterable[Communicator] = (),
+        generators: Iterable[torch.Generator] = (),
     ) -> None:
         if not callable(getattr(model, "forward", None)):
             raise TypeError(f"model must have a callable forward(inputs); got {type(model).__name__}")
@@ -86,11 +89,7 @@ class CaptureManager:
         extras = (*merged_specs(config.buffers, buffers), *counts_buffers(group, dp_token_counts))
         self.buffers = PersistentBuffers.from_config(config, self.device, extras=extras)
         self.registry = KeyRegistry.from_config(config)
-        # A backend passed in may hold other managers' graphs: only one built here is reset.
-        owns_backend = not isinstance(backend, GraphBackend)
-        self.backend = (
-            get_backend(backend, self.device, sync_debug=config.checks.sync_debug) if owns_backend else backend
-        )
+        self.backend, owns_backend = backend_for(backend, self.device, config, generators)
         self._guard = StaticGuard()
         self._live = LiveGraphs(self.backend, owns_backend, self.registry, self._guard)
         self.graphs: dict[GraphKey, CapturedGraph] = self._live.graphs
@@ -209,7 +208,7 @@ class CaptureManager:
         """
         check_time_limits(max_seconds, max_keys)
         job = self._capture_pass(scratch_blocks, group_scratch_blocks)
-        with self._scope("capture_pending"):
+        with self._scope("capture_pending"), beside_engine_threads():  # no process-wide sync-debug mode
             self._check_ready()
             return self._lazy.run(lambda key: self._capture_keys(job, [key], False), max_seconds, max_keys)
 
