@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name loads on first use
     from graphcap.batch import StepBatch, dummy_batch
     from graphcap.block_table import BlockTable
+    from graphcap.checks.invariants import check_invariants
     from graphcap.communicators import Communicator
     from graphcap.config import PAD_SLOT_ID, CaptureConfig, PadRules, load_config
     from graphcap.errors import (
@@ -35,13 +36,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
         StaticInputMovedError,
     )
     from graphcap.inputs import BufferSpec, ForwardInputs
-    from graphcap.invariants import check_invariants
     from graphcap.keys import GraphKey
     from graphcap.manager import CaptureManager
     from graphcap.phases import is_capturing, phase
     from graphcap.piecewise import current_inputs, eager_op
     from graphcap.report import CaptureReport
-    from graphcap.sizes import CaptureSizes, default_capture_sizes
+    from graphcap.sizing.sizes import CaptureSizes, default_capture_sizes
     from graphcap.staging import PersistentBuffers
 
 _EXPORTS = {
@@ -61,7 +61,7 @@ _EXPORTS = {
     "StaticInputMovedError": "graphcap.errors",
     "BufferSpec": "graphcap.inputs",
     "ForwardInputs": "graphcap.inputs",
-    "check_invariants": "graphcap.invariants",
+    "check_invariants": "graphcap.checks.invariants",
     "GraphKey": "graphcap.keys",
     "CaptureManager": "graphcap.manager",
     "is_capturing": "graphcap.phases",
@@ -69,40 +69,44 @@ _EXPORTS = {
     "current_inputs": "graphcap.piecewise",
     "eager_op": "graphcap.piecewise",
     "CaptureReport": "graphcap.report",
-    "CaptureSizes": "graphcap.sizes",
-    "default_capture_sizes": "graphcap.sizes",
+    "CaptureSizes": "graphcap.sizing.sizes",
+    "default_capture_sizes": "graphcap.sizing.sizes",
     "PersistentBuffers": "graphcap.staging.buffers",
 }
 """Public name -> the module that defines it: the list `__all__` and the imports above must match."""
 
 __all__ = [  # the same names as _EXPORTS (tests/test_packaging.py holds them equal)
-    "BatchError",
-    "BlockTable",
-    "BufferSpec",
-    "CaptureConfig",
-    "CaptureError",
+    # What engines use: the manager, a step, the config, their own buffers and block table, errors.
     "CaptureManager",
-    "CaptureReport",
-    "CaptureSizes",
-    "CaptureUnsafeError",
-    "Communicator",
-    "ConfigError",
-    "ForwardInputs",
-    "GraphKey",
-    "InvariantViolation",
-    "PAD_SLOT_ID",
-    "PadRules",
-    "PersistentBuffers",
-    "StaticInputMovedError",
     "StepBatch",
-    "check_invariants",
+    "load_config",
+    "CaptureConfig",
+    "BufferSpec",
+    "BlockTable",
+    "CaptureReport",
+    "ForwardInputs",
+    "BatchError",
+    "CaptureError",
+    "CaptureUnsafeError",
+    "ConfigError",
+    "InvariantViolation",
+    "StaticInputMovedError",
+    # What models and communicators call while a step or a capture runs.
+    "Communicator",
     "current_inputs",
-    "default_capture_sizes",
-    "dummy_batch",
     "eager_op",
     "is_capturing",
-    "load_config",
     "phase",
+    # Lower layers, under the manager (typically you don't call these yourself): staging and its
+    # checks, the key and size schedule, the pad rules and the dummy batch.
+    "PersistentBuffers",
+    "check_invariants",
+    "CaptureSizes",
+    "default_capture_sizes",
+    "GraphKey",
+    "PadRules",
+    "PAD_SLOT_ID",
+    "dummy_batch",
 ]
 
 

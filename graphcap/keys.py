@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from graphcap.sizes import CaptureSizes, uniform_sizes
+from graphcap.sizing.sizes import CaptureSizes, uniform_sizes
 
 __all__ = [
     "EAGER_REASONS",

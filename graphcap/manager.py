@@ -1,9 +1,9 @@
 """`CaptureManager`: capture the planned keys, then dispatch, stage, check and replay each step.
 
-Upfront capture walks every key largest first before serving; lazy capture (`graphcap.lazy`) serves
-at once and captures in idle time. Either way a key goes through `CapturePass` (`graphcap.capture`):
+Upfront capture walks every key largest first before serving; lazy capture (`graphcap.capture.lazy`) serves
+at once and captures in idle time. Either way a key goes through `CapturePass` (`graphcap.capture.runner`):
 its dummy batch staged as real steps are, warmups, capture inside the engine's `capture_context`,
-verification after it exits, within `capture.memory_budget` (`graphcap.budget`).
+verification after it exits, within `capture.memory_budget` (`graphcap.memory.budget`).
 """
 
 from __future__ import annotations
@@ -21,24 +21,26 @@ from graphcap.backends import CapturedGraph, GraphBackend, backend_for, resolve_
 from graphcap.backends.sync_debug import beside_engine_threads
 from graphcap.batch import StepBatch, step_or_idle
 from graphcap.block_table import BlockTable
-from graphcap.budget import MemoryBudget
-from graphcap.capture import CapturePass, uncompiled_warnings
+from graphcap.capture.driver import run_pass
+from graphcap.capture.failures import FailurePolicy
+from graphcap.capture.lazy import LazyCapture, check_time_limits
+from graphcap.capture.lifecycle import LiveGraphs, PassHistory, check_kv_fits, resize_plan
+from graphcap.capture.runner import CapturePass, uncompiled_warnings
+from graphcap.checks.guard import StaticGuard
+from graphcap.checks.invariants import check_invariants
 from graphcap.communicators import Communicator, communicators_of, key_captured_hook, pass_context
 from graphcap.config import CaptureConfig
+from graphcap.config.byte_counts import format_bytes
 from graphcap.distributed import StepAgreement, counts_buffers
 from graphcap.errors import ConfigError, ConfigProblem, InvariantViolation
-from graphcap.failures import FailurePolicy
-from graphcap.guard import StaticGuard
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
-from graphcap.invariants import check_invariants
 from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode, StepStats
-from graphcap.lazy import LazyCapture, check_time_limits
-from graphcap.lifecycle import LiveGraphs, PassHistory, check_kv_fits, resize_plan
+from graphcap.memory.budget import MemoryBudget
 from graphcap.outputs import OutputRows
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
 from graphcap.probe import group_scratch_ids, scratch_block_ids
-from graphcap.report import CaptureReport, check_report_path, format_bytes, write_report
+from graphcap.report import CaptureReport, check_report_path, write_report
 from graphcap.staging import PersistentBuffers
 from graphcap.staging.extras import merged_specs
 from graphcap.step_scope import StepScope
@@ -217,7 +219,7 @@ class CaptureManager:
         if keys and not self.graphs:
             self._guard.arm(self.model, self.buffers.storage())
         kwargs = {"set_aside": self.buffers.table_set_aside, "context": self._capture_context, "progress": progress}
-        return self._live.add(job, keys, config=self.config, budget=self._budget, **kwargs)
+        return run_pass(job, self._live, keys, budget=self._budget, **kwargs)
 
     def _capture_pass(self, scratch_blocks: Iterable[int] = (), group_scratch_blocks: Any = None) -> CapturePass:
         scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
@@ -236,6 +238,7 @@ class CaptureManager:
             kv_groups=self.buffers.limits.kv_groups,
             group_scratch=group_scratch or {},
             on_captured=key_captured_hook(self._communicators),
+            precision=_precision(self.model),
         )
 
     def _check_ready(self) -> None:
@@ -397,3 +400,11 @@ class CaptureManager:
 
     def __repr__(self) -> str:
         return f"CaptureManager({len(self.graphs)} graphs, backend={self.backend.name}, device={self.device})"
+
+
+def _precision(model: Any) -> torch.dtype | None:
+    """The lowest-precision floating dtype of `model`'s parameters (None: not a module, or none)."""
+    if not isinstance(model, torch.nn.Module):
+        return None
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return max(dtypes, key=lambda d: torch.finfo(d).eps, default=None)  # the largest epsilon

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import yaml
 
+from graphcap.config.byte_counts import format_bytes
 from graphcap.config.fingerprint import config_fingerprint
 from graphcap.errors import CaptureError, ConfigError, ConfigProblem
 from graphcap.keys import GraphKey
@@ -37,7 +38,6 @@ __all__ = [
     "atomic_write",
     "check_report_path",
     "environment",
-    "format_bytes",
     "may_overwrite",
     "write_report",
 ]
@@ -388,12 +388,3 @@ def atomic_write(path: Path | str, data: str | bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def format_bytes(num: int | float) -> str:
-    """`1536` -> `1.5 KiB`: binary units up to TiB."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(num) < 1024:
-            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
-        num /= 1024
-    return f"{num:.1f} TiB"

@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 
 from graphcap import CaptureManager, StepBatch
+from graphcap.checks.invariants import check_invariants
 from graphcap.errors import BatchError
-from graphcap.invariants import check_invariants
 from graphcap.keys import GraphKey
 from graphcap.models import build_model
 from graphcap.testing import make_config

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap.batch import StepBatch, dummy_batch
+from graphcap.checks.invariants import check_invariants
 from graphcap.config import PadRules, load_config
 from graphcap.inputs import ForwardInputs
-from graphcap.invariants import check_invariants
 from graphcap.keys import GraphKey
 from graphcap.staging import POISON, PersistentBuffers
 from tests.conftest import (

@@ -25,7 +25,7 @@ from graphcap.config import (
     config_from_text,
     load_config,
 )
-from graphcap.sizes import default_capture_sizes
+from graphcap.sizing.sizes import default_capture_sizes
 from tests.conftest import ASSETS
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """Engine-declared persistent buffers (`BufferSpec`): staged, padded, checked and uploaded like the built-ins.
 
-The examples of the engine issue: mrope positions `[3, T]` int64 pad 0, a per-token LoRA index
+The examples are engines' own buffers: mrope positions `[3, T]` int64 pad 0, a per-token LoRA index
 pad -1, a per-request temperature float32 pad 1.0, a second KV-cache group with its own
 `[R, blocks]` block table and `[T]` slot mapping (pad `PAD_SLOT_ID`).
 """
@@ -23,9 +23,9 @@ from graphcap import (
     InvariantViolation,
     StepBatch,
 )
+from graphcap.checks.invariants import check_invariants
 from graphcap.cli._common import parse_overrides
 from graphcap.config import ConfigError, config_from_text
-from graphcap.invariants import check_invariants
 from graphcap.models import build_model
 from graphcap.staging import PersistentBuffers
 from graphcap.testing import TINY, make_config, nested

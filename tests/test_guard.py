@@ -1,6 +1,6 @@
 """Replays read what was captured: a moved or replaced static tensor is refused on every replay.
 
-`graphcap.guard.StaticGuard` through `CaptureManager`: parameters, buffers and submodules of the
+`graphcap.checks.guard.StaticGuard` through `CaptureManager`: parameters, buffers and submodules of the
 model, tensors given to `register_static`, at every invariant level, with the default config
 (`verify_replay: true`, whose verification replays once used to hide the first-replay check).
 """
@@ -15,7 +15,7 @@ import torch
 
 import graphcap
 from graphcap import CaptureManager, StaticInputMovedError, StepBatch
-from graphcap.guard import StaticGuard
+from graphcap.checks.guard import StaticGuard
 from graphcap.testing import MOVES, make_config, make_manager
 
 BATCH = StepBatch([1, 1], [3, 4], [5, 6], [[1], [2]])

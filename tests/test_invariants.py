@@ -1,4 +1,4 @@
-"""`graphcap.invariants`: every corrupted padded tail is caught and named."""
+"""`graphcap.checks.invariants`: every corrupted padded tail is caught and named."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from graphcap.batch import StepBatch
+from graphcap.checks.invariants import LEVELS, InvariantViolation, check_invariants
 from graphcap.config import PadRules
-from graphcap.invariants import LEVELS, InvariantViolation, check_invariants
 from graphcap.keys import GraphKey
 from tests.conftest import MAX_BLOCKS, NUM_BLOCKS, PAD_RULES, VOCAB, batches_and_keys, make_buffers
 
@@ -237,8 +237,8 @@ def test_unknown_level_raises_value_error():
 def test_basic_level_accepts_exactly_what_the_rule_by_rule_check_accepts(case, rules, data):
     # check_invariants("basic") takes a few-reduction fast path and names a violation with the
     # rule-by-rule checker; garbage anywhere in the staged rows must give the same verdict.
-    from graphcap.invariant_plans import basic_holds
-    from graphcap.invariants import _check_basic
+    from graphcap.checks.invariants import _check_basic
+    from graphcap.checks.plans import basic_holds
 
     inputs = staged(case, rules)
     for _ in range(data.draw(st.integers(0, 2), "corruptions")):
@@ -269,8 +269,8 @@ def test_full_level_proof_accepts_only_what_the_rule_by_rule_checks_accept(case,
     # check_invariants("full") takes the few-call proof (`full_holds`) first; garbage anywhere in
     # the staged rows must never pass the proof unless the rule-by-rule checks pass it too, and a
     # valid step takes the proof (else the fast path would be a slow path in disguise).
-    from graphcap.invariant_plans import basic_holds, full_holds
-    from graphcap.invariants import _check_full, _check_kv_writes, _lengths
+    from graphcap.checks.invariants import _check_full, _check_kv_writes, _lengths
+    from graphcap.checks.plans import basic_holds, full_holds
 
     inputs = staged(case, rules)
     valid = kv_writes or not inputs.num_tokens  # a staged real step writes its slots

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from graphcap.batch import StepBatch, dummy_batch
 from graphcap.config import load_config
 from graphcap.keys import EAGER_REASONS, Dispatch, GraphKey, KeyRegistry, Mode, mixed_request_rows
-from graphcap.sizes import CaptureSizes
+from graphcap.sizing.sizes import CaptureSizes
 
 SIZES = CaptureSizes([1, 2, 4, 8, 16, 32], 64)
 

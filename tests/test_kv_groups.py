@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap import BatchError, CaptureManager, GraphKey, InvariantViolation, StepBatch
+from graphcap.checks.invariants import check_invariants
 from graphcap.config import ConfigError, config_from_text
-from graphcap.invariants import check_invariants
 from graphcap.models import WindowedMemory, build_model, dense_reference, window_reference
 from graphcap.staging import PersistentBuffers
 from graphcap.testing import make_config

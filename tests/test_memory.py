@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphcap import CaptureManager, load_config
 from graphcap.batch import dummy_batch
-from graphcap.memory import MemoryEstimate, available_memory, estimate_memory
+from graphcap.memory.estimate import MemoryEstimate, available_memory, estimate_memory
 from graphcap.models import build_model
 
 SHAPES = {

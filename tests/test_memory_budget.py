@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from graphcap import CaptureManager, ConfigError, StepBatch, load_config
-from graphcap.budget import MemoryBudget
-from graphcap.memory import estimate_memory
+from graphcap.memory.budget import MemoryBudget
+from graphcap.memory.estimate import estimate_memory
 from graphcap.testing import make_config, make_manager
 
 

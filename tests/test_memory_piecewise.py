@@ -1,7 +1,7 @@
 """The memory estimate of piecewise keys says what it counts on each backend: on CUDA the pieces share the
 pool and eager ops' tensors live in it unowned (no longer "an upper bound", which pinned tensors broke)."""
 
-from graphcap.memory import estimate_memory
+from graphcap.memory.estimate import estimate_memory
 from graphcap.testing import make_config
 
 

@@ -181,7 +181,7 @@ def _run(command: str) -> str:
 def _fits_this_machine(command: str) -> bool:
     """Whether a transcript of a refusal for memory would not be refused here."""
     from graphcap.config import load_config
-    from graphcap.memory import available_memory, estimate_memory
+    from graphcap.memory.estimate import available_memory, estimate_memory
 
     argv = shlex.split(command)
     config = load_config(argv[argv.index("--config") + 1], {"device": argv[argv.index("--device") + 1]})

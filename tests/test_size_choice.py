@@ -1,4 +1,4 @@
-"""`graphcap.size_choice`: sizes chosen from a traffic histogram, exact, within the config's bounds."""
+"""`graphcap.sizing.choice`: sizes chosen from a traffic histogram, exact, within the config's bounds."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from graphcap import load_config
-from graphcap.graph_costs import graph_costs
-from graphcap.memory import estimate_memory
-from graphcap.size_choice import SizeConstraints, candidate_sizes, choose_sizes
-from graphcap.sizes import CaptureSizes, default_capture_sizes
+from graphcap.memory.estimate import estimate_memory
+from graphcap.memory.graph_costs import graph_costs
+from graphcap.sizing.choice import SizeConstraints, candidate_sizes, choose_sizes
+from graphcap.sizing.sizes import CaptureSizes, default_capture_sizes
 from graphcap.testing.traffic import TRAFFIC_SHAPES, traffic_histogram
 
 VLLM_LADDER = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]  # vLLM's default cudagraph_capture_sizes

@@ -1,4 +1,4 @@
-"""`graphcap.sizes`: the default schedule, validation, the padding table, expected waste."""
+"""`graphcap.sizing.sizes`: the default schedule, validation, the padding table, expected waste."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphcap.sizes import CaptureSizes, default_capture_sizes
+from graphcap.sizing.sizes import CaptureSizes, default_capture_sizes
 
 
 def test_default_schedule_is_1_2_4_then_every_8_up_to_256():

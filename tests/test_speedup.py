@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from graphcap import CaptureManager, StepBatch
+from graphcap.capture.timing import SPEEDUP_REPS, replay_speedup
 from graphcap.models import build_model
 from graphcap.testing import FaultyModel, make_config, make_manager
-from graphcap.timing import SPEEDUP_REPS, replay_speedup
 
 
 class _Clock:

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap import BufferSpec, StepBatch
+from graphcap.checks.invariants import check_invariants
 from graphcap.errors import BatchError, InvariantViolation
-from graphcap.invariants import check_invariants
 from graphcap.keys import GraphKey
 from graphcap.manager import CaptureManager
 from graphcap.staging import PersistentBuffers

@@ -1,4 +1,4 @@
-"""A model that is not an `nn.Module` is guarded through what it reaches (`graphcap.statics.reach`).
+"""A model that is not an `nn.Module` is guarded through what it reaches (`graphcap.checks.statics.reach`).
 
 The README's model is "anything with a forward": a runner holding modules, tensors and lists of
 them as attributes. Replacing any of them after capture is refused by name (it used to replay
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from graphcap import CaptureManager, StaticInputMovedError, StepBatch
-from graphcap.statics import MAX_DEPTH, reach
+from graphcap.checks.statics import MAX_DEPTH, reach
 from graphcap.testing import make_config
 
 BATCH = StepBatch([1, 1], [3, 4], [5, 6], [[1], [2]])

@@ -16,9 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphcap import CaptureError, GraphKey, verification
-from graphcap import capture as capture_module
-from graphcap.capture import CapturePass
+from graphcap import CaptureError, GraphKey
+from graphcap.capture import runner as capture_module
+from graphcap.capture import verification
+from graphcap.capture.runner import CapturePass
 from graphcap.models import build_model
 from graphcap.probe import probe_batch
 from graphcap.testing import make_config, make_manager
@@ -198,7 +199,7 @@ def test_probe_batch_is_partly_filled_and_fits_its_key(T, R, uniform, seed):
 def test_16_bit_outputs_are_compared_by_norm_relative_error_unless_tolerances_are_given():
     """A replay at the padded shape runs other GEMM kernels than the eager run at the real shape: for
     16-bit logits one element off by a few ulps must not fail a correct graph; a wrong one still fails."""
-    from graphcap.verification import _difference
+    from graphcap.capture.verification import _difference
 
     torch.manual_seed(0)
     eager = torch.randn(64, 512).to(torch.bfloat16)
@@ -252,3 +253,28 @@ def test_the_fast_comparison_never_accepts_what_assert_close_refuses(dtype, n, n
     if tolerance or dtype not in verification.NORM_TOLERANCE:  # 16-bit without tolerances: the norm check
         assert (verification._difference(a, b, tolerance) is None) == passes
         assert (verification._difference((a, a), (b, b), tolerance) is None) == passes
+
+
+def test_float32_outputs_of_a_16_bit_model_are_judged_by_the_norm_relative_tolerance():
+    # A model computing in bfloat16 and returning float32 logits: a replay at the padded shape and an
+    # eager run at the real shape use other GEMM blockings, so a near-zero logit may differ by more
+    # than float32's elementwise tolerance; a frozen-value bug (2x) is still refused.
+    torch.manual_seed(0)
+    expected = torch.randn(31, 4096)
+    rounding = expected.clone()
+    rounding[3, 7] += 1e-3  # one element off, far below bfloat16's resolution of the whole
+    assert verification._difference(rounding, expected, {}) is not None  # elementwise (float32) refuses it
+    assert verification._difference(rounding, expected, {}, torch.bfloat16) is None
+    wrong = verification._difference(expected * 2, expected, {}, torch.bfloat16)
+    assert wrong is not None and "computed in torch.bfloat16" in wrong
+    # explicit checks.atol/rtol keep the elementwise comparison whatever the model's precision
+    assert verification._difference(rounding, expected, {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16) is not None
+
+
+def test_the_norm_relative_error_needs_non_finite_values_at_the_same_places():
+    expected = torch.ones(3, 70000, dtype=torch.bfloat16)
+    expected[2, 69999] = float("inf")
+    assert verification._difference(expected.clone(), expected, {}) is None
+    shifted = expected.clone()
+    shifted[2, 69999], shifted[0, 0] = 1.0, float("inf")
+    assert "non-finite" in verification._difference(shifted, expected, {})

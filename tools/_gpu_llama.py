@@ -15,9 +15,9 @@ from _gpu_report import checkpoint
 
 from graphcap import CaptureManager, load_config
 from graphcap.backends import get_backend
-from graphcap.memory import estimate_memory
+from graphcap.config.byte_counts import format_bytes
+from graphcap.memory.estimate import estimate_memory
 from graphcap.models import build_model
-from graphcap.report import format_bytes
 from graphcap.testing import fill_batch, time_key
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +63,7 @@ class KeyTimes:
 
         # Private methods of the capture pass, wrapped only where they exist (a renamed one loses its
         # column, never the case): `capture(key)` per key, then the two verifications per key.
-        from graphcap.capture import CapturePass
+        from graphcap.capture.runner import CapturePass
 
         hooks = {"capture": None, "_verify_dummy": "verification", "_verify_probe": "verification"}
         patched = {

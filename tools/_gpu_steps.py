@@ -263,8 +263,8 @@ def lazy_budget(device: str, quick: bool) -> dict:
     reserved in the graph pool by `capture()`, every key captured by `capture_pending()` inside it: the
     pool's segments (large and small, from `torch.cuda.memory_snapshot()`) do not grow. The config's
     logits (2 MiB at 8 tokens) take large blocks, its small tensors small ones, so both parts are used."""
-    from graphcap.budget import MemoryBudget
-    from graphcap.report import format_bytes
+    from graphcap.config.byte_counts import format_bytes
+    from graphcap.memory.budget import MemoryBudget
 
     wide = {"model.vocab_size": 65536} if device.startswith("cuda") else {}  # the CPU has no pool to measure
     probe = tiny_config(device, quick, **wide)

@@ -9,7 +9,7 @@ Table 2: median ms per step of `CaptureManager.execute` (graph replay) and `.eag
 sizes 1, 8 and 64, through the full step path (staging and invariants included).
 
 `--padding` prints instead the expected padded-token waste of sizes chosen from traffic
-(`graphcap.size_choice`) against vLLM's default ladder (51 sizes up to 512, which is also
+(`graphcap.sizing.choice`) against vLLM's default ladder (51 sizes up to 512, which is also
 `default_capture_sizes(512)`), over the traffic shapes of `graphcap.testing.traffic` (a
 chunked-prefill scheduler with a 512-token budget), three seeds each. No timing: the numbers
 are exact for the histograms.
@@ -45,8 +45,8 @@ import torch
 import graphcap.manager as manager_module
 from graphcap import CaptureManager, load_config
 from graphcap.models import build_model
-from graphcap.size_choice import SizeConstraints, choose_sizes
-from graphcap.sizes import CaptureSizes
+from graphcap.sizing.choice import SizeConstraints, choose_sizes
+from graphcap.sizing.sizes import CaptureSizes
 from graphcap.testing import time_key
 from graphcap.testing.traffic import TRAFFIC_SHAPES, traffic_histogram
 
@@ -124,7 +124,7 @@ def main() -> int:
 
 
 CAPTURE_GOAL = 1.5
-"""Issue 25's goal: a capture pass within 1.5x the four eager forwards per key it must run anyway."""
+"""The goal: a capture pass within 1.5x the four eager forwards per key it must run anyway."""
 
 
 def where_a_pass_goes(manager: CaptureManager, eager_ms: float, rounds: int) -> None:

@@ -1,4 +1,4 @@
-"""Per-replay cost of the static-input check (`graphcap.guard.StaticGuard`) at 300 static tensors.
+"""Per-replay cost of the static-input check (`graphcap.checks.guard.StaticGuard`) at 300 static tensors.
 
 Every replay, at every invariant level, refuses a static tensor that moved since capture. On a
 model of 150 `nn.Linear` (300 parameters) with a KV-cache buffer and a staging tensor, this times,
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from _sampling import measure
 
-from graphcap.guard import StaticGuard
+from graphcap.checks.guard import StaticGuard
 
 NUM_LINEAR = 150  # 300 parameters (weight and bias each)
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep = np.median(np.concatenate(samples["data_ptr sweep only"]))
     whole = np.median(np.concatenate(samples["check() (both)"]))
     print(
-        f"goal (issue 25): what a replay waits for before its launch <= {GUARD_GOAL_US:g} us: "
+        f"goal: what a replay waits for before its launch <= {GUARD_GOAL_US:g} us: "
         f"check_before_replay() {before:.2f} us; the whole check is {whole / sweep:.2f}x the bare data_ptr sweep "
         "(it runs after the launch, overlapping the graph on CUDA)"
     )

@@ -1,4 +1,4 @@
-"""Memory estimate vs reality: `graphcap.memory.estimate_memory` against a real capture on the CPU.
+"""Memory estimate vs reality: `graphcap.memory.estimate.estimate_memory` against a real capture on the CPU.
 
 For each config, fresh processes build the model and capture it (emulated backend) and report:
 
@@ -27,8 +27,8 @@ import sys
 from pathlib import Path
 
 from graphcap import load_config
-from graphcap.memory import estimate_memory
-from graphcap.report import format_bytes
+from graphcap.config.byte_counts import format_bytes
+from graphcap.memory.estimate import estimate_memory
 
 REPO = Path(__file__).resolve().parents[1]
 

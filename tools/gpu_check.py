@@ -1,15 +1,15 @@
 """One GPU run that settles the CUDA backend: phases named P0-P17, run most telling first, each printing its
 prediction next to what it saw. The plan is docs/gpu/README.md.
 
-The command (on the lent GPU machine, from the repository root; nothing to install):
+The command (on a CUDA machine, from the repository root; nothing to install):
 
     python3 tools/gpu_check.py
 
 With `OUT` set (the device machine returns only what is under `$OUT`) the JSON goes to
 `$OUT/gpu_check.json` and the log to `$OUT/gpu_check.log`, both rewritten as the run goes, so a
 run cut short keeps what it saw. On CUDA it runs the first plan, whose phase budgets sum to the
-450 s deadline (7.5 minutes, within 8 on an H200): the environment, the CUDA test files (most
-GPU tests of the fixes), release and recapture, the founding bug, the tiny config and lazy capture
+450 s deadline (7.5 minutes, within 8 on an H200): the environment, the CUDA test files (most of
+the GPU tests), release and recapture, the founding bug, the tiny config and lazy capture
 within a memory budget, the failure paths, piecewise capture (keys replayed out of capture
 order), the 8B-shaped passes, NCCL in a graph, the preflight table and the output probe. The
 second plan (`--plan second`, about 150 s: torch.compile, bf16 tolerances, pipelining,

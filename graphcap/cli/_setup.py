@@ -32,9 +32,9 @@ def build_manager(args: argparse.Namespace, config: CaptureConfig | None = None)
     config = config_from_args(args) if config is None else config
     stage("importing torch")
     from graphcap.backends import resolve_device
+    from graphcap.config.byte_counts import format_bytes
     from graphcap.manager import CaptureManager
-    from graphcap.memory import KEYS, estimate_memory
-    from graphcap.report import format_bytes
+    from graphcap.memory.estimate import KEYS, estimate_memory
 
     device = resolve_device(config)  # ConfigError (exit 2) for a GPU that is not there
     backend = _backend_name(args.backend, device)
@@ -59,7 +59,7 @@ def build_manager(args: argparse.Namespace, config: CaptureConfig | None = None)
     log = logging.getLogger("graphcap")
     log.info("model %s on %s, %s backend%s; %s", model_name, device, backend, note, estimate.describe())
     if not args.skip_memory_check:
-        from graphcap.memory import available_memory
+        from graphcap.memory.estimate import available_memory
 
         available, what = available_memory(device)
         if available is not None and estimate.total > available:
@@ -104,9 +104,9 @@ def _backend_name(requested: str, device: Any) -> str:
 
 
 def _build_model(config: CaptureConfig, device: Any, estimate: Any) -> Any:
-    from graphcap.memory import KEYS
+    from graphcap.config.byte_counts import format_bytes
+    from graphcap.memory.estimate import KEYS
     from graphcap.models import build_model
-    from graphcap.report import format_bytes
 
     try:
         return build_model(config, device)

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
 
     from graphcap.cli._setup import build_manager
-    from graphcap.report import format_bytes
+    from graphcap.config.byte_counts import format_bytes
     from graphcap.workload import fill_batch
 
     check_at_least(steps=(args.steps, 1), threads=(args.threads, 1))
@@ -136,7 +136,7 @@ def _time_keys(manager, keys: list, steps: int, *, progress: bool) -> dict:
     """`time_key` for every key, with a progress bar on stderr (a terminal only; none with --no-progress)."""
     from tqdm import tqdm
 
-    from graphcap.timing import time_key
+    from graphcap.capture.timing import time_key
 
     timed = {}
     with tqdm(keys, desc="timing", unit="key", disable=None if progress else True, leave=False) as bar:

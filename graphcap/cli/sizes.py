@@ -1,5 +1,5 @@
 """`graphcap sizes`: the capture schedule, the padding table, the keys, the expected waste; with
-`--max-graphs` (or `--memory-budget`), the sizes chosen for a traffic histogram (`graphcap.size_choice`)."""
+`--max-graphs` (or `--memory-budget`), the sizes chosen for a traffic histogram (`graphcap.sizing.choice`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from graphcap.cli._common import UserError, add_common, config_from_args
 from graphcap.cli._histogram import read_histogram
-from graphcap.sizes import CaptureSizes, default_capture_sizes
+from graphcap.sizing.sizes import CaptureSizes, default_capture_sizes
 
 EPILOG = """examples:
   graphcap sizes                                   # the embedded default config
@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from graphcap.keys import MIXED_ROWS_FLOOR, MIXED_ROWS_STEP, KeyRegistry  # numpy: loaded when run
-    from graphcap.memory import estimate_memory
+    from graphcap.memory.estimate import estimate_memory
 
     choosing = args.max_graphs is not None or args.memory_budget is not None
     if not choosing and args.out is not None:
@@ -150,8 +150,9 @@ def _check_schedule_flags(max_size: int, uniform_query_len: int) -> None:
 
 def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_graphs: int, budget: int | None) -> int:
     """`--max-graphs`/`--memory-budget`: `sizes: [...]`, the table, the comparison, `--out`."""
-    from graphcap.report import atomic_write, format_bytes
-    from graphcap.size_choice import SizeConstraints, candidate_sizes, choose_sizes
+    from graphcap.config.byte_counts import format_bytes
+    from graphcap.report import atomic_write
+    from graphcap.sizing.choice import SizeConstraints, candidate_sizes, choose_sizes
 
     if config is None:
         if budget is not None:
@@ -231,8 +232,8 @@ def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gr
 def _costs(config: Any, sizes: tuple[int, ...]) -> tuple[Any, list[Any]]:
     """`GraphCosts` for the backends the config's device may use, and with two (device `auto`) the
     larger of each part, so a choice within a budget fits on either."""
-    from graphcap.graph_costs import graph_costs
-    from graphcap.size_choice import GraphCosts
+    from graphcap.memory.graph_costs import graph_costs
+    from graphcap.sizing.choice import GraphCosts
 
     each = [graph_costs(config, sizes, _backend_of(config.device))]
     if len(each) == 1:
@@ -288,8 +289,8 @@ def _parse_max_graphs(text: str | None) -> int:
 
 
 def parse_bytes(text: str, flag: str) -> int:
-    """`graphcap.byte_counts.parse_bytes`, with `UserError` naming `flag`."""
-    from graphcap import byte_counts  # when a size is parsed: `graphcap --help` loads no more than it needs
+    """`graphcap.config.byte_counts.parse_bytes`, with `UserError` naming `flag`."""
+    from graphcap.config import byte_counts  # when a size is parsed: `graphcap --help` loads no more than it needs
 
     try:
         return byte_counts.parse_bytes(text)

@@ -65,8 +65,8 @@ def sweep_keys(manager) -> int:
     key `min(tokens, max_num_seqs)`); raise on any violation."""
     import numpy as np
 
+    from graphcap.checks.invariants import check_invariants
     from graphcap.errors import InvariantViolation
-    from graphcap.invariants import check_invariants
     from graphcap.workload import fill_batch
 
     config = manager.config

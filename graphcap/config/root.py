@@ -18,7 +18,7 @@ from graphcap.config.buffers import BufferConfig
 from graphcap.config.model import ModelConfig
 from graphcap.devices import device_problem
 from graphcap.errors import ConfigProblem
-from graphcap.sizes import CaptureSizes, default_capture_sizes
+from graphcap.sizing.sizes import CaptureSizes, default_capture_sizes
 
 __all__ = ["SECTIONS", "CaptureConfig"]
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from graphcap.byte_counts import MAX_BYTES, parse_bytes
 from graphcap.config._schema import Section, problem, spec
+from graphcap.config.byte_counts import MAX_BYTES, parse_bytes
 from graphcap.errors import ConfigProblem
 from graphcap.fields import INT32_MAX, INT32_MIN
-from graphcap.sizes import CaptureSizes, default_capture_sizes
+from graphcap.sizing.sizes import CaptureSizes, default_capture_sizes
 
 __all__ = [
     "DEFAULT_MAX_SIZE",

@@ -93,7 +93,7 @@ def load_factory(spec: str, *, beside: str | os.PathLike | None = None) -> Calla
 
     Its module is found on `sys.path`, then in the directory of the config file `beside` (for
     a config, `config.source`), then in the current directory. The function may carry an
-    `estimate_memory(config)` attribute (see `graphcap.memory`). Raises `ConfigError` (key
+    `estimate_memory(config)` attribute (see `graphcap.memory.estimate`). Raises `ConfigError` (key
     `model.factory`) when the module cannot be imported (the message says where it looked) or
     the attribute is missing or not callable.
     """

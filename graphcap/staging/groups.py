@@ -5,7 +5,7 @@ and state-space layers), each with its own block size and block ids. Every extra
 what the built-in one has: a persistent `BlockTable` (or a fresh table per step, or the null
 block for graphcap's own batches), its slots computed from the step's positions, padded rows
 written from the pad rules only where a step dirtied them, and the invariants
-(`graphcap.kv_writes`). A step is checked for every group before anything is written. Steps of
+(`graphcap.checks.kv_writes`). A step is checked for every group before anything is written. Steps of
 engines without groups never enter this module.
 """
 

@@ -16,10 +16,10 @@ import torch
 import yaml
 
 from graphcap.batch import StepBatch, dummy_batch
+from graphcap.checks.invariants import check_invariants
 from graphcap.config import CaptureConfig, config_from_text
 from graphcap.errors import BatchError, InvariantViolation
 from graphcap.fields import INT32_MAX
-from graphcap.invariants import check_invariants
 from graphcap.keys import KeyRegistry
 from graphcap.manager import CaptureManager
 from graphcap.staging import PersistentBuffers

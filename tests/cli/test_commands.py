@@ -142,7 +142,7 @@ def test_bench_prints_medians_and_spread_per_key(capsys):
 
 
 def test_bench_flags_noisy_keys(capsys, monkeypatch):
-    from graphcap import timing
+    from graphcap.capture import timing
 
     calls = iter(range(10**6))
 
@@ -163,7 +163,7 @@ def test_bench_flags_noisy_keys(capsys, monkeypatch):
     assert timing.NOISY_IQR == 0.1
 
 
-@pytest.mark.parametrize("suffix", [".png", ".svg"])  # .pdf: graphcap.testing.cli_cases
+@pytest.mark.parametrize("suffix", [".png", ".svg"])  # .pdf: tools/campaign/cli_cases.py
 def test_bench_plot_is_written_in_the_format_its_suffix_names(capsys, tmp_path, suffix):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "out" / f"bench{suffix}"
@@ -243,7 +243,7 @@ def test_a_piecewise_mode_without_eager_ops_in_the_built_in_model_is_refused_bef
 def test_bench_pins_torch_threads_while_it_captures_and_times_and_puts_them_back(capsys, monkeypatch):
     import torch
 
-    from graphcap import timing
+    from graphcap.capture import timing
 
     seen = []
     real = timing.time_key

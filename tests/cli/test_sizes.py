@@ -220,7 +220,7 @@ def test_memory_budget_keeps_the_graphs_within_it(capsys, tmp_path):
     import dataclasses
 
     from graphcap import load_config
-    from graphcap.memory import estimate_memory
+    from graphcap.memory.estimate import estimate_memory
 
     path = histogram_file(tmp_path, "1 40\n16 30\n200 20\n512 10\n")
     config = "llama3-8b-h200"

@@ -15,7 +15,11 @@ import pytest
 
 import graphcap.backends
 from graphcap.cli import _main, main
-from graphcap.testing.interrupts import STAGES, interrupt_at, interrupted_cleanly
+from tests.tools import TOOLS
+
+sys.path.insert(0, str(TOOLS))  # tools/campaign/: Ctrl-C at each stage, shared with the campaign
+
+from campaign.interrupts import STAGES, interrupt_at, interrupted_cleanly
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "graphcap" / "configs" / "tiny-cpu-ci.yaml")
@@ -50,7 +54,7 @@ def test_help_loads_only_the_command_line_and_torch_free_leaves():
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, timeout=60)
     loaded = set(eval(result.stderr.strip().splitlines()[-1]))
     others = {m for m in loaded if not m.startswith("graphcap.cli.")} - {"graphcap.cli", "graphcap"}
-    assert others <= {"graphcap.devices", "graphcap.sizes"}, others
+    assert others <= {"graphcap.devices", "graphcap.sizing", "graphcap.sizing.sizes"}, others
     assert "graphcap.cli._setup" not in loaded  # what builds a manager loads with the command that needs it
 
 

@@ -71,12 +71,12 @@ def _one_rank_too_slow(rank: int, config) -> dict[str, Any]:
     """A forced asymmetry: the last rank times every replay at 0.5x eager, rank 0 at 100x; every rank drops them."""
     import torch.distributed as dist
 
-    import graphcap.capture
+    import graphcap.capture.runner
     from graphcap import CaptureManager
     from graphcap.models import build_model
 
     speedup = 0.5 if rank == dist.get_world_size() - 1 else 100.0
-    graphcap.capture.replay_speedup = lambda *args, **kwargs: speedup
+    graphcap.capture.runner.replay_speedup = lambda *args, **kwargs: speedup
     manager = CaptureManager(build_model(config), config, group=dist.group.WORLD, progress=False, dp_timeout=SLOW_S)
     report = manager.capture()
     return {"graphs": len(manager.graphs), "reasons": sorted({r.reason for r in report.records})}

@@ -12,7 +12,7 @@ from tests.tools import TOOLS, run_tool
 PHASES = ["P0", "P10", "P7", "P6", "P2", "P13", "P4", "P3", "P5", "P1", "P14", "P12"]
 PHASES += ["P8", "P9", "P11", "P15", "P16", "P17"]  # the second plan, then the verdict
 NEEDS_CUDA = ["P10", "P3", "P5", "P1", "P16"]
-H200_MINUTES = 8  # what one command may take on the lent machine
+H200_MINUTES = 8  # what one command may take on an H200
 
 
 def test_gpu_check_quick_on_cpu_runs_every_phase_it_can_and_says_what_did_not_run(tmp_path):
@@ -58,7 +58,7 @@ def test_list_prints_each_phase_with_its_prediction_and_runs_nothing():
     assert "103 keys captured and verified" in result.stdout
 
 
-def test_each_plans_phase_budgets_fit_the_deadline_and_the_deadline_fits_the_lease(monkeypatch):
+def test_each_plans_phase_budgets_fit_the_deadline_and_the_deadline_fits_eight_minutes(monkeypatch):
     gpu_check = _load_gpu_check(monkeypatch)
     import _gpu_steps
 

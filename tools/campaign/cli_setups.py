@@ -239,7 +239,7 @@ def overcommit_always() -> str | None:
 
 def huge_fits() -> str | None:
     from graphcap.config import load_config
-    from graphcap.memory import available_memory, estimate_memory
+    from graphcap.memory.estimate import available_memory, estimate_memory
 
     config = load_config(overrides={**_huge_overrides(), "device": "cpu"})
     available, _ = available_memory("cpu")

@@ -28,20 +28,22 @@ from tqdm import tqdm
 
 from graphcap.backends import CapturedGraph, GraphBackend
 from graphcap.backends.pieces import forbidden_reads
+from graphcap.backends.preflight import outside_checks
 from graphcap.batch import StepBatch, dummy_batch
+from graphcap.capture.failures import FailurePolicy
+from graphcap.capture.timing import replay_speedup
+from graphcap.capture.verification import DUMMY_MISMATCH, LastRun, compare_replay, probe_mismatch
 from graphcap.config import CaptureConfig
+from graphcap.config.byte_counts import format_bytes
 from graphcap.errors import CaptureError
-from graphcap.failures import FailurePolicy
 from graphcap.inputs import BufferSpec, ForwardInputs, KVGroup
 from graphcap.keys import GraphKey, KeyRegistry, Mode
 from graphcap.outputs import OutputRows, cloned
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
 from graphcap.probe import probe_batch
-from graphcap.report import GraphRecord, format_bytes
+from graphcap.report import GraphRecord
 from graphcap.staging.extras import sampled
-from graphcap.timing import replay_speedup
-from graphcap.verification import DUMMY_MISMATCH, LastRun, compare_replay, probe_mismatch
 
 __all__ = ["CapturePass", "gc_frozen", "progress_bar", "uncompiled_warnings"]
 
@@ -74,6 +76,8 @@ class CapturePass:
     """What times each key's replay against eager (`replay_speedup`); None: CUDA events or perf_counter."""
     on_captured: Callable[[GraphKey], None] | None = None
     """Called with each key right after its graph is captured (communicators register its buffers)."""
+    precision: torch.dtype | None = None
+    """The model's lowest floating parameter dtype: a 16-bit one sets how verification judges outputs."""
 
     def run(
         self, keys: Iterable[GraphKey], *, context: Callable[[], AbstractContextManager], progress: bool | None
@@ -258,8 +262,17 @@ class CapturePass:
         if reference is not None and reference.output is not None:  # the last warmup ran this batch eagerly
             timings = {} if timings is None else timings
             tolerance = self.config.checks.tolerance
-            compare_replay(graph, inputs, lambda: reference.output, tolerance=tolerance, backend=self.backend,
-                           message=DUMMY_MISMATCH, outputs=self.outputs, timings=timings)  # fmt: skip
+            compare_replay(
+                graph,
+                inputs,
+                lambda: reference.output,
+                tolerance=tolerance,
+                backend=self.backend,
+                message=DUMMY_MISMATCH,
+                outputs=self.outputs,
+                timings=timings,
+                precision=self.precision,
+            )
             timings["eager"] = reference.seconds
             return 0.0  # counted with the warmups
         run = self._reference_run(inputs, self.registry.mode_of(key))
@@ -272,6 +285,7 @@ class CapturePass:
             message=DUMMY_MISMATCH,
             outputs=self.outputs,
             timings=timings,
+            precision=self.precision,
         )
 
     def _verify_probe(self, key: GraphKey, graph: CapturedGraph) -> float:
@@ -299,7 +313,14 @@ class CapturePass:
         message = probe_mismatch(batch.num_tokens, batch.num_reqs, key.num_tokens, shape.num_reqs, writes)
         tolerance = self.config.checks.tolerance
         return compare_replay(
-            graph, inputs, eager, tolerance=tolerance, backend=self.backend, message=message, outputs=self.outputs
+            graph,
+            inputs,
+            eager,
+            tolerance=tolerance,
+            backend=self.backend,
+            message=message,
+            outputs=self.outputs,
+            precision=self.precision,
         )
 
     def _reference_run(self, inputs: ForwardInputs, mode: Mode) -> Callable[[], Any]:
@@ -321,7 +342,7 @@ class CapturePass:
         forward = self.forward
 
         def run() -> Any:
-            with running(inputs, "piecewise_warmup"), forbidden_reads(inputs):
+            with running(inputs, "piecewise_warmup", _WARMUP_SESSION), forbidden_reads(inputs):
                 return forward(inputs)
 
         return run
@@ -334,6 +355,19 @@ class CapturePass:
         extras = sampled(self.extras, rng, batch.num_tokens, batch.num_reqs)
         q, s, ids, table = batch.query_lens, batch.seq_lens, batch.input_ids, batch.block_table
         return StepBatch(q, s, ids, table, extras=extras, kv_groups=batch.kv_groups)
+
+
+class _WarmupSession:
+    """The session of a piecewise key's warmup: an eager op's body runs outside the checks (it never runs
+    in a graph, so it may do what a graph cannot hold, host syncs included)."""
+
+    @staticmethod
+    def run_eager(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        with outside_checks():
+            return fn(*args, **kwargs)
+
+
+_WARMUP_SESSION = _WarmupSession()
 
 
 def progress_bar(keys: list[GraphKey], backend: GraphBackend, progress: bool | None) -> Iterator[GraphKey]:

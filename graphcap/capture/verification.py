@@ -2,8 +2,8 @@
 
 `compare_replay` is the one check: replay `graph` on the staged `inputs`, run `eager()` (the
 expected real rows), compare with `torch.testing.assert_close` at the configured tolerance, and
-raise `CaptureError(message(difference))` when they differ. The manager runs it twice per key,
-after the capture pass's context has exited: on the capture's own dummy batch, and on
+raise `CaptureError(message(difference))` when they differ. A capture pass (`CapturePass`) runs it
+twice per key, after the pass's context has exited: on the capture's own dummy batch, and on
 `probe_batch`, partly filled and unlike the dummy in every value, so padded rows run and a host
 value the graph froze at capture (a Python count, an `.item()`) shows. Where a key is verified
 right after its capture (no engine context, no peers), the dummy batch's expected rows are its last
@@ -12,6 +12,7 @@ warmup's output (`LastRun`), which ran that batch eagerly just before: the same 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -63,6 +64,7 @@ def compare_replay(
     message: Callable[[str], str] | str,
     outputs: OutputRows,
     timings: dict[str, float] | None = None,
+    precision: torch.dtype | None = None,
 ) -> float:
     """Replay `graph` on the staged `inputs`, then run `eager()` (the expected real rows) and compare.
 
@@ -72,6 +74,8 @@ def compare_replay(
     `tolerance` (`torch.testing.assert_close` keywords); a str `message` is formatted with `diff`.
     `outputs` cuts both to their real rows; a replay whose real rows have another shape than the
     eager run's (a wrong cut) raises `CaptureError` naming the output and its declaration.
+    `precision`: the model's lowest floating compute dtype; a 16-bit one judges floating outputs of any
+    dtype (a model that computes in bfloat16 and returns float32 logits) as 16-bit ones.
     """
     backend.synchronize()
     t0 = time.perf_counter()
@@ -92,7 +96,7 @@ def compare_replay(
     wrong_cut = outputs.mismatch(output, expected, inputs)
     if wrong_cut is not None:
         raise CaptureError(wrong_cut)
-    diff = _difference(replayed, expected, tolerance)
+    diff = _difference(replayed, expected, tolerance, precision)
     if diff is not None:
         raise CaptureError(message.format(diff=diff) if isinstance(message, str) else message(diff))
     return seconds
@@ -132,19 +136,29 @@ class LastRun:
 NORM_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
 """Norm-relative tolerance of 16-bit outputs when `checks.atol/rtol` are not given: a replay at the
 padded shape and an eager run at the real shape run other GEMM kernels, so elementwise closeness
-of millions of 16-bit logits is not a fair test; `|replay - eager| / |eager|` (Frobenius) is."""
+of millions of 16-bit logits is not a fair test; `|replay - eager| / |eager|` (Frobenius) is. The
+same holds for float32 outputs of a model that computes in 16 bits (its `precision`)."""
 
 
-def _difference(replayed: Any, expected: Any, tolerance: Mapping[str, float]) -> str | None:
+def _difference(
+    replayed: Any, expected: Any, tolerance: Mapping[str, float], precision: torch.dtype | None = None
+) -> str | None:
     """None when `replayed` matches `expected`, else the first lines of what differs.
 
-    Explicit `tolerance` (atol/rtol), or 32/64-bit tensors: `torch.testing.assert_close`. 16-bit
-    tensors without explicit tolerance: the norm-relative error within `NORM_TOLERANCE`, with
+    Explicit `tolerance` (atol/rtol), or 32/64-bit tensors of a model that computes in 32/64 bits:
+    `torch.testing.assert_close`. 16-bit tensors, or floating tensors of a model whose `precision`
+    is 16-bit, without explicit tolerance: the norm-relative error within `NORM_TOLERANCE`, with
     non-finite values where eager has them.
     """
     left, right = flatten_output(replayed, "verification"), flatten_output(expected, "verification")
     pairs = list(zip(left[0], right[0])) if len(left[0]) == len(right[0]) else []
-    if tolerance or not pairs or not any(a.dtype in NORM_TOLERANCE for a, _ in pairs):
+
+    def judged_as(a: torch.Tensor) -> torch.dtype | None:  # the 16-bit dtype whose tolerance judges `a`
+        if a.dtype in NORM_TOLERANCE:
+            return a.dtype
+        return precision if precision in NORM_TOLERANCE and a.is_floating_point() else None
+
+    if tolerance or not pairs or not any(judged_as(a) is not None for a, _ in pairs):
         if _same_structure(replayed, expected) and all(_surely_close(a, b, tolerance) for a, b in pairs):
             return None
         try:
@@ -153,7 +167,8 @@ def _difference(replayed: Any, expected: Any, tolerance: Mapping[str, float]) ->
             return "; ".join(str(exc).strip().splitlines()[:3])
         return None
     for i, (a, b) in enumerate(pairs):
-        if a.dtype not in NORM_TOLERANCE or a.shape != b.shape or a.dtype != b.dtype:
+        judged = judged_as(a)
+        if judged is None or a.shape != b.shape or a.dtype != b.dtype:
             if _surely_close(a, b, tolerance):
                 continue
             try:
@@ -161,14 +176,34 @@ def _difference(replayed: Any, expected: Any, tolerance: Mapping[str, float]) ->
             except AssertionError as exc:
                 return f"output {i}: " + "; ".join(str(exc).strip().splitlines()[:3])
             continue
-        a32, b32 = a.double(), b.double()
-        if not torch.equal(torch.isfinite(a32), torch.isfinite(b32)):
+        error = _norm_relative(a, b)
+        if error is None:
             return f"output {i}: non-finite values where eager has finite ones (or the reverse)"
-        finite = torch.isfinite(b32)
-        error = float((a32[finite] - b32[finite]).norm() / b32[finite].norm().clamp_min(1e-30))
-        if error > NORM_TOLERANCE[a.dtype]:
-            return f"output {i} ({a.dtype}): norm-relative error {error:.3g} > {NORM_TOLERANCE[a.dtype]:g}"
+        if error > NORM_TOLERANCE[judged]:
+            computed = "" if judged == a.dtype else f", computed in {judged}"
+            return f"output {i} ({a.dtype}{computed}): norm-relative error {error:.3g} > {NORM_TOLERANCE[judged]:g}"
     return None
+
+
+_CHUNK = 1 << 16
+"""Elements per step of `_norm_relative`: its float64 temporaries stay at a few hundred KiB whatever the
+output's size (the memory estimate counts the comparison's working set at a few copies of the output)."""
+
+
+def _norm_relative(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """`|a - b| / |b|` (Frobenius, float64) over the finite entries; None where `a` and `b` are not finite
+    at the same places."""
+    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+    squares, reference = 0.0, 0.0
+    for start in range(0, flat_b.numel(), _CHUNK):
+        x, y = flat_a[start : start + _CHUNK].double(), flat_b[start : start + _CHUNK].double()
+        finite = torch.isfinite(y)
+        if not torch.equal(torch.isfinite(x), finite):
+            return None
+        x, y = x.where(finite, 0.0), y.where(finite, 0.0)
+        squares += float((x - y).square().sum())
+        reference += float(y.square().sum())
+    return math.sqrt(squares) / max(math.sqrt(reference), 1e-30)
 
 
 _ASSERT_CLOSE_DEFAULTS = {

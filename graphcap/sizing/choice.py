@@ -8,7 +8,7 @@ program over the `m` distinct counts finds the optimum, in O(max_graphs * m) wit
 of the bucket costs. The largest replayable count always gets a size; a step above every
 allowed size runs eagerly, and the choice says which do.
 
-With a memory budget (`GraphCosts` from graphcap's own estimate, `graphcap.graph_costs`), the largest
+With a memory budget (`GraphCosts` from graphcap's own estimate, `graphcap.memory.graph_costs`), the largest
 size is the largest whose graphs fit, and the rest of the budget is spent on the sizes that save
 the most padding: exact where graphs share one pool sized by the largest key (the CUDA backend:
 smaller graphs cost no more), a Lagrangian search along the padding/bytes trade-off where every
@@ -156,7 +156,7 @@ class SizeChoice:
 
 def candidate_sizes(histogram: Mapping[int, float], constraints: SizeConstraints) -> tuple[int, ...]:
     """The sizes an optimal schedule may use: every replayable observed count, rounded up to a
-    multiple of `constraints.multiple_of`, ascending (what `graphcap.graph_costs.graph_costs` must price)."""
+    multiple of `constraints.multiple_of`, ascending (what `graphcap.memory.graph_costs.graph_costs` must price)."""
     return tuple(sorted(_points(_checked(histogram), constraints)[0]))
 
 
@@ -183,7 +183,7 @@ def choose_sizes(
         if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 1:
             raise ValueError(f"memory_budget must be bytes >= 1; got {memory_budget!r}")
         if costs is None:
-            raise ValueError("memory_budget needs the graphs' costs (graphcap.graph_costs.graph_costs)")
+            raise ValueError("memory_budget needs the graphs' costs (graphcap.memory.graph_costs.graph_costs)")
     weights = _checked(histogram)
     points, eager = _points(weights, constraints)
     if not points:

@@ -1,7 +1,7 @@
 """Per-step proofs that the invariants hold, in a few numpy calls each (`basic_holds`, `full_holds`).
 
-`graphcap.invariants.check_invariants` runs these first. Each returns True only when every rule
-of its level holds; on False the rule-by-rule checks in `graphcap.invariants` run and name the
+`graphcap.checks.invariants.check_invariants` runs these first. Each returns True only when every rule
+of its level holds; on False the rule-by-rule checks in `graphcap.checks.invariants` run and name the
 first broken rule (tests in `test_invariants.py` hold each proof to the checks' verdict on garbage
 anywhere in the staged rows). A plan per `ForwardInputs` (staging hands back the same object for
 the same key and counts) holds the views, the bytes each padded region must equal, and scratch,

@@ -2,7 +2,7 @@
 
 A CUDA graph holds raw addresses, shapes and strides. A static tensor that changes after
 capture leaves the graph reading the old memory: stale output, or a use-after-free once the
-allocator hands that memory out again. `graphcap.statics.reach` lists what the model reaches,
+allocator hands that memory out again. `graphcap.checks.statics.reach` lists what the model reaches,
 each tensor with its slot (`module._parameters["w"]`, `runner.__dict__["lm_head"]`); the guard
 records, at capture, each object's identity, address, shape, strides and version counter, and
 refuses a replay (`StaticInputMovedError`, naming the tensor) while any of them differs:
@@ -40,8 +40,8 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from graphcap.backends.graph import storage_ptr
+from graphcap.checks.statics import Reached, reach, reached_modules
 from graphcap.errors import StaticInputMovedError
-from graphcap.statics import Reached, reach, reached_modules
 
 __all__ = ["StaticGuard"]
 
@@ -91,7 +91,7 @@ class StaticGuard:
             self._add(self._before, Reached(f"static.{name}", tensor, self.registered, name, "static input"))
 
     def collect(self, model: Any, staging: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every static tensor by name: staging, the registered, what the model reaches (`graphcap.statics`)."""
+        """Every static tensor by name: staging, the registered, what the model reaches (`graphcap.checks.statics`)."""
         return {r.name: r.value for r in reach(model, self.registered, staging) if isinstance(r.value, torch.Tensor)}
 
     def arm(self, model: Any, staging: Mapping[str, torch.Tensor]) -> None:

@@ -1,4 +1,5 @@
-"""`parse_bytes`: a byte count written as a number or a size such as `4GiB` (config keys and CLI flags).
+"""Byte counts: `parse_bytes` reads one written as a number or a size such as `4GiB` (config keys
+and CLI flags); `format_bytes` writes one for people (`1536` -> `1.5 KiB`).
 
 One parser for `capture.memory_budget` and `graphcap sizes --memory-budget`, so a size that one
 accepts the other accepts too. Imports nothing of graphcap.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["MAX_BYTES", "parse_bytes"]
+__all__ = ["MAX_BYTES", "format_bytes", "parse_bytes"]
 
 MAX_BYTES = 1 << 62
 """Sizes at or above this are refused (they fit no device and overflow int64 arithmetic)."""
@@ -27,3 +28,12 @@ def parse_bytes(text: str) -> int:
     if unit is None or not 1 <= float(match.group(1)) * unit < MAX_BYTES:
         raise ValueError(f"expected bytes or a size such as 4GiB, 512MiB or 8GB (at least 1 byte); got {text!r}")
     return int(float(match.group(1)) * unit)
+
+
+def format_bytes(num: int | float) -> str:
+    """`1536` -> `1.5 KiB`: binary units up to TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(num) < 1024:
+            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
+        num /= 1024
+    return f"{num:.1f} TiB"

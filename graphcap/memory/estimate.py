@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphcap.report import format_bytes
+from graphcap.config.byte_counts import format_bytes
 
 __all__ = ["GraphMemory", "MemoryEstimate", "available_memory", "estimate_memory", "graphs_bytes"]
 

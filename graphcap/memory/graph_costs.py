@@ -1,6 +1,6 @@
 """`graph_costs`: graphcap's memory estimate of the graphs, split per capture size for the size chooser.
 
-`graphcap.size_choice.choose_sizes` keeps a schedule within a memory budget by the bytes
+`graphcap.sizing.choice.choose_sizes` keeps a schedule within a memory budget by the bytes
 `GraphCosts` gives each size; this module reads them off `estimate_memory`, so the chooser and
 `graphcap sizes`/`capture` never disagree (`tests/test_size_choice.py` checks that the parts add
 up to the estimate of every schedule). Imports no torch.
@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from graphcap.keys import KeyRegistry
-from graphcap.memory import estimate_memory
-from graphcap.size_choice import GraphCosts
+from graphcap.memory.estimate import estimate_memory
+from graphcap.sizing.choice import GraphCosts
 
 __all__ = ["graph_costs"]
 

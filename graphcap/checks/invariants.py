@@ -18,8 +18,8 @@ for every production step; `full` adds the O(tokens) checks on real rows.
 | real `positions == seq_len - query_len + offset` | full | rotary and cache slots come from them |
 | padded `positions`, `input_ids` per rule; ids in vocab | full | embedding and rotary lookups stay in range |
 | `block_table` in `[0, num_blocks)`; padded rows per rule | full | an out-of-range block is an illegal access |
-| own block, no slot twice; real requests never read or write block 0 | full | `graphcap.kv_writes` |
-| every KV-cache group (`kv_cache.groups`): the same slot and table rules | basic, full | `graphcap.kv_writes` |
+| own block, no slot twice; real requests never read or write block 0 | full | `graphcap.checks.kv_writes` |
+| every KV-cache group (`kv_cache.groups`): the same slot and table rules | basic, full | `graphcap.checks.kv_writes` |
 
 Address checks (a static input replaced after capture) live with the graphs (`backends`).
 """
@@ -30,10 +30,10 @@ from typing import Any, Literal
 
 import numpy as np
 
+from graphcap.checks.kv_writes import check_group_rows, check_writes
+from graphcap.checks.plans import basic_holds, full_holds, qsl_tail
 from graphcap.errors import InvariantViolation
 from graphcap.inputs import ForwardInputs
-from graphcap.invariant_plans import basic_holds, full_holds, qsl_tail
-from graphcap.kv_writes import check_group_rows, check_writes
 
 __all__ = ["LEVELS", "InvariantViolation", "check_invariants"]
 
@@ -63,7 +63,7 @@ def check_invariants(
         return
     if level not in LEVELS:
         raise ValueError(f"level must be one of {', '.join(LEVELS)}; got {level!r}")
-    holds = basic_holds(inputs)  # the few-call proof (graphcap.invariant_plans)
+    holds = basic_holds(inputs)  # the few-call proof (graphcap.checks.plans)
     if not holds:
         _check_basic(inputs)  # finds and names the first broken rule
     lens = None
@@ -249,7 +249,7 @@ def _check_full(inputs: ForwardInputs, lens: np.ndarray, kv_writes: bool = True)
 
 
 def _check_kv_writes(inputs: ForwardInputs, lens: np.ndarray, dummy: bool) -> None:
-    """Where real tokens write the KV cache: within max_model_len, then the rules of `graphcap.kv_writes`."""
+    """Where real tokens write the KV cache: within max_model_len, then the rules of `graphcap.checks.kv_writes`."""
     host, key, lim = inputs.host, inputs.key, inputs.limits
     n, r = inputs.num_tokens, inputs.num_reqs
     if not n:

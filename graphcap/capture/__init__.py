@@ -1,0 +1,18 @@
+"""Capture: the pass that records graphs, what checks each one, and the graphs over an engine's life.
+
+| module | holds |
+|---|---|
+| `driver.py` | `run_pass`: one pass end to end (budget, GC, block tables set aside, reservation, install) |
+| `runner.py` | `CapturePass`: preflight, warmups, record and verify per key; `gc_frozen` around a pass |
+| `verification.py` | the capture-time replay comparisons (dummy and partly filled batches) |
+| `failures.py` | `FailurePolicy`: what a failed key does (`capture.on_error`) |
+| `timing.py` | `time_key`, `replay_speedup`: eager vs replay per key (`capture.min_speedup`) |
+| `lifecycle.py` | `LiveGraphs`: the installed graphs, release, resize, what a re-capture keeps |
+| `lazy.py` | `LazyCapture`: which pending key to capture next in idle time, and when to stop |
+"""
+
+from graphcap.capture.lazy import LazyCapture
+from graphcap.capture.lifecycle import LiveGraphs
+from graphcap.capture.runner import CapturePass
+
+__all__ = ["CapturePass", "LazyCapture", "LiveGraphs"]

@@ -1,0 +1,15 @@
+"""Checks: what a step's inputs must hold, and what a replay must still find where capture left it.
+
+| module | holds |
+|---|---|
+| `invariants.py` | `check_invariants`: the metadata rules of a staged step, per level |
+| `plans.py` | the few-call proofs each level runs first (the rule-by-rule checks only name a failure) |
+| `kv_writes.py` | where real tokens write each KV-cache group |
+| `statics.py` | `reach`: the tensors a model reaches, each with its slot |
+| `guard.py` | `StaticGuard`: static inputs recorded at capture and checked around every replay |
+"""
+
+from graphcap.checks.guard import StaticGuard
+from graphcap.checks.invariants import check_invariants
+
+__all__ = ["StaticGuard", "check_invariants"]
