@@ -15,10 +15,11 @@ invalidates the other's output. Replays of one pool are serialized by `lock` and
 run on one stream.
 
 The CUDA allocator counts the graphs of each pool handle (`use_count`) and keeps a handle
-whose count fell to zero until `empty_cache()` frees it; capturing into it again before that
-fails with `use_count > 0` (an INTERNAL ASSERT). So a `GraphPool` counts its live graphs per
-handle too, and moves later captures to a fresh handle when the last graph of the current one
-is released (after a failed verification, a data-parallel peer's failure, a second capture
+whose count fell to zero until `empty_cache()` frees it (the pinned host allocator, which keeps
+graph pools too from torch 2.11, until `torch._C._host_emptyCache()`); capturing into it again
+before that fails with `use_count > 0` (an INTERNAL ASSERT). So a `GraphPool` counts its live
+graphs per handle too, never captures into a handle again once its count fell to zero, and moves
+later captures to a fresh handle when the last graph of the current one is released (after a failed verification, a data-parallel peer's failure, a second capture
 pass on one backend).
 
 The memory budget's reservation (`capture.memory_budget`, `GraphPool.reserve`) belongs to the
