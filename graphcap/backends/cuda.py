@@ -262,18 +262,23 @@ class CUDAGraphBackend(GraphBackend):
         graph = torch.cuda.CUDAGraph()
         stream, caller = self.pool.stream, torch.cuda.current_stream(self.device)
         stream.wait_stream(caller)
-        with torch.cuda.device(self.device), torch.cuda.stream(stream), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "the CUDA graph is empty": it only holds memory
-            graph.capture_begin(pool=handle, capture_error_mode=self.capture_error_mode)
-            try:
-                held = [torch.empty(large, dtype=torch.uint8, device=self.device)] if large else []
-                # Alive together, so each pair of 1 MiB blocks takes a segment of its own.
-                held += [
-                    torch.empty(SMALL_REQUEST, dtype=torch.uint8, device=self.device) for _ in range(2 * small_segments)
-                ]
-                del held  # freed at once, kept by the pool
-            finally:
-                graph.capture_end()
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(stream), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "the CUDA graph is empty": it only holds memory
+                graph.capture_begin(pool=handle, capture_error_mode=self.capture_error_mode)
+                try:
+                    held = [torch.empty(large, dtype=torch.uint8, device=self.device)] if large else []
+                    # Alive together, so each pair of 1 MiB blocks takes a segment of its own.
+                    held += [
+                        torch.empty(SMALL_REQUEST, dtype=torch.uint8, device=self.device)
+                        for _ in range(2 * small_segments)
+                    ]
+                    del held  # freed at once, kept by the pool
+                finally:
+                    graph.capture_end()
+        except BaseException:  # out of memory: the holder's use of the pool goes back now, not at its GC
+            discard_capture(graph, self.device, handle)
+            raise
         caller.wait_stream(stream)
         return graph.reset, torch.cuda.memory_reserved(self.device) - before
 

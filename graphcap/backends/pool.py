@@ -19,8 +19,8 @@ whose count fell to zero until `empty_cache()` frees it (the pinned host allocat
 graph pools too from torch 2.11, until `torch._C._host_emptyCache()`); capturing into it again
 before that fails with `use_count > 0` (an INTERNAL ASSERT). So a `GraphPool` counts its live
 graphs per handle too, never captures into a handle again once its count fell to zero, and moves
-later captures to a fresh handle when the last graph of the current one is released (after a failed verification, a data-parallel peer's failure, a second capture
-pass on one backend).
+later captures to a fresh handle when the last graph of the current one is released (after a
+failed verification, a data-parallel peer's failure, a second capture pass on one backend).
 
 The memory budget's reservation (`capture.memory_budget`, `GraphPool.reserve`) belongs to the
 pool, not to a backend: backends sharing a pool reserve once, and the reservation follows the
@@ -124,7 +124,13 @@ class GraphPool:
         if held is not None and held.num_bytes >= num_bytes:
             return 0
         extra = num_bytes - (held.num_bytes if held is not None else 0)
-        holder, took = self._reserve(self.handle, extra) if self._reserve is not None else (None, 0)
+        try:
+            holder, took = self._reserve(self.handle, extra) if self._reserve is not None else (None, 0)
+        except BaseException:
+            if self._new_handle is not None and self.num_live() == 0:
+                self.rotate()  # the failed holder may have left the handle's use count at zero
+                self._empty()
+            raise
         if held is None:
             held = self.reservation = Reservation(0, self.handle)
         if holder is not None:

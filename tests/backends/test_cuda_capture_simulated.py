@@ -195,3 +195,24 @@ def _capture_pieces(backend, x: torch.Tensor) -> None:
             return double(x + 1) + 1
 
     backend.capture_pieces(forward, {"x": x}, name="pieces")
+
+
+def test_a_reservation_the_device_cannot_hold_leaves_no_use_of_the_pool_behind(monkeypatch):
+    cuda = SimulatedCUDA(monkeypatch)
+    backend = cuda.backend()
+    handle = backend.pool.handle
+    real_empty = torch.empty
+
+    def out_of_memory(*size, dtype=None, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 63.00 GiB")
+        return real_empty(*size, dtype=dtype, device=device, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "empty", out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+            backend.reserve(64 << 30)
+    assert backend.reserved_bytes is None and not cuda.allocator.recording
+    assert handle not in cuda.allocator.use_count and backend.pool.handle != handle  # the holder's use went back
+    x = torch.ones(4)
+    backend.capture(lambda: x * 2, {"x": x}, name="after")  # no use_count > 0 assertion
