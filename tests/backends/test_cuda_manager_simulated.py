@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import graphcap
-from graphcap import CaptureManager
+from graphcap import CaptureError, CaptureManager
 from graphcap.backends import GraphPool
 from graphcap.models import build_model
 from graphcap.testing import make_config
@@ -159,3 +159,50 @@ def test_checks_sync_debug_opts_lazy_capture_in_to_the_process_wide_mode(sync_de
     assert manager.capture_pending() == len(manager.registry.planned)
     assert sync_debug.history.count(2) == 2 * len(manager.registry.planned)  # the preflight and the warmups
     assert sync_debug.mode == 0
+
+
+class CachingBackend(ReservingBackend):
+    """The caching allocator's rule for a capture, simulated: each warmup leaves its activations in the eager
+    cache (taking free device memory), a capture needs fresh device memory and, as on CUDA, cannot free the
+    cache to find it (`captures_underway` blocks the release); `empty_cache()` returns the cache."""
+
+    DEVICE, ACTIVATIONS, CAPTURE = 100, 60, 50  # MiB
+
+    def __init__(self, allocator: FakeAllocator) -> None:
+        super().__init__(allocator)
+        self.free, self.cached = self.DEVICE, 0
+
+    def warmup(self, fn, num_warmups: int) -> None:
+        super().warmup(fn, num_warmups)
+        if self.cached < self.ACTIVATIONS:  # the activations of every size fit one cached working set
+            self.free -= self.ACTIVATIONS - self.cached
+            self.cached = self.ACTIVATIONS
+
+    def empty_cache(self) -> None:
+        super().empty_cache()
+        self.free, self.cached = self.free + self.cached, 0
+
+    def _capture(self, fn, *, name, input_ptrs):
+        if self.free < self.CAPTURE:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated): {self.cached} MiB cached, {self.free} free")
+        return super()._capture(fn, name=name, input_ptrs=input_ptrs)
+
+
+def test_a_lazy_key_captures_although_the_warmups_filled_the_cache():
+    backend = CachingBackend(FakeAllocator())
+    manager = _manager(backend, **{"capture.strategy": "lazy", "capture.memory_budget": None})
+    manager.capture()
+    assert manager.capture_pending() == len(manager.registry.planned)
+
+
+def test_without_emptying_the_cache_before_each_capture_a_lazy_key_runs_out_of_memory(monkeypatch):
+    # The canary: the cache emptied only where nothing was captured yet (once per pass) leaves the warmups'
+    # activations cached when the capture needs the memory.
+    backend = CachingBackend(FakeAllocator())
+    manager = _manager(backend, **{"capture.strategy": "lazy", "capture.memory_budget": None})
+    manager.capture()
+    monkeypatch.setattr(backend, "empty_cache", lambda: None)
+    with pytest.raises(
+        CaptureError, match=r"failed: out of memory \(CUDA out of memory \(simulated\): 60 MiB cached, 40 free\)"
+    ):
+        manager.capture_pending()
