@@ -18,6 +18,8 @@ __all__ = ["traceback_location", "user_location"]
 _SKIP_DIRS = (
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    # the dispatch mode that watches a capture forward's collectives calls every op of the forward
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed", "ledger.py"),
 )
 
 
