@@ -69,3 +69,19 @@ def test_no_hold_freezes_the_heap_or_thaws_the_engines():
         assert 0 < gc.get_freeze_count() <= frozen  # refcounts may free some; nothing thawed, nothing added
     finally:
         gc.unfreeze()
+
+
+def test_frozen_without_the_first_collection_collects_only_the_young_generations_after(collections):
+    with gc_frozen(collect_first=False):
+        assert collections == [] and not gc.isenabled() and depth() == 1
+    assert collections == [1] and gc.isenabled() and depth() == 0
+
+
+def test_an_emulated_capture_pass_collects_no_old_generation(collections):
+    # the emulated backend has no device memory for a full collection to free first
+    from graphcap.testing import make_config, make_manager
+
+    manager = make_manager(make_config())
+    collections.clear()
+    manager.capture()
+    assert 2 not in collections and manager.graphs

@@ -56,7 +56,13 @@ def run_pass(
         live.reserve(budget)
         return [], 0
     admitted, declined = budget.split(job.config, keys, job.registry.captured)
-    with gc_frozen(), logging_redirect_tqdm(), set_aside(), _capture_threads(backend, job.config):
+    collect_first = backend.name == "cuda"  # dead cycles holding device memory; the emulated backend has none
+    with (
+        gc_frozen(collect_first=collect_first),
+        logging_redirect_tqdm(),
+        set_aside(),
+        _capture_threads(backend, job.config),
+    ):
         live.reserve(budget)  # the backend empties the allocator's cache before each capture itself
         memory_before = backend.memory_in_use()
         records, graphs = job.run(admitted, context=context, progress=progress) if admitted else ([], {})

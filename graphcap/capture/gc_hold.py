@@ -2,8 +2,9 @@
 
 Two holds, one per way of capturing:
 
-- `gc_frozen(after=1)` around an upfront pass: one full collection before the pass (as torch's and
-  vLLM's captures start with one: dead cycles holding device memory go first), then GC off until the
+- `gc_frozen(after=1)` around an upfront pass: one full collection before a CUDA pass (as torch's and
+  vLLM's captures start with one: dead cycles holding device memory go first; an emulated pass has
+  none to free and skips it), then GC off until the
   pass ends, then a collection of the young generations (what the pass made).
 - `gc_paused()` around one key of a lazy `capture_pending` call, which must fit a gap of milliseconds
   in an engine's serving loop: GC off for the key, no collection before it (a full collection of an
@@ -36,15 +37,20 @@ def depth() -> int:
 
 
 @contextmanager
-def gc_frozen(after: int = 1) -> Iterator[None]:
-    """A full collection, then GC off for an upfront capture pass; restored on every exit path.
+def gc_frozen(after: int = 1, *, collect_first: bool = True) -> Iterator[None]:
+    """A full collection (`collect_first`), then GC off for an upfront capture pass; restored on every
+    exit path.
+
+    The collection first frees dead cycles that hold device memory before the graphs take theirs: a
+    CUDA pass wants it; the emulated backend has no device memory to free, so its passes skip it (on
+    a test process's or an engine's heap it cost a quarter of a pass).
 
     The collection after the pass walks generations up to `after`, by default the young ones
     only: everything the pass made is young (GC was off), and walking the unchanged old heap again
     costs a third of a re-capture (`tools/bench_capture.py --recapture --gc-full` compares `after=2`).
     Inside another hold: nothing (the outer one collects).
     """
-    with _held(before=2, after=after):
+    with _held(before=2 if collect_first else None, after=after):
         yield
 
 
