@@ -17,7 +17,7 @@ import torch
 
 from graphcap.config import PadRules
 from graphcap.config.buffers import BufferConfig, buffer_problems
-from graphcap.fields import FIELDS
+from graphcap.fields import COUNT_FIELDS, FIELDS
 from graphcap.keys import GraphKey
 
 __all__ = [
@@ -169,6 +169,10 @@ class ForwardInputs:
     and never slice by the Python counts (a graph freezes them). The views alias persistent
     storage: they stay valid, and keep their addresses, for the life of the buffers, and
     the next `stage` overwrites them. A model must not resize or replace them.
+
+    `num_tokens_device` and `num_reqs_device` are the real counts as 0-dim int32 tensors staged with
+    the rows (the Python `num_tokens` and `num_reqs` are frozen into a graph at capture; these are
+    not): `padding_mask()` derives from them which rows are padding, without a host sync.
     """
 
     input_ids: torch.Tensor  # [T] int32
@@ -177,6 +181,8 @@ class ForwardInputs:
     query_start_loc: torch.Tensor  # [R+1] int32, cumulative query lengths
     seq_lens: torch.Tensor  # [R] int32, total lengths including this step
     block_table: torch.Tensor  # [R, max_blocks_per_req] int32
+    num_tokens_device: torch.Tensor  # [] int32: num_tokens, on the device; a replay reads the step's own
+    num_reqs_device: torch.Tensor  # [] int32: num_reqs, on the device; a replay reads the step's own
     num_tokens: int
     num_reqs: int
     key: GraphKey
@@ -191,12 +197,27 @@ class ForwardInputs:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The static input tensors by name (built-ins in packed order, then the extras)."""
-        out = {name: getattr(self, name) for name in FIELDS}
+        out = {name: getattr(self, name) for name in (*FIELDS, *COUNT_FIELDS)}
         out.update(self.extras)
         for group in self.limits.kv_groups:
             view = self.kv_groups[group.name]
             out[group.table_field], out[group.slots_field] = view.block_table, view.slot_mapping
         return out
+
+    def padding_mask(self, rows: Literal["tokens", "reqs"] = "tokens") -> torch.Tensor:
+        """Bool `[T]` (`rows="tokens"`) or `[R]` (`"reqs"`): True for padded rows, False for real ones.
+
+        Computed on the device from `num_tokens_device` / `num_reqs_device`: no host sync, so a graph
+        captures it and every replay's mask follows that step's counts. A mixture-of-experts layer keeps
+        padded tokens out of routing with it (vLLM's `is_padding`, SGLang's `num_token_non_padded`).
+        """
+        if rows == "tokens":
+            like, count = self.input_ids, self.num_tokens_device
+        elif rows == "reqs":
+            like, count = self.seq_lens, self.num_reqs_device
+        else:
+            raise ValueError(f"padding_mask(rows=...) takes 'tokens' or 'reqs'; got {rows!r}")
+        return torch.arange(like.shape[0], dtype=torch.int32, device=like.device) >= count
 
 
 def prepare_of(model: Any) -> Callable[[ForwardInputs, PreparePhase], None] | None:
