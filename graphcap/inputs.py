@@ -48,10 +48,15 @@ class BufferSpec:
     invariant level (`basic` and `full`) on the staged host rows and raises to refuse them.
     `sample(rng, num_real_rows)`: the real rows of the batches graphcap makes for capture and
     verification (a numpy `Generator`; `num_real_rows` is 0 for a `none` buffer, which returns
-    the whole tensor), so verification runs the buffer with real values, not only its pad.
-    Without it those batches hold the pad in every row. Values that index engine state (a
-    second KV group's slots, a state row) must name rows the engine lets graphcap write: the
-    capture pass writes what the model writes for them.
+    the whole tensor), so verification runs the buffer with real values, not only its pad, and a
+    forward that reads it as a host value (frozen at capture) is refused. Without it
+    (`sample=None`) a float buffer is sampled around its pad (`pad * uniform(0.5, 2)`, or
+    `uniform(0.5, 2)` for a pad of 0) and a bool buffer at random; an integer buffer holds its pad
+    in every row, since an integer may index engine state (a slot, a state row, a LoRA) and a value
+    graphcap made up could write what the engine owns or read out of range: give it a `sample`
+    whose values name rows the engine lets graphcap write (the capture pass writes what the model
+    writes for them). `sample="pad"`: every row holds the pad (for a float or bool buffer whose
+    values must follow a rule no sampler knows; verification then cannot see it read as a host value).
     """
 
     name: str
@@ -61,14 +66,16 @@ class BufferSpec:
     pad: int | float | bool = 0
     row_dim: int = 0
     check: Callable[[np.ndarray, int], Any] | None = field(default=None, compare=False)
-    sample: Callable[[np.random.Generator, int], Any] | None = field(default=None, compare=False)
+    sample: Callable[[np.random.Generator, int], Any] | Literal["pad"] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         problems = buffer_problems(self.name, self.rows, self.shape, self.dtype, self.pad, self.row_dim)
         if self.check is not None and not callable(self.check):
             problems.append(("check", f"must be callable(host_view, num_real_rows); got {type(self.check).__name__}"))
-        if self.sample is not None and not callable(self.sample):
-            problems.append(("sample", f"must be callable(rng, num_real_rows); got {type(self.sample).__name__}"))
+        if self.sample is not None and self.sample != "pad" and not callable(self.sample):
+            problems.append(
+                ("sample", f"must be callable(rng, num_real_rows), 'pad' or None; got {type(self.sample).__name__}")
+            )
         if problems:
             detail = "; ".join(f"{key}: {message}" for key, message in problems)
             raise ValueError(f"BufferSpec {self.name!r}: {detail}")
@@ -82,6 +89,13 @@ class BufferSpec:
     @property
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.dtype)
+
+    @property
+    def is_sampled(self) -> bool:
+        """Whether graphcap's capture and verification batches hold sampled rows (not the pad) of this buffer."""
+        if self.sample is None:
+            return self.np_dtype.kind in "fb"
+        return self.sample != "pad"
 
 
 class KVGroup(NamedTuple):

@@ -323,3 +323,71 @@ def test_a_frozen_python_count_keeps_its_own_message():
     with pytest.raises(CaptureError, match="froze a host value at capture") as caught:
         manager.capture()
     assert "carries state" not in str(caught.value)
+
+
+# -- engine buffers sampled by default -----------------------------------------------------------
+
+
+class ReadsTemperature(torch.nn.Module):
+    """The reference model divided by a per-request temperature (an engine buffer), each token by its request's.
+
+    `frozen`: read from the host view as Python numbers, which a graph keeps from its capture."""
+
+    def __init__(self, inner: torch.nn.Module, frozen: bool) -> None:
+        super().__init__()
+        self.inner, self.frozen = inner, frozen
+
+    def forward(self, inputs):
+        temperature = inputs.extras["temperature"]  # [R] float32
+        if self.frozen:
+            temperature = torch.tensor(inputs.host.extras["temperature"].tolist(), dtype=temperature.dtype)
+        T = inputs.input_ids.shape[0]
+        request = torch.searchsorted(inputs.query_start_loc[1:], torch.arange(T, dtype=torch.int32), right=True)
+        request = request.clamp(max=temperature.shape[0] - 1)  # padded tokens: the last row (a sink)
+        return self.inner(inputs) / temperature[request, None]
+
+
+def _temperature_manager(frozen: bool, sample=None) -> CaptureManager:
+    from graphcap import BufferSpec
+
+    torch.set_num_threads(1)
+    config = make_config({"capture.sizes": [4]})
+    spec = BufferSpec("temperature", "reqs", dtype="float32", pad=1.0, sample=sample)
+    return CaptureManager(ReadsTemperature(build_model(config), frozen), config, progress=False, buffers=[spec])
+
+
+def test_a_float_buffer_read_as_a_host_value_is_refused_without_a_sample():
+    with pytest.raises(CaptureError, match="froze a host value at capture"):
+        _temperature_manager(frozen=True).capture()
+    report = _temperature_manager(frozen=False).capture()  # read as a tensor: verified with sampled values
+    assert all(r.verified for r in report.records)
+
+
+def test_a_buffer_that_opts_out_of_sampling_holds_its_pad_and_lets_a_host_read_through():
+    """Canary: `sample="pad"` verifies with the pad in every row, so the frozen read passes capture and a
+    real step with other temperatures replays the capture's."""
+    manager = _temperature_manager(frozen=True, sample="pad")
+    assert all(r.verified for r in manager.capture().records)
+    batch = StepBatch([1, 1], [3, 4], input_ids=[5, 6], extras={"temperature": np.array([0.5, 2.0])})
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(manager.execute(batch).clone(), manager.eager(batch))
+
+
+def test_default_samples_follow_the_dtype_and_integers_keep_their_pad():
+    from graphcap import BufferSpec
+    from graphcap.staging.extras import sampled
+
+    specs = (
+        BufferSpec("temperature", "reqs", dtype="float32", pad=1.0),
+        BufferSpec("scale", "none", shape=(3,), dtype="float16", pad=0.0),
+        BufferSpec("is_prefill", "reqs", dtype="bool", pad=False),
+        BufferSpec("lora_index", "tokens", dtype="int32", pad=-1),  # may index engine state: not made up
+        BufferSpec("top_p", "reqs", dtype="float32", pad=1.0, sample="pad"),
+    )
+    rows = sampled(specs, np.random.default_rng(0), 6, 64)
+    assert sorted(rows) == ["is_prefill", "scale", "temperature"]
+    assert rows["temperature"].shape == (64,) and 0.5 <= rows["temperature"].min() < rows["temperature"].max() <= 2
+    assert rows["scale"].dtype == np.float16 and rows["scale"].shape == (3,) and np.isfinite(rows["scale"]).all()
+    assert rows["is_prefill"].dtype == bool and rows["is_prefill"].any() and not rows["is_prefill"].all()
+    with pytest.raises(ValueError, match=r"BufferSpec 'x': sample: must be callable\(rng, num_real_rows\), 'pad'"):
+        BufferSpec("x", "reqs", dtype="float32", sample="always")

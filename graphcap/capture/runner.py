@@ -298,8 +298,8 @@ class CapturePass:
         return run
 
     def _sampled(self, batch: StepBatch, seed: int) -> StepBatch:
-        """`batch` with real rows for every engine buffer that has a `sample`."""
-        if not any(spec.sample is not None for spec in self.extras):
+        """`batch` with sampled real rows for every engine buffer that is sampled (`BufferSpec.is_sampled`)."""
+        if not any(spec.is_sampled for spec in self.extras):
             return batch
         rng = np.random.default_rng([seed, batch.num_tokens, batch.num_reqs])
         extras = sampled(self.extras, rng, batch.num_tokens, batch.num_reqs)
