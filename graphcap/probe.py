@@ -49,8 +49,10 @@ def probe_fills(key: GraphKey, *, max_model_len: int) -> tuple[Fill, ...]:
 
     Tokens at one, about half and all but one of `T` (a mixed key), each with requests at the same
     level of `R` (one; about half, and fewer than the tokens so requests of several tokens run; all
-    but one), at least the requests `max_model_len` needs; a uniform key (`T / R` tokens per request)
-    at one, about half and all but one of its requests. Distinct levels, in that order. A key that
+    but one), at least the requests `max_model_len` needs; where none of those has requests of several
+    tokens (a key of two or three tokens), all but one token (both of two) over the fewest requests too,
+    so an output with a row per request cut as per token shows. A uniform key (`T / R` tokens per
+    request) at one, about half and all but one of its requests. Distinct levels, in that order. A key that
     admits no smaller batch (one request of a uniform key, one token of a mixed one) gets its full
     fill alone: it is verified on the full batch only.
     """
@@ -66,6 +68,12 @@ def probe_fills(key: GraphKey, *, max_model_len: int) -> tuple[Fill, ...]:
             levels.append(Fill(1, 1))
             levels.append(Fill(half, min(R, max(least(half), min(max(1, R // 2), max(1, half // 2))))))
             levels.append(Fill(T - 1, min(R, max(least(T - 1), min(max(1, R - 1), T - 1)))))
+            # Requests of several tokens, so an output with a row per request cut as per token shows: all
+            # but one token (both tokens of a key of two) over the fewest requests.
+            n = T - 1 if T > 2 else T
+            several = Fill(n, least(n))
+            if not any(f.num_tokens > f.num_reqs for f in levels) and several.num_reqs < n and not several.is_full(key):
+                levels.append(several)
     out = tuple(dict.fromkeys(levels))
     return out or (Fill(T, R),)
 

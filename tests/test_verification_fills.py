@@ -116,14 +116,14 @@ def test_fills_are_partial_at_one_half_and_all_but_one_wherever_the_key_admits_i
         return
     assert fills and all(not f.is_full(key) for f in fills) and len(set(fills)) == len(fills)
     for n, r in fills:
-        assert 1 <= r <= min(n, R) and n < T and -(-n // max_model_len) <= r
+        assert 1 <= r <= min(n, R) and (n < T or (T == 2 and r < R)) and -(-n // max_model_len) <= r
         if R > 1:
             assert r < R or -(-n // max_model_len) == R  # fewer requests, unless max_model_len needs them all
     tokens = [n for n, _ in fills]
     assert tokens[0] == (T // R if uniform else 1)  # one request (one real token for a mixed key)
     last = (R - 1) * (T // R) if uniform else T - 1
-    assert tokens[-1] == last  # all but one
-    if not uniform and T >= 8:
+    assert last in tokens  # all but one
+    if not uniform and (T > 2 or R > 1) and -(-(T - 1) // max_model_len) < T - 1:
         assert any(n > r for n, r in fills)  # requests of several tokens: a per-request output cut per token shows
 
 
