@@ -224,6 +224,8 @@ class ForwardInputs:
         Computed on the device from `num_tokens_device` / `num_reqs_device`: no host sync, so a graph
         captures it and every replay's mask follows that step's counts. A mixture-of-experts layer keeps
         padded tokens out of routing with it (vLLM's `is_padding`, SGLang's `num_token_non_padded`).
+        `"reqs"` has the step's request rows, which a piecewise key does not fix: there only an
+        `eager_op` may ask for it (the token mask is fine anywhere).
         """
         if rows == "tokens":
             like, count = self.input_ids, self.num_tokens_device
