@@ -127,9 +127,15 @@ def diagnosis(
     eager: Callable[[], Any],
     stage: Callable[[], ForwardInputs],
     batch: StepBatch,
-) -> Callable[[Any, Any], str | None]:
+) -> Callable[[Any, Any], str | None] | None:
     """What `compare_replay` asks when a replay and an eager run of `batch` differ: whether the forward
-    carries state between runs (`carried_state`), and which tensors it changed (not staged, not weights)."""
+    carries state between runs (`carried_state`), and which tensors it changed (not staged, not weights).
+
+    None with data- or tensor-parallel peers: the runs it adds may hold collectives that peers whose
+    comparison passed would not join.
+    """
+    if job.failures.peers is not None:
+        return None
 
     def replay_again() -> Any:
         staged = stage()
