@@ -2,6 +2,7 @@
 
 | module | holds |
 |---|---|
+| `driver.py` | `run_pass`: one pass end to end (budget, GC, block tables set aside, reservation, install) |
 | `runner.py` | `CapturePass`: preflight, warmups, record and verify per key; `gc_frozen` around a pass |
 | `probing.py` | the verification runs of a key: its dummy batch, a probe batch at each fill level |
 | `verification.py` | the capture-time replay comparison (`compare_replay`) and its messages |

@@ -2,12 +2,12 @@
 
 `compare_replay` is the one check: replay `graph` on the staged `inputs`, run `eager()` (the
 expected real rows), compare with `torch.testing.assert_close` at the configured tolerance, and
-raise `CaptureError(message(difference))` when they differ. The capture pass runs it per key,
-after the pass's context has exited: on the capture's own dummy batch, and on a `probe_batch` at
-each of `probe_fills(key)` (one real token, about half, all but one; requests likewise), each
-unlike the dummy in every value, so padded rows run in every share and a host value the graph
-froze at capture (a Python count, an `.item()`) shows. A key that admits no smaller batch is
-verified on full batches only, and its record says so. Where a key is verified
+raise `CaptureError(message(difference))` when they differ. A capture pass (`CapturePass`) runs it
+per key, after the pass's context has exited: on the capture's own dummy batch, and on a
+`probe_batch` at each of `probe_fills(key)` (one real token, about half, all but one; requests
+likewise), each unlike the dummy in every value, so padded rows run in every share and a host value
+the graph froze at capture (a Python count, an `.item()`) shows. A key that admits no smaller batch
+is verified on full batches only, and its record says so. Where a key is verified
 right after its capture (no engine context, no peers), the dummy batch's expected rows are its last
 warmup's output (`LastRun`), which ran that batch eagerly just before: the same reads, one forward fewer.
 """
@@ -27,7 +27,15 @@ from graphcap.inputs import ForwardInputs
 from graphcap.outputs import OutputRows, cloned, flatten_output
 from graphcap.piecewise import running
 
-__all__ = ["DUMMY_MISMATCH", "NORM_TOLERANCE", "LastRun", "compare_replay", "differs", "probe_mismatch"]
+__all__ = [
+    "DUMMY_MISMATCH",
+    "NORM_TOLERANCE",
+    "LastRun",
+    "assert_close",
+    "compare_replay",
+    "differs",
+    "probe_mismatch",
+]
 
 DUMMY_MISMATCH = (
     "replay differs from eager on the same inputs ({diff}); the forward depends on something the "
@@ -253,3 +261,30 @@ def _same_structure(a: Any, b: Any) -> bool:
     if isinstance(a, dict) or isinstance(b, dict):
         return isinstance(a, dict) and isinstance(b, dict) and list(a) == list(b)
     return type(a) is type(b) and len(a) == len(b)
+
+
+def assert_close(
+    actual: Any,
+    expected: Any,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    msg: str | Callable[[str], str] | None = None,
+) -> None:
+    """`torch.testing.assert_close` with the same verdict, decided by `torch.allclose` where it can.
+
+    Tensors, or tuples, lists and dicts of them, compared element by element at assert_close's
+    tolerances (its defaults by dtype, or `rtol` and `atol` together). Only a mismatch, or an input
+    the fast path does not judge, calls `torch.testing.assert_close`, which writes the message: on
+    torch 2.13 its first call in a process imports the DTensor stack and sympy (seconds on a loaded
+    machine), which every short-lived process (a tool, a rank of a multi-process test) would pay.
+    """
+    tolerance = {} if rtol is None and atol is None else {"rtol": rtol, "atol": atol}
+    if None not in tolerance.values() and _same_structure(actual, expected):
+        try:
+            left, right = flatten_output(actual, "comparison")[0], flatten_output(expected, "comparison")[0]
+        except CaptureError:  # a structure the fast path does not judge: assert_close does
+            left, right = [], [None]
+        if len(left) == len(right) and all(_surely_close(a, b, tolerance) for a, b in zip(left, right)):
+            return
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=msg)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 import graphcap
+from graphcap.capture.verification import assert_close
 from tests.distributed._models import (
     CONFIG,
     GatherMLP,
@@ -30,7 +31,7 @@ def _close(output: torch.Tensor, batch) -> str:
     """ "ok" when `output` equals the single-process reference of `batch`, else the difference."""
     expected = reference(batch.input_ids) if batch is not None else torch.zeros(0, output.shape[-1])
     try:
-        torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+        assert_close(output, expected, atol=1e-5, rtol=1e-5)
     except AssertionError as exc:
         return str(exc).splitlines()[-1]
     return "ok"
@@ -176,7 +177,7 @@ def grid(rank: int, world: int, directory: str) -> dict[str, Any]:
 
     def failing(inputs):
         # At the end of the recording (the key's last forward), after its all-reduce: a rank that fails
-        # earlier in a forward leaves its TP peer in that forward's next collective (docs/parallel.md).
+        # earlier in a forward leaves its TP peer in that forward's next collective (docs/guide/distributed.md).
         output = forward(inputs)
         if rank == 1 and inputs.key.num_tokens == 4 and graphcap.is_capturing():
             raise RuntimeError("injected failure on rank 1")
