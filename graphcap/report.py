@@ -97,8 +97,8 @@ class GraphRecord:
     @property
     def full_batch_only(self) -> bool:
         """Verified, but on full batches only: the key admits no smaller batch (one request of a uniform key)."""
-        full = (self.key.num_tokens, self.key.num_reqs)
-        return self.verified and all(tuple(fill) == full for fill in self.verified_fills)
+        T, R = self.key.num_tokens, self.key.num_reqs  # R None: a piecewise key holds any request count
+        return self.verified and all(n == T and R in (None, r) for n, r in self.verified_fills)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
