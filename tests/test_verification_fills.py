@@ -312,9 +312,37 @@ def test_a_model_whose_padded_rows_carry_state_is_refused_naming_the_state():
         **{"capture.sizes": [4]},
     )
     with pytest.raises(
-        CaptureError, match=r"carries state between runs: two eager runs .* changed model.carry \(rows 0-"
-    ):
+        CaptureError,
+        match=r"carries state between runs: two eager runs .* an eager run of it changed model.carry \(rows 0-",
+    ) as caught:
         manager.capture()
+    assert "kv_cache" not in str(caught.value)  # the KV cache's sink rows are no state
+
+
+class OverwrittenRows(torch.nn.Module):
+    """Adds the rows the last run computed, padded rows included, then overwrites them with its own."""
+
+    def __init__(self, inner: torch.nn.Module, max_num_tokens: int, vocab_size: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("last", torch.zeros(max_num_tokens, vocab_size))
+
+    def forward(self, inputs):
+        h = self.inner(inputs)  # [T, V]
+        rows = self.last[: h.shape[0]]
+        out = h + rows
+        rows.copy_(h)
+        return out
+
+
+def test_state_an_earlier_run_left_is_named_as_state_not_as_a_frozen_value():
+    manager = _manager(
+        lambda inner, config: OverwrittenRows(inner, config.batching.max_num_tokens, config.model.vocab_size),
+        **{"capture.sizes": [4]},
+    )
+    with pytest.raises(CaptureError, match="carries state between runs: two replays of the same batch") as caught:
+        manager.capture()
+    assert "froze a host value" not in str(caught.value) and "kv_cache" not in str(caught.value)
 
 
 def test_a_frozen_python_count_keeps_its_own_message():
