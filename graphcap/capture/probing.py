@@ -50,9 +50,7 @@ def verify_dummy(
             outputs=job.outputs,
             timings=timings,
             precision=job.precision,
-            diagnose=diagnosis(
-                job, graph, inputs, lambda: job.outputs.real(run(), inputs), lambda: inputs, job.capture_batch(key)
-            ),
+            diagnose=diagnosis(job, graph, inputs, lambda: job.outputs.real(run(), inputs), lambda: inputs),
         )
         timings["eager"] = reference.seconds
         return 0.0  # counted with the warmups
@@ -68,7 +66,7 @@ def verify_dummy(
         outputs=job.outputs,
         timings=timings,
         precision=job.precision,
-        diagnose=diagnosis(job, graph, inputs, eager, lambda: inputs, job.capture_batch(key)),
+        diagnose=diagnosis(job, graph, inputs, eager, lambda: inputs),
     )
 
 
@@ -116,7 +114,7 @@ def verify_batch(job: CapturePass, key: GraphKey, graph: CapturedGraph, batch: S
         message=message,
         outputs=job.outputs,
         precision=job.precision,
-        diagnose=diagnosis(job, graph, inputs, eager, stage, batch),
+        diagnose=diagnosis(job, graph, inputs, eager, stage),
     )
 
 
@@ -126,9 +124,8 @@ def diagnosis(
     inputs: ForwardInputs,
     eager: Callable[[], Any],
     stage: Callable[[], ForwardInputs],
-    batch: StepBatch,
 ) -> Callable[[Any, Any], str | None] | None:
-    """What `compare_replay` asks when a replay and an eager run of `batch` differ: whether the forward
+    """What `compare_replay` asks when a replay of the staged `inputs` and an eager run differ: whether the forward
     carries state between runs (`carried_state`), and which tensors it changed (not staged, not weights).
 
     None with data- or tensor-parallel peers: the runs it adds may hold collectives that peers whose
@@ -150,7 +147,7 @@ def diagnosis(
             if name not in staged and not isinstance(tensor, torch.nn.Parameter)
         }
         T, R = inputs.key.num_tokens, inputs.key.num_reqs
-        counts = f"{batch.num_tokens} of {T} tokens, {batch.num_reqs} of {R or batch.num_reqs} requests real"
+        counts = f"{inputs.num_tokens} of {T} tokens, {inputs.num_reqs} of {R or inputs.num_reqs} requests real"
         with torch.inference_mode():
             return carried_state(
                 state,
