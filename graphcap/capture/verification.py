@@ -54,8 +54,10 @@ def probe_mismatch(
         "if the forward reads this step's keys back through slot_mapping, pass capture(scratch_blocks=<free "
         "block ids>) so verification can write them."
     )
+    partly = num_tokens < padded_tokens or num_reqs < padded_reqs
+    what = "a partly filled batch" if partly else "a full batch of other values (no smaller batch fits the key)"
     return lambda diff: (
-        f"replay differs from eager on a partly filled batch ({num_tokens} of {padded_tokens} tokens, "
+        f"replay differs from eager on {what} ({num_tokens} of {padded_tokens} tokens, "
         f"{num_reqs} of {padded_reqs} requests, other token ids, lengths and blocks: {diff}). The graph froze a "
         "host value at capture (a Python number read from inputs.host or inputs.num_tokens / num_reqs, a value "
         "prepare() computed, an .item()), or padded rows leak into real ones. Read per-step values only as "
