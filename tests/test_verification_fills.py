@@ -419,3 +419,27 @@ def test_default_samples_follow_the_dtype_and_integers_keep_their_pad():
     assert rows["is_prefill"].dtype == bool and rows["is_prefill"].any() and not rows["is_prefill"].all()
     with pytest.raises(ValueError, match=r"BufferSpec 'x': sample: must be callable\(rng, num_real_rows\), 'pad'"):
         BufferSpec("x", "reqs", dtype="float32", sample="always")
+
+
+# -- the counts on the device ---------------------------------------------------------------------
+
+
+@given(
+    query_lens=st.lists(st.integers(1, 4), min_size=1, max_size=8),
+    extra_tokens=st.integers(0, 8),
+    extra_reqs=st.integers(0, 4),
+)
+@settings(max_examples=80, deadline=None)
+def test_the_device_counts_and_padding_masks_follow_every_staged_step(query_lens, extra_tokens, extra_reqs):
+    from graphcap import PersistentBuffers
+
+    buffers = PersistentBuffers(16, 48, 4, block_size=4, num_blocks=64, poison=True)
+    buffers.stage(StepBatch([1] * 16, [2] * 16), GraphKey(48, 16, False))  # every row dirty before the step
+    n, r = sum(query_lens), len(query_lens)
+    key = GraphKey(n + extra_tokens, min(r + extra_reqs, 16), False)
+    inputs = buffers.stage(StepBatch(query_lens, [q + 1 for q in query_lens]), key)
+    assert (int(inputs.num_tokens_device), int(inputs.num_reqs_device)) == (n, r)
+    assert inputs.padding_mask().tolist() == [t >= n for t in range(key.num_tokens)]
+    assert inputs.padding_mask("reqs").tolist() == [i >= r for i in range(key.num_reqs)]
+    with pytest.raises(ValueError, match=r"padding_mask\(rows=...\) takes 'tokens' or 'reqs'; got 'blocks'"):
+        inputs.padding_mask("blocks")
