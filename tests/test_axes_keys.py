@@ -25,7 +25,7 @@ from graphcap.testing import make_config
 def registry(
     axes=None, *, mode="full", sizes=(1, 2, 4, 8), q=1, max_num_seqs=8, captured=True, combinations=()
 ) -> KeyRegistry:
-    keys = KeyRegistry(CaptureSizes(sizes, 64), mode, q, max_num_seqs, 64, axes, combinations)
+    keys = KeyRegistry(CaptureSizes(sizes, 64), mode, q, max_num_seqs, 64, axes=axes, combinations=combinations)
     if captured:
         for key in keys.planned:
             keys.mark_captured(key)

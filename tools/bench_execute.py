@@ -96,7 +96,7 @@ def cases(manager: CaptureManager, batch: StepBatch) -> dict[str, object]:
         manager._stage(batch, key, phase="replay")
 
     sizes, q, rows = registry.sizes, registry.uniform_query_len, registry.max_num_seqs
-    with_axis = KeyRegistry(sizes, registry.mode, q, rows, None, {"lora": (0, 1, 2, 4, 8)})
+    with_axis = KeyRegistry(sizes, registry.mode, q, rows, None, axes={"lora": (0, 1, 2, 4, 8)})
     for planned in with_axis.planned:
         with_axis.mark_captured(planned)
     step_axes = {"lora": 3}

@@ -18,6 +18,7 @@ from graphcap.inputs import BufferSpec
 __all__ = [
     "check_extras",
     "check_extras_fit",
+    "default_sample",
     "full_shape",
     "merged_specs",
     "pad_extra",
@@ -98,16 +99,20 @@ def sampled(
     num_reqs: int,
     axes: Mapping[str, int] | None = None,
 ) -> dict:
-    """Real rows of every buffer with a `sample` for a batch graphcap makes (capture, verification).
+    """Real rows of every sampled buffer (`BufferSpec.is_sampled`) for a batch graphcap makes (capture,
+    verification): from its `sample`, or by default from its dtype and pad (`default_sample`).
 
     A `sample` with an `axes` parameter is called `sample(rng, num_real_rows, axes=...)` with the batch's
     key-axis values (`capture.axes`), so rows that index axis slots stay below the batch's value."""
     out = {}
     for spec in extras:
-        if spec.sample is None:
+        if not spec.is_sampled:
             continue
         real = {"tokens": num_tokens, "reqs": num_reqs, "none": 0}[spec.rows]
         expected = real_shape(spec, None if spec.rows == "none" else real)
+        if spec.sample is None:
+            out[spec.name] = default_sample(spec, rng, expected)
+            continue
         try:
             if _takes_axes(spec.sample):
                 value = np.asarray(spec.sample(rng, real, axes=dict(axes or {})))
@@ -125,6 +130,16 @@ def sampled(
             )
         out[spec.name] = value
     return out
+
+
+def default_sample(spec: BufferSpec, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Rows of `shape` for a float or bool buffer without a `sample`: `pad * uniform(0.5, 2)` (a pad of 0:
+    `uniform(0.5, 2)`), finite in the buffer's dtype; booleans at random. Unlike the pad and unlike each other."""
+    if spec.np_dtype.kind == "b":
+        return rng.random(shape) < 0.5
+    scale = float(spec.pad) if spec.pad and np.isfinite(float(spec.pad)) else 1.0
+    largest = float(np.finfo(spec.np_dtype).max) / 2
+    return np.clip(scale * rng.uniform(0.5, 2.0, shape), -largest, largest).astype(spec.np_dtype)
 
 
 def _takes_axes(sample) -> bool:
