@@ -166,8 +166,9 @@ class CaptureManager:
         report_path = self.config.report.path
         if report_path:
             check_report_path(report_path)
-        job = self._capture_pass(scratch_blocks, group_scratch_blocks)  # checks the scratch blocks first
         with self._scope("capture"):
+            # Built under the lock: a resize_kv() waiting for it would otherwise leave the pass the old KV bound.
+            job = self._capture_pass(scratch_blocks, group_scratch_blocks)  # checks the scratch blocks first
             self._check_ready()
             replaced = len(self.graphs)
             self._live.release_all("pending" if self._lazy.is_lazy else "not_captured")
@@ -209,8 +210,8 @@ class CaptureManager:
         captured and verified as by `capture()`, within the budget, under `capture.on_error`; collective with peers.
         """
         check_time_limits(max_seconds, max_keys)
-        job = self._capture_pass(scratch_blocks, group_scratch_blocks)
         with self._scope("capture_pending"):
+            job = self._capture_pass(scratch_blocks, group_scratch_blocks)  # under the lock, as in capture()
             self._check_ready()
             return self._lazy.run(lambda key: self._capture_keys(job, [key], False), max_seconds, max_keys)
 
@@ -392,11 +393,14 @@ class CaptureManager:
         `BatchError` naming a block table row holding a block past the bound. Returns the graphs released."""
         with self._scope("resize_kv"):
             config, named = resize_plan(self.config, self.model, num_blocks, tensors, group, block_dim)
-            self.buffers.resize_kv(num_blocks, group)
+            for name, tensor in named.items():  # what register() would refuse, before anything changes
+                self._guard.check_registrable(name, tensor)
+            self.buffers.resize_kv(num_blocks, group)  # the last check (rows past a smaller bound): refuses first
             self.config = config
+            released = self._live.release_all("kv_resized")
             for name, tensor in named.items():
                 self._guard.register(name, tensor)
-            return self._history.freed("resize_kv()", self._live.release_all("kv_resized"), self.stats)
+            return self._history.freed("resize_kv()", released, self.stats)
 
     def __repr__(self) -> str:
         return f"CaptureManager({len(self.graphs)} graphs, backend={self.backend.name}, device={self.device})"

@@ -198,6 +198,8 @@ def kv_tensors(tensors: Any) -> dict[str, torch.Tensor]:
     else:
         raise TypeError(f"tensors must be a tensor, a list of tensors or a mapping of names to them; got {tensors!r}")
     for name, tensor in named.items():
+        if not name:
+            raise TypeError(f"tensors must be named by non-empty strings (registered as static.NAME); got {name!r}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensors[{name!r}] must be a torch.Tensor; got {type(tensor).__name__}")
     return named
