@@ -179,6 +179,7 @@ class CaptureManager:
             except BaseException:
                 self._live.release_all()
                 raise
+            overrun = self._budget.overrun(self.config, self.registry.captured)
             report = CaptureReport(
                 records=records,
                 backend=self.backend.name,
@@ -186,7 +187,7 @@ class CaptureManager:
                 total_seconds=time.perf_counter() - start,
                 pool_bytes=pool_bytes,
                 config=self.config.to_dict(),
-                warnings=uncompiled_warnings(self.graphs.values(), self.backend.name),
+                warnings=uncompiled_warnings(self.graphs.values(), self.backend.name) + ([overrun] if overrun else []),
                 recapture=self._history.completed(replaced, self.stats),
                 pending=[str(key) for key in self.registry.pending()] if self._lazy.is_lazy else [],
                 memory_budget=self._budget.to_dict(self.config, self.registry.captured, pool_bytes, self.backend),
@@ -217,10 +218,14 @@ class CaptureManager:
 
     def _capture_keys(self, job: CapturePass, keys: list[GraphKey], progress: bool | None) -> tuple[list, int]:
         """Capture `keys` into the live graphs within the budget (arming the guard first); records, pool growth."""
-        if keys and not self.graphs:
+        fresh = not self.graphs
+        if keys and fresh:
             self._guard.arm(self.model, self.buffers.storage())
         kwargs = {"set_aside": self.buffers.table_set_aside, "context": self._capture_context, "progress": progress}
-        return self._live.add(job, keys, config=self.config, budget=self._budget, **kwargs)
+        records, grown = self._live.add(job, keys, config=self.config, budget=self._budget, **kwargs)
+        if self._budget.observe(grown, fresh=fresh):
+            log.warning("%s", self._budget.overrun(self.config, self.registry.captured))
+        return records, grown
 
     def _capture_pass(self, scratch_blocks: Iterable[int] = (), group_scratch_blocks: Any = None) -> CapturePass:
         scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)

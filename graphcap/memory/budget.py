@@ -13,6 +13,12 @@ On CUDA the manager also reserves the budget in the graph pool before the first 
 the pool instead of failing for lack of it; the report gives the measured pool beside the
 estimate. The emulated backend reserves nothing: it accounts the same estimate, so the budget
 logic is tested on CPU.
+
+The budget holds to graphcap's estimate, not to the memory the captures measure: the estimate
+decides before a key is captured, the measure comes after. When the pool the live graphs'
+captures measured grows past the budget although the estimate meets it (the model allocates more
+than the estimate knows of), `overrun` words a warning naming both figures: `capture()` puts it
+in the report's warnings and logs it, `capture_pending()` logs it when its captures cross.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ class MemoryBudget:
 
     def __init__(self, config: Any, backend_name: str) -> None:
         self.limit: int | None = config.capture.memory_budget
+        self.measured = 0
+        """Device memory the captures of the live graphs added, as measured (`observe`)."""
         self.kind = "cuda" if backend_name == "cuda" else "emulated"
         """Which estimate applies: `cuda` (one shared pool) or `emulated` (each graph's output)."""
         if self.limit is not None and config.model.factory is not None:
@@ -82,6 +90,26 @@ class MemoryBudget:
             )
             declined.append(GraphRecord(key, "skipped", 0.0, 0, False, reason))
         return admitted, declined
+
+    def observe(self, grown: int, *, fresh: bool) -> bool:
+        """The captures of one call added `grown` bytes (`fresh`: no graph was live before them); whether the
+        measured total crossed the budget with them (it was within before)."""
+        before = 0 if fresh else self.measured
+        self.measured = before + grown
+        return self.limit is not None and before <= self.limit < self.measured
+
+    def overrun(self, config: Any, held: Iterable[GraphKey]) -> str | None:
+        """A warning when the measured memory of the live graphs `held` is past the budget (None: within it)."""
+        if self.limit is None or self.measured <= self.limit:
+            return None
+        held = list(held)
+        estimate, measured, limit = self.estimate(config, held), self.measured, self.limit
+        return (
+            f"capture.memory_budget {format_bytes(limit)} holds to graphcap's estimate of the graphs "
+            f"({format_bytes(estimate)} for the {len(held)} live graphs), not to measured memory: their captures "
+            f"grew the pool by {format_bytes(measured)}, {measured / limit:.1f}x the budget. To keep device memory "
+            "within it, lower capture.memory_budget by that ratio or capture fewer sizes"
+        )
 
     def to_dict(self, config: Any, held: Iterable[GraphKey], pool_bytes: int, backend: Any) -> dict[str, Any] | None:
         """A report's `memory_budget` entry (None without a budget): the budget, the estimate of the live
