@@ -22,7 +22,7 @@ from graphcap.batch import StepBatch, step_or_idle
 from graphcap.block_table import BlockTable
 from graphcap.capture.failures import FailurePolicy
 from graphcap.capture.lazy import LazyCapture, check_time_limits
-from graphcap.capture.lifecycle import LiveGraphs, PassHistory, check_kv_fits, resize_plan
+from graphcap.capture.lifecycle import KeptOutputs, LiveGraphs, PassHistory, check_kv_fits, resize_plan
 from graphcap.capture.runner import CapturePass, uncompiled_warnings
 from graphcap.checks.guard import StaticGuard
 from graphcap.checks.invariants import check_invariants
@@ -109,9 +109,11 @@ class CaptureManager:
         self._lazy = LazyCapture(self.registry, self.stats, self._peers, is_lazy=config.capture.strategy == "lazy")
         self._counting = True
         self._history = PassHistory()
+        self._kept = KeptOutputs()  # the last replay's outputs, kept valid across capture_pending()
         self._scope = StepScope(threading.RLock())
         self.last_key: GraphKey | None = None
-        """The key the last `execute`/`eager` step ran with (captured, or the unpadded eager key)."""
+        """The key the last `execute`/`eager` step ran with: the captured key it replayed, or for an eager step
+        `GraphKey(num_tokens, num_reqs, False)` of its own counts (None before the first step). Public."""
 
     @contextmanager
     def uncounted(self) -> Iterator[None]:
@@ -209,12 +211,17 @@ class CaptureManager:
         """Capture keys with no graph yet (`capture.strategy: lazy`), most traffic first, while `max_seconds` (None:
         no limit) have not passed and fewer than `max_keys` were taken; returns how many (0: none pending). Each is
         captured and verified as by `capture()`, within the budget, under `capture.on_error`; collective with peers.
+        The last step's outputs read the same afterwards (copied aside and back: see `KeptOutputs`).
         """
         check_time_limits(max_seconds, max_keys)
         with self._scope("capture_pending"):
             job = self._capture_pass(scratch_blocks, group_scratch_blocks)  # under the lock, as in capture()
-            self._check_ready()
-            return self._lazy.run(lambda key: self._capture_keys(job, [key], False), max_seconds, max_keys)
+            self._check_ready("capture_pending")
+            with self._kept.protected():  # the last step's outputs stay valid until the next step
+                captured = self._lazy.run(lambda key: self._capture_keys(job, [key], False), max_seconds, max_keys)
+            if captured:  # an idle-time pass: counted as capture() passes are
+                self.stats.captures += 1
+            return captured
 
     def _capture_keys(self, job: CapturePass, keys: list[GraphKey], progress: bool | None) -> tuple[list, int]:
         """Capture `keys` into the live graphs within the budget (arming the guard first); records, pool growth."""
@@ -223,6 +230,7 @@ class CaptureManager:
             self._guard.arm(self.model, self.buffers.storage())
         kwargs = {"set_aside": self.buffers.table_set_aside, "context": self._capture_context, "progress": progress}
         records, grown = self._live.add(job, keys, config=self.config, budget=self._budget, **kwargs)
+        self.stats.graphs_captured += sum(record.key in self.graphs for record in records)
         if self._budget.observe(grown, fresh=fresh):
             log.warning("%s", self._budget.overrun(self.config, self.registry.captured))
         return records, grown
@@ -247,24 +255,26 @@ class CaptureManager:
             precision=_precision(self.model),
         )
 
-    def _check_ready(self) -> None:
+    def _check_ready(self, call: str = "capture") -> None:
         """`ConfigError`: `num_warmups: 0` where the backend needs warmups (cuda), or a KV cache that shrank
-        without `resize_kv`. With peers, a rank that steps while they capture fails here, out of step."""
+        without `resize_kv`. With peers, a rank that steps while they capture (`call`) fails here, out of step."""
         try:
             self.backend.check_warmups(self.config.capture.num_warmups)
         except ValueError as exc:
             raise ConfigError([ConfigProblem("capture.num_warmups", str(exc))]) from None
         check_kv_fits(self.config, self.model)
         if self._peers is not None:
-            self._peers.begin_capture()
+            self._peers.begin_capture(call)
 
     # -- steps ---------------------------------------------------------------------------
 
     def dispatch(self, batch: StepBatch | None, *, step: int | None = None) -> GraphKey | None:
-        """The captured key `batch` replays with, or None (eager). Collective with peers (`step`: see `execute`)."""
+        """The captured key `batch` would replay with, or None (eager): a query, which runs nothing and counts
+        nothing (neither `stats` nor the traffic lazy capture orders keys by). Collective with peers (`step`: see
+        `execute`)."""
         batch = step_or_idle(batch)
         with self._scope("dispatch"):  # with a group, a step's collective must not interleave
-            mode, key, _ = self._dispatch(batch, step)
+            mode, key, _ = self._dispatch(batch, step, count=False)
             return None if mode is Mode.EAGER else key
 
     def execute(self, batch: StepBatch | None, *, step: int | None = None) -> Any:
@@ -276,9 +286,10 @@ class CaptureManager:
         (`graphcap.outputs`: per token to `[:batch.num_tokens]`, per request to
         `[:batch.num_reqs]`; undeclared, a tensor with a row per padded token is cut to the real
         tokens): views valid until any graph of the backend's pool replays (the next step), so
-        read or clone them first. `None` is an idle data-parallel rank: it joins the agreed key
-        with no real rows (so does a batch refused with peers, then raises). `step`: the engine's
-        step number, which peers must share (default: this manager's count of steps).
+        read or clone them first; `capture_pending()` between steps keeps them (`KeptOutputs`),
+        `capture()`, `release()`, `resize_kv()` and `reset()` free them. `None` is an idle data-parallel
+        rank: it joins the agreed key with no real rows (so does a batch refused with peers, then raises).
+        `step`: the engine's step number, which peers must share (default: this manager's count of steps).
         """
         batch = step_or_idle(batch)
         with self._scope.execute:
@@ -310,7 +321,9 @@ class CaptureManager:
             if mode is Mode.PIECEWISE:
                 stats.eager_op_calls += len(graph.calls)
                 stats.eager_op_copies += graph.copies_per_replay
-        return self._outputs.real(output, inputs)
+        output = self._outputs.real(output, inputs)
+        self._kept.hold(graph, output)
+        return output
 
     def eager(self, batch: StepBatch) -> Any:
         """The reference: the model on the same staging path, unpadded, with no graph."""
@@ -321,6 +334,7 @@ class CaptureManager:
     def _run_eager(self, batch: StepBatch, key: GraphKey | None = None) -> Any:  # key: unpadded, or pad_eager's
         key = key or self.registry.eager_key(batch.num_tokens, batch.num_reqs)
         self.last_key = key
+        self._kept.drop()  # a step: the last replay's outputs are no longer valid
         with in_phase("eager"):
             inputs = self._stage(batch, key, phase="eager")
             with torch.inference_mode(), running(inputs):
@@ -356,11 +370,12 @@ class CaptureManager:
         buffers.upload()  # the rows just staged and checked
         return inputs
 
-    def _dispatch(self, batch: StepBatch, step: int | None = None) -> Dispatch:
+    def _dispatch(self, batch: StepBatch, step: int | None = None, *, count: bool = True) -> Dispatch:
         if self._peers is not None:
             return self._peers.plan(batch, "dispatch", step).dispatch
         registry = self.registry
-        return registry.dispatch(batch.num_tokens, batch.num_reqs, batch.is_uniform(registry.uniform_query_len))
+        uniform = batch.is_uniform(registry.uniform_query_len)
+        return registry.dispatch(batch.num_tokens, batch.num_reqs, uniform, count=count)
 
     # -- bookkeeping ---------------------------------------------------------------------
 

@@ -159,11 +159,12 @@ class StepAgreement:
         for sync in self.syncs:
             sync.agree_on_config(fingerprint, items)
 
-    def begin_capture(self) -> None:
-        """Before a capture pass runs anything: ranks capturing while a peer steps fail here, out of step."""
+    def begin_capture(self, call: str = "capture") -> None:
+        """Before a capture pass (`call`: "capture" or "capture_pending") runs anything: ranks capturing while a
+        peer steps (or makes the other call) fail here, out of step, each rank's call named."""
         self.current = None
         for sync in self.syncs:
-            sync.agree(self.steps, "capture")
+            sync.agree(self.steps, call)
 
     def first_failed(self, failed: bool, kind: str, what: str) -> int | None:
         """The lowest world rank that failed `what` (DP, then TP: every rank of a TP x DP grid learns it)."""
@@ -182,12 +183,13 @@ class StepAgreement:
         elif isinstance(number, bool) or not isinstance(number, int) or number < 0:
             raise ValueError(f"step must be an int >= 0 (the engine's step number); got {number!r}")
         refused: BaseException | None = None
-        own, uniform = self._own(batch)
+        counted = call == "execute"  # a dispatch() is a query: no traffic for lazy capture
+        own, uniform = self._own(batch, counted)
         try:
             self._stage(batch, own.key)
         except BatchError as exc:
             refused, batch = exc, IDLE
-            own, uniform = self._own(batch)
+            own, uniform = self._own(batch, counted)
         if self.tp is not None:
             digest = 1 if refused is not None else self._digest(batch, own.key)
             digests = self.tp.agree(number, call, value=digest).values
@@ -200,7 +202,7 @@ class StepAgreement:
                 )
                 mismatch.__cause__ = refused
                 refused, batch = mismatch, IDLE
-                own, uniform = self._own(batch)
+                own, uniform = self._own(batch, counted)
         dispatch, counts, padded = own, (batch.num_tokens,), None
         if self.dp is not None:
             dispatch, counts, padded = self._agree_dp(number, call, batch, uniform, own)
@@ -250,9 +252,9 @@ class StepAgreement:
         else:
             view[...] = step.counts
 
-    def _own(self, batch: StepBatch) -> tuple[Dispatch, bool]:
+    def _own(self, batch: StepBatch, count: bool = True) -> tuple[Dispatch, bool]:
         uniform = batch.is_uniform(self.registry.uniform_query_len)
-        return self.registry.dispatch(batch.num_tokens, batch.num_reqs, uniform), uniform
+        return self.registry.dispatch(batch.num_tokens, batch.num_reqs, uniform, count=count), uniform
 
     def _digest(self, batch: StepBatch, key: GraphKey) -> int:
         """CRC-32 of the staged host rows and the counts, >= 2 (1 marks a refused batch)."""
@@ -277,7 +279,7 @@ class StepAgreement:
         eager = Dispatch(Mode.EAGER, _eager_key(batch, padded), own.reason if own.mode is Mode.EAGER else "peer")
         if any_cannot:
             return eager, counts, padded
-        agreed = registry.dispatch(num_tokens, num_reqs, not any_mixed)
+        agreed = registry.dispatch(num_tokens, num_reqs, not any_mixed, count=call == "execute")
         return (eager if agreed.mode is Mode.EAGER else agreed), counts, padded
 
 

@@ -40,6 +40,7 @@ KINDS = {
     "dispatch": (5, "dispatch()"),
     "execute": (6, "execute()"),
     "reduce_max": (7, "reduce_max"),
+    "capture_pending": (8, "capture_pending() starting"),
 }
 """Kind of call -> (its number in the call slot, its name in "ranks out of step" messages)."""
 _NAMES = {number: name for number, name in KINDS.values()}
@@ -157,7 +158,8 @@ class GroupSync:
         return DistributedTimeoutError(
             f"{what}: ranks out of step: the {self.role} ranks made different calls ({described}); every rank "
             "must call execute/dispatch "
-            "once per step (an idle rank passes None) and capture() at the same point, with the same config. "
+            "once per step (an idle rank passes None) and capture() or capture_pending() at the same point, with "
+            "the same config. "
             "No rank ran the step"
         )
 
@@ -186,6 +188,6 @@ def _describe(call: int) -> str:
     name = _NAMES.get(kind, "an unknown call")
     if kind in (3, 4):
         return f"{name} a key (tag {call & 0xFFFF}) after step {step}"
-    if kind in (1, 2):
+    if kind in (1, 2, 8):
         return f"{name} after step {step}"
     return f"{name} of step {step}"
