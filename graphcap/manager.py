@@ -127,9 +127,9 @@ class CaptureManager:
 
     @property
     def block_table(self) -> BlockTable:
-        """The persistent block table: rows written as they change (`set_row`, `append`, `move`, `swap`, `clear`),
-        named by a step (`StepBatch(q, s, ids, block_table=manager.block_table)`: request i's blocks are row i)
-        instead of a fresh table. With several threads, write rows under `lock`. A capture sets them aside."""
+        """The persistent block table: rows written as they change (`set_row`, `append`, `truncate`, `move`, `swap`,
+        `clear`), named by a step (`StepBatch(q, s, ids, block_table=manager.block_table)`: request i's blocks are
+        row i) instead of a fresh table. With several threads, write rows under `lock`. A capture sets them aside."""
         return self.buffers.block_table
 
     # The step scope holds the lock; a property, so a control experiment can swap in a no-op one.
