@@ -78,8 +78,10 @@ class KVGroupConfig(Section):
     """Names `ForwardInputs.kv_groups[name]` and `StepBatch(kv_groups={name: ...})`; a Python identifier."""
     block_size: int = spec(16, min=1, max=1 << 16)
     """Token slots per block of this group (at most 65536)."""
-    num_blocks: int = spec(256, min=2, max=INT32_MAX)
-    """Blocks of this group's cache, its null block 0 included."""
+    num_blocks: int | None = spec(None, min=2, max=INT32_MAX)
+    """Blocks of this group's cache, its null block 0 included. Required: a group's cache is its own,
+    sized apart from `kv_cache.num_blocks` (no default could be right; give the built-in group's
+    count explicitly when the caches match)."""
     sliding_window: int | None = spec(None, min=1, max=1 << 24)
     """Tokens a layer of this group attends back, null for all: a note the model reads
     (`inputs.kv_groups[name].sliding_window`). The engine frees blocks that fall out of the window
@@ -91,7 +93,15 @@ class KVGroupConfig(Section):
             out.append(
                 problem("name", f"must be a Python identifier (it names inputs.kv_groups[...]); got {self.name!r}")
             )
-        if self.num_blocks * self.block_size > INT32_MAX:
+        if self.num_blocks is None:
+            out.append(
+                problem(
+                    "num_blocks",
+                    f"is required for group {self.name!r}: the blocks of its own cache, null block 0 included (it "
+                    "is not kv_cache.num_blocks; write that count here when both caches hold as many blocks)",
+                )
+            )
+        elif self.num_blocks * self.block_size > INT32_MAX:
             out.append(problem("num_blocks", f"{self.num_blocks} blocks x block_size {self.block_size} exceed the "
                                f"int32 range of slot_mapping ({INT32_MAX})"))  # fmt: skip
         return out
