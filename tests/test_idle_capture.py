@@ -2,10 +2,13 @@
 
 The rules: the last step's outputs read the same after a `capture_pending()` as before it (they
 are valid until the next step, and an idle-time capture is no step); `dispatch()` is a query that
-counts no traffic; each `capture_pending()` call that captures a key is counted as a capture pass.
+counts no traffic; each `capture_pending()` call that captures a key is counted as a capture pass;
+after `release()` a lazy manager's `capture()` captures nothing and `capture_pending()` wakes it.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -88,3 +91,21 @@ def test_every_capture_pending_call_that_captures_is_counted_as_a_capture_pass()
     assert (stats["captures"], stats["graphs_captured"]) == (2, len(manager.registry.planned))
     manager.capture()  # lazy: a pass that captures nothing, every key pending again
     assert (manager.stats.captures, manager.stats.graphs_captured) == (3, len(manager.registry.planned))
+
+
+def test_a_lazy_manager_wakes_with_capture_pending_as_docs_lifecycle_says():
+    manager = make_manager(make_config(LAZY))
+    assert manager.capture_pending() == len(manager.registry.planned)
+    manager.release()
+    report = manager.capture()  # the upfront wake-up: under lazy it captures nothing
+    assert report.records == [] and not manager.graphs
+    assert len(report.pending) == len(manager.registry.planned)
+    batch = _decode(7)
+    expected = manager.execute(batch).clone()
+    assert manager.stats.eager["pending"] == 1
+    assert manager.capture_pending() == len(manager.registry.planned)
+    torch.testing.assert_close(manager.execute(batch), expected)
+    assert manager.last_key == DECODE_8
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "lifecycle.md").read_text()
+    wake = doc.split("## Release and wake", 1)[1].split("\n## ", 1)[0]
+    assert "Under `capture.strategy: lazy`, `capture()` on wake captures nothing" in wake
