@@ -20,6 +20,7 @@ import torch
 from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_device
 from graphcap.batch import StepBatch, step_or_idle
 from graphcap.block_table import BlockTable
+from graphcap.capture.driver import run_pass
 from graphcap.capture.failures import FailurePolicy
 from graphcap.capture.lazy import LazyCapture, check_time_limits
 from graphcap.capture.lifecycle import KeptOutputs, LiveGraphs, PassHistory, check_kv_fits, resize_plan
@@ -229,7 +230,7 @@ class CaptureManager:
         if keys and fresh:
             self._guard.arm(self.model, self.buffers.storage())
         kwargs = {"set_aside": self.buffers.table_set_aside, "context": self._capture_context, "progress": progress}
-        records, grown = self._live.add(job, keys, config=self.config, budget=self._budget, **kwargs)
+        records, grown = run_pass(job, self._live, keys, budget=self._budget, **kwargs)
         self.stats.graphs_captured += sum(record.key in self.graphs for record in records)
         if self._budget.observe(grown, fresh=fresh):
             log.warning("%s", self._budget.overrun(self.config, self.registry.captured))

@@ -93,7 +93,7 @@ def test_every_capture_pending_call_that_captures_is_counted_as_a_capture_pass()
     assert (manager.stats.captures, manager.stats.graphs_captured) == (3, len(manager.registry.planned))
 
 
-def test_a_lazy_manager_wakes_with_capture_pending_as_docs_lifecycle_says():
+def test_a_lazy_manager_wakes_with_capture_pending_as_the_lifecycle_guide_says():
     manager = make_manager(make_config(LAZY))
     assert manager.capture_pending() == len(manager.registry.planned)
     manager.release()
@@ -106,6 +106,6 @@ def test_a_lazy_manager_wakes_with_capture_pending_as_docs_lifecycle_says():
     assert manager.capture_pending() == len(manager.registry.planned)
     torch.testing.assert_close(manager.execute(batch), expected)
     assert manager.last_key == DECODE_8
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "lifecycle.md").read_text()
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "lifecycle.md").read_text()
     wake = doc.split("## Release and wake", 1)[1].split("\n## ", 1)[0]
     assert "Under `capture.strategy: lazy`, `capture()` on wake captures nothing" in wake

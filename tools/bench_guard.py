@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep = np.median(np.concatenate(samples["data_ptr sweep only"]))
     whole = np.median(np.concatenate(samples["check() (both)"]))
     print(
-        f"goal (issue 25): what a replay waits for before its launch <= {GUARD_GOAL_US:g} us: "
+        f"goal: what a replay waits for before its launch <= {GUARD_GOAL_US:g} us: "
         f"check_before_replay() {before:.2f} us; the whole check is {whole / sweep:.2f}x the bare data_ptr sweep "
         "(it runs after the launch, overlapping the graph on CUDA)"
     )
