@@ -9,11 +9,12 @@ after `release()` a lazy manager's `capture()` captures nothing and `capture_pen
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
 
-from graphcap import GraphKey, StepBatch
+from graphcap import CaptureManager, GraphKey, StepBatch
 from graphcap.testing import make_config, make_manager
 
 LAZY = {"capture.strategy": "lazy"}
@@ -109,3 +110,32 @@ def test_a_lazy_manager_wakes_with_capture_pending_as_the_lifecycle_guide_says()
     doc = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "lifecycle.md").read_text()
     wake = doc.split("## Release and wake", 1)[1].split("\n## ", 1)[0]
     assert "Under `capture.strategy: lazy`, `capture()` on wake captures nothing" in wake
+
+
+class _ViewOfItsHead(torch.nn.Module):
+    """Returns its logits and a view of its own head: an output outside the pool, which no capture writes."""
+
+    output_rows: ClassVar[dict[str, str]] = {"logits": "tokens", "head": "none"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Parameter(torch.randn(128, 16, generator=g), requires_grad=False)
+        self.head = torch.nn.Parameter(torch.randn(16, 128, generator=g), requires_grad=False)
+
+    def forward(self, inputs) -> dict[str, torch.Tensor]:
+        return {"logits": self.emb[inputs.input_ids.long()] @ self.head, "head": self.head[:4]}
+
+
+def test_capture_pending_writes_back_only_outputs_whose_bytes_changed():
+    model = _ViewOfItsHead()
+    manager = CaptureManager(model, make_config(LAZY), backend="emulated", progress=False)
+    assert manager.capture_pending(max_keys=1) == 1
+    batch = StepBatch(np.ones(7, np.int32), np.full(7, 5), np.arange(7))
+    expected = {name: t.clone() for name, t in manager.eager(batch).items()}
+    output = manager.execute(batch)
+    assert manager.last_key == DECODE_8 and output["head"].data_ptr() == model.head.data_ptr()
+    version = model.head._version
+    assert manager.capture_pending(max_keys=3) == 3
+    assert model.head._version == version  # the weight the output views was never written
+    torch.testing.assert_close(output, expected)
