@@ -261,8 +261,9 @@ class KeyRegistry:
         `uniform`: every request of the step has exactly `uniform_query_len` tokens (an empty
         step is uniform). A uniform step prefers its uniform key and falls back to the mixed
         (or piecewise) key of its size; a key that was skipped or not captured yet is never
-        returned. `count`: a step that runs, counted in `demand` when its key has no graph
-        (False: a query, which changes nothing).
+        returned. `count`: a key with no graph yet counts the step in `demand` (False: a look
+        that is not the step's key, such as a data-parallel rank's own before the agreement, or
+        `CaptureManager.dispatch()`, a query).
         """
         if self.mode == "none":
             return self._eager(num_tokens, num_reqs, "mode_none")

@@ -116,8 +116,8 @@ class KeptOutputs:
     views read (on CUDA the new graphs' intermediates land there; the emulated backend NaN-fills
     them). `protected()` copies the views' values aside before and writes back, after, each one
     whose bytes changed: a tensor the captures left alone (a view of a buffer the engine owns, which
-    capture writes only in the null and scratch blocks) is never written. Costs one copy of the real rows of the last step's
-    outputs per `capture_pending()` call; nothing when the last step ran eagerly.
+    capture writes only in the null and scratch blocks) is never written. Costs one copy of the real
+    rows of the last step's outputs per `capture_pending()` call; nothing when the last step ran eagerly.
     Graphs freed (`capture()`, `release()`, `resize_kv()`, `reset()`) take their outputs with them.
     """
 
