@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_device
+from graphcap.backends import CapturedGraph, GraphBackend, backend_for, resolve_device
+from graphcap.backends.sync_debug import beside_engine_threads
 from graphcap.batch import StepBatch, step_or_idle
 from graphcap.block_table import BlockTable
 from graphcap.capture.driver import run_pass
@@ -74,11 +75,14 @@ class CaptureManager:
         capture_context: Callable[[], AbstractContextManager] | None = None,
         device: torch.device | str | None = None,
         communicators: Iterable[Communicator] = (),
+        generators: Iterable[torch.Generator] = (),
         **moved: Any,
     ) -> None:
         """`group`: the data-parallel group, shorthand for `parallel=Parallel(dp_group=group)`; `parallel`: every
         data- and tensor-parallel option (`graphcap.Parallel`). The keyword arguments `tp_group=`, `dp_timeout=`,
-        `pad_eager=` and `dp_token_counts=` are refused with a `TypeError` naming their `Parallel` field."""
+        `pad_eager=` and `dp_token_counts=` are refused with a `TypeError` naming their `Parallel` field.
+        `generators`: the engine's own `torch.Generator`s its forward draws from (a sampler's), registered with
+        every graph before its capture begins (`graphcap.backends.backend_for`)."""
         refuse_moved(moved)
         parallel = parallel_of(parallel, group)
         if not callable(getattr(model, "forward", None)):
@@ -93,11 +97,7 @@ class CaptureManager:
         extras = (*merged_specs(config.buffers, buffers), *counts_buffers(parallel))
         self.buffers = PersistentBuffers.from_config(config, self.device, extras=extras)
         self.registry = KeyRegistry.from_config(config)
-        # A backend passed in may hold other managers' graphs: only one built here is reset.
-        owns_backend = not isinstance(backend, GraphBackend)
-        self.backend = (
-            get_backend(backend, self.device, sync_debug=config.checks.sync_debug) if owns_backend else backend
-        )
+        self.backend, owns_backend = backend_for(backend, self.device, config, generators)
         self._guard = StaticGuard()
         self._live = LiveGraphs(self.backend, owns_backend, self.registry, self._guard)
         self.graphs: dict[GraphKey, CapturedGraph] = self._live.graphs
@@ -224,7 +224,7 @@ class CaptureManager:
         The last step's outputs read the same afterwards (copied aside and back: see `KeptOutputs`).
         """
         check_time_limits(max_seconds, max_keys)
-        with self._scope("capture_pending"):
+        with self._scope("capture_pending"), beside_engine_threads():  # no process-wide sync-debug mode
             job = self._capture_pass(scratch_blocks, group_scratch_blocks)  # under the lock, as in capture()
             self._check_ready("capture_pending")
             with self._kept.protected():  # the last step's outputs stay valid until the next step

@@ -36,7 +36,8 @@ def run_pass(
     """Capture and verify `keys` with `job` within `budget`, and keep what passed in `live`.
 
     GC is frozen and the block tables set aside (`set_aside()`) meanwhile; the budget is reserved in
-    the pool once (`LiveGraphs.reserve`). Returns every key's record, in `keys` order, and the
+    the pool once (`LiveGraphs.reserve`); the backend empties the allocator's cache before each
+    capture (`GraphBackend.capture`). Returns every key's record, in `keys` order, and the
     device memory the capture added. On an exception the graphs of `keys` are released, those
     kept before stay.
     """
@@ -46,9 +47,7 @@ def run_pass(
         return [], 0
     admitted, declined = budget.split(job.config, keys, job.registry.captured)
     with gc_frozen(), logging_redirect_tqdm(), set_aside():
-        if not live.graphs:
-            backend.empty_cache()  # once per pass; the graphs then share the pool
-        live.reserve(budget)
+        live.reserve(budget)  # the backend empties the allocator's cache before each capture itself
         memory_before = backend.memory_in_use()
         records, graphs = job.run(admitted, context=context, progress=progress) if admitted else ([], {})
     live.install(records + declined, graphs)

@@ -215,6 +215,11 @@ class CaptureSectionConfig(Section):
     memory_budget: int | str | None = None
     """Bytes the graphs may hold (`4GiB`, `512MiB` or an integer), by graphcap's estimate; a key that would
     cross it is not captured (eager reason `over_budget`). Null: no budget."""
+    capture_error_mode: Literal["thread_local", "global", "relaxed"] = "thread_local"
+    """CUDA: what `CUDAGraph.capture_begin` is given. `thread_local` (default): CUDA work another thread
+    issues during a capture (an engine's output or scheduler thread) does not invalidate it, what capture
+    inside a living engine needs; `global`: it does (the stricter check, for an engine with no other
+    CUDA thread); `relaxed`: even the capturing thread may make unsafe calls (debugging only)."""
     min_speedup: float | None = spec(None, gt=0)
     """Keep a graph only if its replay is at least this many times faster than eager at capture (else it
     is released, eager reason `no_speedup`). Null: keep every graph."""

@@ -9,10 +9,15 @@ lazy. Keys are admitted in the order they are captured (upfront: largest first; 
 traffic first), so the keys that come first keep the budget.
 
 On CUDA the manager also reserves the budget in the graph pool before the first capture
-(`GraphBackend.reserve`), so a lazy capture later in the engine's life finds its memory held by
-the pool instead of failing for lack of it; the report gives the measured pool beside the
-estimate. The emulated backend reserves nothing: it accounts the same estimate, so the budget
-logic is tested on CPU.
+(`GraphBackend.reserve`, `GraphPool.reserve`), so a lazy capture later in the engine's life finds
+its memory held by the pool instead of failing for lack of it; the report gives the measured pool
+beside the estimate. What the reservation covers (`graphcap.backends.cuda.reservation_layout`):
+one large block (every request over 1 MiB is carved from it) and 1/64 of the budget, one to 32
+segments of 2 MiB, of small blocks (requests of 1 MiB or less are only ever served from those);
+what a capture needs beyond either still takes fresh device memory. The reservation follows the
+pool through rotations (a failed capture), goes back on `release()`, and is taken once per pool.
+The emulated backend reserves nothing: it accounts the same estimate, so the budget logic is
+tested on CPU.
 
 The budget holds to graphcap's estimate, not to the memory the captures measure: the estimate
 decides before a key is captured, the measure comes after. When the pool the live graphs'
