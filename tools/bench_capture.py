@@ -14,12 +14,18 @@ sizes 1, 8 and 64, through the full step path (staging and invariants included).
 chunked-prefill scheduler with a 512-token budget), three seeds each. No timing: the numbers
 are exact for the histograms.
 
+`--held-out` prints, per traffic shape and seed, the waste of sizes chosen from traffic
+(`graphcap.sizing.held_out.choose_held_out`) in sample and held out (chosen on half the steps,
+scored on the other, both ways), at 30 graphs and at the ladder's 51, beside the default ladder's
+held-out waste at the same number of graphs (the goal: never above it). No timing.
+
 `--recapture` times, per round on a fresh manager, its first capture, a re-capture after a weight
 swap (`lm_head` replaced, as an RL weight sync does) and a capture after `release()` (a wake-up),
 side by side, rounds interleaved; a first warm-up round is dropped (the process's own lazy set-up).
 
     python tools/bench_capture.py [--config PATH] [--steps N] [--threads N] [--quick]
     python tools/bench_capture.py --padding [--seeds N]
+    python tools/bench_capture.py --held-out [--seeds N]
     python tools/bench_capture.py --recapture [--rounds N] [--config PATH] [--quick]
     python tools/bench_capture.py --recapture --gc-full   # ... and re-captures with a full collection after
     python tools/bench_capture.py --lazy [--rounds N] [--config PATH] [--quick]
@@ -42,7 +48,7 @@ import sys
 import numpy as np
 import torch
 
-import graphcap.manager as manager_module
+import graphcap.capture.driver as driver_module
 from graphcap import CaptureManager, load_config
 from graphcap.models import build_model
 from graphcap.sizing.choice import SizeConstraints, choose_sizes
@@ -62,6 +68,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="sizes up to 8, 3 steps (a smoke run)")
     parser.add_argument("--padding", action="store_true", help="padding of chosen vs default ladders, then exit")
     parser.add_argument("--seeds", type=int, default=3, help="with --padding: seeds per traffic shape")
+    parser.add_argument("--held-out", action="store_true", help="in-sample vs held-out waste of chosen sizes")
     parser.add_argument("--recapture", action="store_true", help="first capture vs re-capture vs wake, then exit")
     parser.add_argument("--rounds", type=int, default=5, help="with --recapture: timed rounds")
     parser.add_argument("--gc-full", action="store_true", help="with --recapture: also a full collection after")
@@ -69,6 +76,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.padding:
         return padding(args.seeds)
+    if args.held_out:
+        return held_out(args.seeds)
     if args.lazy:
         return first_step(args.config, 2 if args.quick else args.rounds, args.quick, args.threads)
     if args.recapture:
@@ -80,6 +89,8 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     overrides = {} if args.config else {"device": "cpu"}
+    if args.threads:  # the pass too (capture.num_threads), not only the eager steps
+        overrides["capture.num_threads"] = args.threads
     if args.quick:
         overrides["capture.max_size"] = 8
     steps = 3 if args.quick else args.steps
@@ -253,13 +264,13 @@ def collections(path: str | None, rounds: int, quick: bool, threads: int | None)
     manager = CaptureManager(model, config, progress=False)
     manager.capture()
     seconds: dict[str, list[float]] = {"young": [], "full": []}
-    young = manager_module.gc_frozen
+    young = driver_module.gc_frozen
     for index in range(2 * rounds):
         kind = ("young", "full")[index % 2]
-        manager_module.gc_frozen = young if kind == "young" else functools.partial(young, after=2)
+        driver_module.gc_frozen = young if kind == "young" else functools.partial(young, after=2)
         model.lm_head = torch.nn.Parameter(model.lm_head.detach().clone(), requires_grad=False)
         seconds[kind].append(manager.capture().total_seconds)
-    manager_module.gc_frozen = young
+    driver_module.gc_frozen = young
     ratio = np.array(seconds["young"]) / np.array(seconds["full"])
     print()
     print(f"re-capture after a weight swap, collection after the pass ({rounds} pairs, interleaved)")
@@ -296,6 +307,29 @@ def padding(seeds: int) -> int:
         )
     print("synthetic rows: every count 1-512 with weight 1, and with weight 1/n (steps need not be whole)")
     print(f"worst waste with 30 chosen graphs (60% of the ladder's 51) on the traffic shapes: {worst:.2%}")
+    return 0
+
+
+def held_out(seeds: int) -> int:
+    """In-sample and held-out waste of chosen sizes at 30 and 51 graphs, beside the ladder's held out."""
+    from graphcap.sizing.held_out import choose_held_out
+
+    bound = SizeConstraints(512)
+    print("padded-token waste of sizes chosen from traffic: in sample, and held out (chosen on half the steps,")
+    print("scored on the other, both ways), beside the default ladder's held out at the same number of graphs")
+    header = f"{'shape':<14} {'seed':>4} {'N':>3} {'in sample':>9} {'held out':>8} {'ladder':>7} {'way':<8}"
+    print(header)
+    worst = 0.0  # held out minus the ladder's: the goal is <= 0
+    for shape in TRAFFIC_SHAPES:
+        for seed in range(seeds):
+            histogram = traffic_histogram(shape, seed)
+            for graphs in (30, len(VLLM_LADDER)):
+                held = choose_held_out(histogram, graphs, bound)
+                ours, ladder = held.held_out[held.way], held.held_out["ladder"]
+                worst = max(worst, ours - ladder)
+                row = f"{shape:<14} {seed:>4} {graphs:>3} {held.in_sample:>9.2%} {ours:>8.2%} {ladder:>7.2%}"
+                print(f"{row} {held.way:<8}")
+    print(f"largest held-out waste above the ladder's at the same N: {worst:.2%} (goal <= 0.00%)")
     return 0
 
 

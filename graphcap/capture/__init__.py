@@ -3,7 +3,8 @@
 | module | holds |
 |---|---|
 | `driver.py` | `run_pass`: one pass end to end (budget, GC, block tables set aside, reservation, install) |
-| `runner.py` | `CapturePass`: preflight, warmups, record and verify per key; `gc_frozen` around a pass |
+| `runner.py` | `CapturePass`: preflight, warmups, record and verify per key |
+| `gc_hold.py` | GC held still: `gc_frozen` around an upfront pass, `gc_paused` around a lazy key |
 | `verification.py` | the capture-time replay comparisons (dummy and partly filled batches) |
 | `failures.py` | `FailurePolicy`: what a failed key does (`capture.on_error`) |
 | `timing.py` | `time_key`, `replay_speedup`: eager vs replay per key (`capture.min_speedup`) |

@@ -6,19 +6,17 @@ policy settles a failure. Verification (after the engine's capture context has e
 the dummy batch and a partly filled probe batch, each against an eager run of it. The manager
 owns the graphs and the registry's capture state; a pass only produces them.
 
-`gc_frozen` holds GC still for a pass: a collection in the middle of a capture could free
-tensors the graph records.
+GC is held still around a pass by its caller (`graphcap.capture.gc_hold`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +43,7 @@ from graphcap.probe import probe_batch
 from graphcap.report import GraphRecord
 from graphcap.staging.extras import sampled
 
-__all__ = ["CapturePass", "gc_frozen", "progress_bar", "uncompiled_warnings"]
+__all__ = ["CapturePass", "progress_bar", "uncompiled_warnings"]
 
 
 @dataclass
@@ -250,6 +248,11 @@ class CapturePass:
         if why is not None:
             raise CaptureError(why)
 
+    def key_run(self, key: GraphKey) -> Callable[[], Any]:
+        """The forward of `key`'s graph on its dummy batch, staged as its warmups stage it (not run here)."""
+        inputs = self.stage(self.capture_batch(key), key, phase="capture", dummy=True)
+        return self._reference_run(inputs, self.registry.mode_of(key))
+
     def capture_batch(self, key: GraphKey) -> StepBatch:
         """The dummy batch that captures (and first verifies) `key`, with sampled engine-buffer rows."""
         shape = self.registry.capture_shape(key)
@@ -389,31 +392,3 @@ def uncompiled_warnings(graphs: Iterable[CapturedGraph], backend: str) -> list[s
         f"torch.compile was off while the {backend} backend captured: {', '.join(uncompiled)} "
         "ran uncompiled in the graphs (eager steps run them compiled)"
     ]
-
-
-@contextmanager
-def gc_frozen(after: int = 1) -> Iterator[None]:
-    """Collect, freeze and disable GC for the capture pass; restore on every exit path.
-
-    A collection in the middle of a capture can free tensors the graph still records;
-    freezing also keeps the long-lived objects out of later collections' work. The collection
-    after the pass walks generations up to `after`, by default the young ones only: everything
-    the pass made is young (GC was off), and walking the unchanged old heap again costs a third
-    of a re-capture (`tools/bench_capture.py --recapture --gc-full` compares `after=2`).
-    """
-    was_enabled = gc.isenabled()
-    was_frozen = gc.get_freeze_count() > 0
-    if was_frozen and not was_enabled:  # inside another frozen section (the keys of one capture_pending call)
-        yield
-        return
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if not was_frozen:
-            gc.unfreeze()
-        if was_enabled:
-            gc.enable()
-        gc.collect(after)

@@ -8,6 +8,11 @@ the reason `over_budget: ...` and its steps run eagerly (eager reason `over_budg
 lazy. Keys are admitted in the order they are captured (upfront: largest first; lazy: most
 traffic first), so the keys that come first keep the budget.
 
+Whose estimate: graphcap's arithmetic for its built-in `tiny-llama` built from this config; for any
+other model (an object the engine passes, or a `model.factory` model) each key's figures measured
+on that model (`graphcap.memory.measured`: one eager forward of the key's dummy batch before the
+key is admitted, once per key). A factory model and a model object get the same decision.
+
 On CUDA the manager also reserves the budget in the graph pool before the first capture
 (`GraphBackend.reserve`, `GraphPool.reserve`), so a lazy capture later in the engine's life finds
 its memory held by the pool instead of failing for lack of it; the report gives the measured pool
@@ -28,14 +33,13 @@ in the report's warnings and logs it, `capture_pending()` logs it when its captu
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from graphcap.config import CaptureConfig
 from graphcap.config.byte_counts import format_bytes
-from graphcap.errors import ConfigError, ConfigProblem
 from graphcap.keys import GraphKey, KeyRegistry
-from graphcap.memory.estimate import estimate_memory, graphs_bytes
+from graphcap.memory.estimate import GraphMemory, estimate_memory, graphs_bytes
 from graphcap.report import GraphRecord
 
 __all__ = ["OVER_BUDGET", "MemoryBudget"]
@@ -45,30 +49,25 @@ OVER_BUDGET = "over_budget"
 
 
 class MemoryBudget:
-    """The budget of one manager (`limit` None: every key fits) over `estimate_memory`'s per-key graphs."""
+    """The budget of one manager (`limit` None: every key fits) over `estimate_memory`'s per-key graphs, or
+    over each key measured on the model (`measure`)."""
 
-    def __init__(self, config: CaptureConfig, backend_name: str) -> None:
+    def __init__(
+        self, config: CaptureConfig, backend_name: str, measure: Callable[[GraphKey], GraphMemory] | None = None
+    ) -> None:
         self.limit: int | None = config.capture.memory_budget
-        self.measured = 0
-        """Device memory the captures of the live graphs added, as measured (`observe`)."""
+        self.pool_growth = 0
+        """Device memory the captures of the live graphs added, as the pool measured it (`observe`)."""
         self.kind = "cuda" if backend_name == "cuda" else "emulated"
         """Which estimate applies: `cuda` (one shared pool) or `emulated` (each graph's output)."""
-        if self.limit is not None and config.model.factory is not None:
-            raise ConfigError(
-                [
-                    ConfigProblem(
-                        "capture.memory_budget",
-                        f"model.factory {config.model.factory} has no per-graph memory estimate, so a budget "
-                        "cannot be kept; leave capture.memory_budget null for a factory model",
-                    )
-                ]
-            )
+        self.measure = measure
+        """A key's graph memory measured on the model (None: graphcap's arithmetic of its built-in model)."""
+        self._measured: dict[GraphKey, GraphMemory] = {}
 
     def estimate(self, config: CaptureConfig, keys: Iterable[GraphKey]) -> int:
-        """Estimated bytes the graphs of `keys` hold together (the `graphs` part of `estimate_memory`)."""
-        if config.model.factory is not None:
-            return 0
-        costs = self._costs(config)
+        """Estimated bytes the graphs of `keys` hold together (the `graphs` part of `estimate_memory`, or
+        the measured figures of each key)."""
+        costs = self._costs(config, keys := list(keys))
         return graphs_bytes([costs[key] for key in keys], self.kind)
 
     def split(
@@ -78,10 +77,10 @@ class MemoryBudget:
 
         `held`: the keys whose graphs are live already (they count against the budget).
         """
-        keys = list(keys)
+        keys, held = list(keys), list(held)
         if self.limit is None:
             return keys, []
-        costs = self._costs(config)
+        costs = self._costs(config, [*held, *keys])
         kept = [costs[key] for key in held]
         admitted, declined = [], []
         for key in keys:
@@ -100,16 +99,16 @@ class MemoryBudget:
     def observe(self, grown: int, *, fresh: bool) -> bool:
         """The captures of one call added `grown` bytes (`fresh`: no graph was live before them); whether the
         measured total crossed the budget with them (it was within before)."""
-        before = 0 if fresh else self.measured
-        self.measured = before + grown
-        return self.limit is not None and before <= self.limit < self.measured
+        before = 0 if fresh else self.pool_growth
+        self.pool_growth = before + grown
+        return self.limit is not None and before <= self.limit < self.pool_growth
 
     def overrun(self, config: CaptureConfig, held: Iterable[GraphKey]) -> str | None:
         """A warning when the measured memory of the live graphs `held` is past the budget (None: within it)."""
-        if self.limit is None or self.measured <= self.limit:
+        if self.limit is None or self.pool_growth <= self.limit:
             return None
         held = list(held)
-        estimate, measured, limit = self.estimate(config, held), self.measured, self.limit
+        estimate, measured, limit = self.estimate(config, held), self.pool_growth, self.limit
         return (
             f"capture.memory_budget {format_bytes(limit)} holds to graphcap's estimate of the graphs "
             f"({format_bytes(estimate)} for the {len(held)} live graphs), not to measured memory: their captures "
@@ -131,6 +130,13 @@ class MemoryBudget:
             "reserved_bytes": backend.reserved_bytes or 0,
         }
 
-    def _costs(self, config: CaptureConfig) -> dict[GraphKey, Any]:
-        keys = KeyRegistry.from_config(config).planned
-        return dict(zip(keys, estimate_memory(config, backend=self.kind).graphs, strict=True))
+    def _costs(self, config: CaptureConfig, keys: list[GraphKey]) -> dict[GraphKey, GraphMemory]:
+        if self.measure is None:
+            if config.model.factory is not None:
+                raise ValueError(f"model.factory {config.model.factory}: graphcap has no arithmetic for it; measure it")
+            planned = KeyRegistry.from_config(config).planned
+            return dict(zip(planned, estimate_memory(config, backend=self.kind).graphs, strict=True))
+        for key in keys:
+            if key not in self._measured:
+                self._measured[key] = self.measure(key)
+        return self._measured
