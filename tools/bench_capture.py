@@ -29,6 +29,11 @@ side by side, rounds interleaved; a first warm-up round is dropped (the process'
     python tools/bench_capture.py --recapture [--rounds N] [--config PATH] [--quick]
     python tools/bench_capture.py --recapture --gc-full   # ... and re-captures with a full collection after
     python tools/bench_capture.py --lazy [--rounds N] [--config PATH] [--quick]
+    python tools/bench_capture.py --fills [--rounds N] [--config PATH] [--quick]
+
+`--fills` times re-captures (after a weight swap) whose verification replays a probe batch at every
+fill level of each key (`graphcap.probe.probe_fills`: one real token, about half, all but one)
+against ones that replay the middle level only, interleaved in pairs (which goes first alternates).
 
 `--lazy` times, per round, the time to the first served step (manager construction, `capture()`,
 one decode step of 3 requests; the model is built before the clock starts) with
@@ -73,7 +78,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="with --recapture: timed rounds")
     parser.add_argument("--gc-full", action="store_true", help="with --recapture: also a full collection after")
     parser.add_argument("--lazy", action="store_true", help="time to the first served step, lazy vs upfront")
+    parser.add_argument("--fills", action="store_true", help="verification at every fill level vs one, then exit")
     args = parser.parse_args()
+    if args.fills:
+        return fill_levels(args.config, 2 if args.quick else args.rounds, args.quick, args.threads)
     if args.padding:
         return padding(args.seeds)
     if args.held_out:
@@ -278,6 +286,45 @@ def collections(path: str | None, rounds: int, quick: bool, threads: int | None)
     for kind, values in seconds.items():
         print(f"{kind:<10} {np.median(values):>9.2f} {min(values):>6.2f}-{max(values):<6.2f}")
     print(f"young / full per pair: median {np.median(ratio):.2f} ({ratio.min():.2f}-{ratio.max():.2f})")
+    return 0
+
+
+def fill_levels(path: str | None, rounds: int, quick: bool, threads: int | None) -> int:
+    """Re-captures after a weight swap verified at every fill level vs at one (the middle level), interleaved."""
+    import graphcap.capture.probing as probing
+
+    torch.set_num_threads(threads or 1)
+    config = load_config(path, {} if path else {"device": "cpu", "capture.max_size": 8 if quick else 16})
+    model = build_model(config)
+    manager = CaptureManager(model, config, progress=False)
+    manager.capture()  # the process's own lazy set-up, not timed
+    every = probing.probe_fills
+
+    def middle(key, *, max_model_len):
+        fills = every(key, max_model_len=max_model_len)
+        return fills[len(fills) // 2 : len(fills) // 2 + 1]
+
+    seconds: dict[str, list[float]] = {"every level": [], "one level": []}
+    for index in range(2 * rounds):
+        kind = ("every level", "one level")[(index + index // 2) % 2]  # which goes first alternates per pair
+        probing.probe_fills = every if kind == "every level" else middle
+        model.lm_head = torch.nn.Parameter(model.lm_head.detach().clone(), requires_grad=False)
+        report = manager.capture()
+        if not all(r.verified for r in report.records):
+            raise SystemExit("bench_capture: a key was not verified")
+        seconds[kind].append(report.total_seconds)
+    probing.probe_fills = every
+    ratio = np.array(seconds["every level"]) / np.array(seconds["one level"])
+    probes = sum(len(every(manager.registry.capture_shape(r.key), max_model_len=config.kv_cache.max_model_len))
+                 for r in report.records)  # fmt: skip
+    print(
+        f"capture passes verified at every fill level ({probes} probe batches) vs one ({len(report.records)}), "
+        f"{len(report.records)} graphs, {rounds} pairs interleaved, {torch.get_num_threads()} thread(s)"
+    )
+    print(f"{'verification':<12} {'median s':>9} {'min-max s':>13}")
+    for kind, values in seconds.items():
+        print(f"{kind:<12} {np.median(values):>9.2f} {min(values):>6.2f}-{max(values):<6.2f}")
+    print(f"every / one per pair: median {np.median(ratio):.2f} ({ratio.min():.2f}-{ratio.max():.2f})")
     return 0
 
 
