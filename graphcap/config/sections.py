@@ -215,7 +215,7 @@ class CaptureSectionConfig(Section):
     strategy: Literal["upfront", "lazy"] = "upfront"
     """`upfront`: `capture()` captures every key before the first step; `lazy`: the manager serves at once
     (uncaptured keys run eagerly, reason `pending`) and `capture_pending()` captures keys in idle time."""
-    memory_budget: int | str | None = None
+    memory_budget: int | str | None = spec(None, check=lambda budget: _budget_problem(budget))
     """Bytes the graphs may hold (`4GiB`, `512MiB` or an integer), by graphcap's estimate; a key that would
     cross it is not captured (eager reason `over_budget`). Null: no budget."""
     capture_error_mode: Literal["thread_local", "global", "relaxed"] = "thread_local"
@@ -248,10 +248,6 @@ class CaptureSectionConfig(Section):
             object.__setattr__(self, "max_size", resolved)
 
     def _check(self) -> list[ConfigProblem]:
-        budget = self.memory_budget
-        if isinstance(budget, str) or (budget is not None and not 1 <= budget < MAX_BYTES):
-            shown = repr(budget) if isinstance(budget, str) else str(budget)
-            return [problem("memory_budget", f"expected bytes >= 1 or a size such as 4GiB or 512MiB; got {shown}")]
         if self.sizes == "auto":
             try:
                 default_capture_sizes(
@@ -289,6 +285,14 @@ class CaptureSectionConfig(Section):
                 )
             ]
         return []
+
+
+def _budget_problem(budget: int | str | None) -> str:
+    """`capture.memory_budget`'s own rule: bytes in [1, MAX_BYTES) once a size word was parsed."""
+    if isinstance(budget, str) or (budget is not None and not 1 <= budget < MAX_BYTES):
+        shown = repr(budget) if isinstance(budget, str) else str(budget)
+        return f"expected bytes >= 1 or a size such as 4GiB or 512MiB; got {shown}"
+    return ""
 
 
 _MODES = typing.get_args(typing.get_type_hints(CaptureSectionConfig)["mode"])
