@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from graphcap.capture.verification import assert_close
 from graphcap.cli._common import add_common, check_at_least, stage
 from graphcap.cli.capture import check_something_captured
 
@@ -88,6 +87,7 @@ def sweep_keys(manager) -> int:
 def replay_sequences(manager, num_sequences: int, num_steps: int, seed: int) -> tuple[list[str], int]:
     """Random step sequences through `execute` vs `eager`; returns (failures, steps compared)."""
 
+    from graphcap.capture.verification import assert_close
     from graphcap.errors import InvariantViolation
     from graphcap.workload import Workload
 

@@ -1,4 +1,4 @@
-"""Graph keys and dispatch: `GraphKey`, the `Mode` a step runs in, and `KeyRegistry`, the one place keys are made.
+"""`KeyRegistry`: the one place keys are made, and dispatch.
 
 Keys come from the config once (mode, sizes, uniform query length, request limit). The
 capture loop marks each key captured or skipped; `dispatch` maps a step's counts to a
@@ -11,113 +11,16 @@ from this module.
 
 from __future__ import annotations
 
-import enum
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from graphcap.errors import BatchError
-from graphcap.key_axes import KeyAxes
+from graphcap.keys.axes import KeyAxes
+from graphcap.keys.key import Dispatch, GraphKey, Mode, planned_order
 from graphcap.sizing.sizes import CaptureSizes, uniform_sizes
 
-__all__ = [
-    "EAGER_REASONS",
-    "MIXED_ROWS_FLOOR",
-    "MIXED_ROWS_STEP",
-    "Dispatch",
-    "GraphKey",
-    "KeyRegistry",
-    "Mode",
-    "StepStats",
-    "mixed_request_rows",
-    "reason_kind",
-]
-
-
-class GraphKey(NamedTuple):
-    """Identity of one graph (or of an eager step); made only by `KeyRegistry`.
-
-    `num_tokens`: the padded token count T (a captured size). `num_reqs`: the padded request
-    count R (rows of `query_start_loc[:R+1]`, `seq_lens`, `block_table`), or None for a graph
-    that holds any request count (a piecewise graph: its pieces read no request rows, so a
-    step stages its own count, unpadded). `uniform`: every real request has exactly `T / R`
-    tokens (a decode or spec-decode step), which attention backends may exploit. `axes`: the
-    value of every key axis (`capture.axes`) as `(name, value)` pairs in the config's order, empty
-    without axes; the model reads them as `inputs.axes` (a capture-time constant of the graph).
-    """
-
-    num_tokens: int
-    num_reqs: int | None
-    uniform: bool
-    axes: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def piecewise(self) -> bool:
-        """Whether the key holds any request count (the key of a piecewise graph)."""
-        return self.num_reqs is None
-
-    @property
-    def base(self) -> GraphKey:
-        """The key's token part, without its axis values."""
-        return GraphKey(self.num_tokens, self.num_reqs, self.uniform) if self.axes else self
-
-    def __str__(self) -> str:
-        axes = "".join(f", {name}={value}" for name, value in self.axes)
-        if self.num_reqs is None:
-            return f"piecewise(tokens={self.num_tokens}{axes})"
-        kind = "uniform" if self.uniform else "mixed"
-        return f"{kind}(tokens={self.num_tokens}, reqs={self.num_reqs}{axes})"
-
-
-class Mode(str, enum.Enum):
-    """How a step runs: the mode `KeyRegistry.dispatch` returns beside its key."""
-
-    FULL = "full"
-    """Replay the key's full graph (the whole forward, no Python)."""
-    PIECEWISE = "piecewise"
-    """Replay the key's pieces, with the eager ops between them on the real batch."""
-    EAGER = "eager"
-    """Run the forward eagerly, unpadded (the key is the step's own counts)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class Dispatch(NamedTuple):
-    """What `KeyRegistry.dispatch` decided for one step."""
-
-    mode: Mode
-    key: GraphKey
-    """The captured key to replay; for `Mode.EAGER` the step's own counts, unpadded."""
-    reason: str
-    """Why the step runs eagerly (a key of `EAGER_REASONS`); "" for a graph."""
-
-
-EAGER_REASONS = {
-    "mode_none": "capture.mode is none",
-    "above_max_size": "more tokens than the largest captured size (capture.max_size)",
-    "too_many_requests": "more requests than the key holds (batching.max_num_seqs)",
-    "decode_only": "a mixed (not uniform) batch under capture.mode full_decode_only",
-    "skipped": "its key failed to capture and was skipped (capture.on_error: skip)",
-    "not_captured": "its key has not been captured yet (call capture() first)",
-    "peer": "another data-parallel rank could not use a graph this step",
-    "released": "the graphs were released (manager.release()); capture() serves again",
-    "kv_resized": "the KV cache was resized (manager.resize_kv()); capture() again against the new cache",
-    "pending": "capture.strategy is lazy and its key is not captured yet (manager.capture_pending() captures it)",
-    "over_budget": "its graph would take the graphs past capture.memory_budget",
-    "no_speedup": "its replay was not capture.min_speedup times faster than eager at capture",
-    "above_max_axis": "an axis value above the largest of capture.axes.NAME (counted as above_max_axis.NAME)",
-    "no_axis_combination": "no combination of capture.axis_combinations holds the step's axis values",
-    "over_padding": "its graph would compute more than capture.max_padding_factor times its real tokens",
-}
-"""Why a step ran eagerly; the keys of `CaptureManager.stats.eager` (`reason_kind` of each: a reason that
-names an axis, `above_max_axis.lora`, is counted under its own name)."""
-
-
-def reason_kind(reason: str) -> str:
-    """The `EAGER_REASONS` key of an eager reason (`above_max_axis.lora` -> `above_max_axis`)."""
-    return reason.partition(".")[0]
+__all__ = ["MIXED_ROWS_FLOOR", "MIXED_ROWS_STEP", "KeyRegistry", "mixed_request_rows"]
 
 
 MIXED_ROWS_STEP = 4
@@ -244,9 +147,9 @@ class KeyRegistry:
             values: at[combo] for values, combo in key_axes.holder.items()
         }
         planned = [key._replace(axes=combo) for key in planned for combo in key_axes.planned]
-        self.planned: tuple[GraphKey, ...] = tuple(sorted(planned, key=_ascending))
+        self.planned: tuple[GraphKey, ...] = tuple(sorted(planned, key=planned_order))
         self._order = tuple(
-            sorted(self.planned, key=lambda k: (-k.num_tokens, tuple(-v for _, v in k.axes), *_ascending(k)[1:]))
+            sorted(self.planned, key=lambda k: (-k.num_tokens, tuple(-v for _, v in k.axes), *planned_order(k)[1:]))
         )
         self.captured: set[GraphKey] = set()
         self.skipped: dict[GraphKey, str] = {}
@@ -467,60 +370,3 @@ class KeyRegistry:
 
     def __len__(self) -> int:
         return len(self.planned)
-
-
-def _ascending(key: GraphKey) -> tuple:
-    """Planned order: by size; uniform, then mixed (more rows first), then piecewise; then by axis values."""
-    return (key.num_tokens, not key.uniform, key.num_reqs is None, -(key.num_reqs or 0), key.axes)
-
-
-@dataclass
-class StepStats:
-    """Counters of executed steps (graph hits per key, eager fallbacks by reason, waste)."""
-
-    graph_hits: Counter = field(default_factory=Counter)
-    """Replays per `GraphKey`."""
-    eager: Counter = field(default_factory=Counter)
-    """Eager steps per reason (keys of `graphcap.keys.EAGER_REASONS`)."""
-    real_tokens: int = 0
-    """Real tokens of replayed steps."""
-    padded_tokens: int = 0
-    """Tokens the replayed graphs computed (real + padding)."""
-    eager_op_calls: int = 0
-    """`eager_op` calls run between the pieces of piecewise replays."""
-    eager_op_copies: int = 0
-    """Of those, calls whose result was copied into its static tensor (ops without `out=`)."""
-    captures: int = 0
-    """Capture passes completed: every `capture()` (the first, then every re-capture), and every
-    `capture_pending()` call that captured a key (lazy capture's passes, one per idle-time call)."""
-    graphs_captured: int = 0
-    """Graphs captured and kept, by `capture()` and `capture_pending()` (a re-capture's count again)."""
-    releases: int = 0
-    """`release()` and `resize_kv()` calls (each frees every graph)."""
-    graphs_released: int = 0
-    """Graphs freed by `release()`, `resize_kv()` or a re-capture replacing them."""
-
-    @property
-    def piecewise_replays(self) -> int:
-        """Replays of piecewise keys (`graph_hits` holds them by key, with the full graphs')."""
-        return sum(n for key, n in self.graph_hits.items() if key.num_reqs is None)
-
-    @property
-    def padded_token_waste(self) -> float:
-        """Fraction of replayed tokens that were padding."""
-        return 0.0 if not self.padded_tokens else 1.0 - self.real_tokens / self.padded_tokens
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "graph_hits": {str(k): v for k, v in sorted(self.graph_hits.items(), key=lambda kv: _ascending(kv[0]))},
-            "eager": dict(self.eager),
-            "steps": sum(self.graph_hits.values()) + sum(self.eager.values()),
-            "piecewise_replays": self.piecewise_replays,
-            "padded_token_waste": self.padded_token_waste,
-            "eager_op_calls": self.eager_op_calls,
-            "eager_op_copies": self.eager_op_copies,
-            "captures": self.captures,
-            "graphs_captured": self.graphs_captured,
-            "releases": self.releases,
-            "graphs_released": self.graphs_released,
-        }
