@@ -37,7 +37,7 @@ from graphcap.memory.budget import MemoryBudget
 from graphcap.outputs import OutputRows
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
-from graphcap.probe import group_scratch_ids, scratch_block_ids
+from graphcap.probe import check_scratch_free, group_scratch_ids, scratch_block_ids
 from graphcap.report import CaptureReport, check_report_path, write_report
 from graphcap.staging import PersistentBuffers
 from graphcap.staging.extras import merged_specs
@@ -224,6 +224,7 @@ class CaptureManager:
     def _capture_pass(self, scratch_blocks: Iterable[int] = (), group_scratch_blocks: Any = None) -> CapturePass:
         scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
         group_scratch = group_scratch_ids(group_scratch_blocks, self.buffers.limits.kv_groups)
+        check_scratch_free(scratch, group_scratch, self.block_table, self.kv_group_tables)  # before any write
         return CapturePass(
             backend=self.backend,
             registry=self.registry,
