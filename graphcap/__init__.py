@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
         CaptureUnsafeError,
         ConfigError,
         InvariantViolation,
+        ReplayMismatchError,
         StaticInputMovedError,
     )
     from graphcap.inputs import BufferSpec, ForwardInputs
@@ -58,6 +59,7 @@ _EXPORTS = {
     "CaptureUnsafeError": "graphcap.errors",
     "ConfigError": "graphcap.errors",
     "InvariantViolation": "graphcap.errors",
+    "ReplayMismatchError": "graphcap.errors",
     "StaticInputMovedError": "graphcap.errors",
     "BufferSpec": "graphcap.inputs",
     "ForwardInputs": "graphcap.inputs",
@@ -93,6 +95,7 @@ __all__ = [  # the same names as _EXPORTS (tests/test_packaging.py holds them eq
     "PAD_SLOT_ID",
     "PadRules",
     "PersistentBuffers",
+    "ReplayMismatchError",
     "StaticInputMovedError",
     "StepBatch",
     "check_invariants",

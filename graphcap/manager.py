@@ -26,6 +26,7 @@ from graphcap.capture.lifecycle import LiveGraphs, PassHistory, check_kv_fits, r
 from graphcap.capture.runner import CapturePass, uncompiled_warnings
 from graphcap.checks.guard import StaticGuard
 from graphcap.checks.invariants import check_invariants
+from graphcap.checks.sampling import Expected, StepSampler, locate
 from graphcap.communicators import Communicator, communicators_of, key_captured_hook, pass_context
 from graphcap.config import CaptureConfig
 from graphcap.config.byte_counts import format_bytes
@@ -110,6 +111,8 @@ class CaptureManager:
         self._counting = True
         self._history = PassHistory()
         self._scope = StepScope(threading.RLock())
+        every = config.checks.sample_every
+        self._sampler = StepSampler(every) if every else None  # None: no cost on the replay path
         self.last_key: GraphKey | None = None
         """The key the last `execute`/`eager` step ran with (captured, or the unpadded eager key)."""
 
@@ -207,10 +210,17 @@ class CaptureManager:
         """Capture keys with no graph yet (`capture.strategy: lazy`), most traffic first, while `max_seconds` (None:
         no limit) have not passed and fewer than `max_keys` were taken; returns how many (0: none pending). Each is
         captured and verified as by `capture()`, within the budget, under `capture.on_error`; collective with peers.
+
+        `StaticInputMovedError` (naming it, before anything is captured) while a static input differs from what
+        the live graphs captured (an object replaced, a storage swapped, a `register_static` name re-registered):
+        put back what was captured (or `copy_` new values into it), or `capture()` again to capture every key
+        anew. Tensors the model reaches that appeared since are recorded and checked from then on.
         """
         check_time_limits(max_seconds, max_keys)
         job = self._capture_pass(scratch_blocks, group_scratch_blocks)
         with self._scope("capture_pending"):
+            # A key captured now must read what the live graphs read: one record checks them all.
+            self._guard.check_before_capture("capture_pending()", self.model, self.buffers.storage())
             self._check_ready()
             return self._lazy.run(lambda key: self._capture_keys(job, [key], False), max_seconds, max_keys)
 
@@ -288,6 +298,8 @@ class CaptureManager:
                 self.stats.eager[reason] += 1
             return output
         self.last_key = key
+        sampled = self._sampler is not None and self._sampler.due()
+        expected = self._sample_eager(batch, key) if sampled else None  # before the replay: it puts back its writes
         inputs = self._stage(batch, key, phase="replay")
         graph = self.graphs[key]
         self._guard.check_before_replay()  # what the graph writes: before the launch
@@ -305,7 +317,23 @@ class CaptureManager:
             if mode is Mode.PIECEWISE:
                 stats.eager_op_calls += len(graph.calls)
                 stats.eager_op_copies += graph.copies_per_replay
-        return self._outputs.real(output, inputs)
+        real = self._outputs.real(output, inputs)
+        if expected is not None:
+            self._sampler.compare(key, real, expected, self.config.checks.tolerance, _precision(self.model))
+        return real
+
+    def _sample_eager(self, batch: StepBatch, key: GraphKey) -> Expected:
+        """The eager run of a sampled step (`checks.sample_every`), its KV writes put back (`graphcap.checks.sampling`).
+
+        Unpadded as `eager()` runs; with peers at the replayed key's shape (every rank runs it in the same step)."""
+        eager_key = key if self._peers is not None else self.registry.eager_key(batch.num_tokens, batch.num_reqs)
+        kv = self.config.kv_cache
+        caches = [(None, kv.block_size, kv.num_blocks)]
+        caches += [(g.name, g.block_size, g.num_blocks) for g in self.buffers.limits.kv_groups]
+        with in_phase("eager"):
+            inputs = self._stage(batch, eager_key, phase="eager")
+            found = locate(self._guard.collect(self.model, {}), caches)
+            return self._sampler.eager(inputs, self._forward, lambda out: self._outputs.real(out, inputs), found)
 
     def eager(self, batch: StepBatch) -> Any:
         """The reference: the model on the same staging path, unpadded, with no graph."""
