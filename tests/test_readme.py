@@ -102,7 +102,14 @@ def _lazy_example(namespace: dict, out: str) -> None:
     assert manager.last_key.num_tokens == 4 and manager.registry.pending() == []
 
 
+def _sampling_example(namespace: dict, out: str) -> None:
+    manager = namespace["manager"]
+    assert manager._sampler.checked == 1 and sum(manager.stats.graph_hits.values()) == 2
+    torch.testing.assert_close(namespace["logits"].clone(), manager.eager(namespace["batch"]))
+
+
 CHECKS = {
+    '"checks.sample_every": 2': _sampling_example,
     "manager.capture_pending(max_seconds=0.05)": _lazy_example,
     "manager.dispatch(batch), manager.stats": _library_example,
     "@graphcap.eager_op": _piecewise_example,

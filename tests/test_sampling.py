@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 import graphcap
 from graphcap import CaptureManager, ConfigError, ReplayMismatchError, StepBatch
 from graphcap.checks.sampling import StepSampler, locate
-from graphcap.config import PAD_SLOT_ID
 from graphcap.models import build_model
 from graphcap.testing import make_config, make_manager
+from graphcap.testing.live_faults import StalePlan, WrongSlice
 
 
 def _batch(num_reqs: int, seed: int, max_query: int = 1) -> StepBatch:
@@ -28,36 +28,6 @@ def _batch(num_reqs: int, seed: int, max_query: int = 1) -> StepBatch:
     seq = q + rng.integers(0, 12, num_reqs)
     table = np.arange(1, 1 + num_reqs * 8, dtype=np.int32).reshape(num_reqs, 8)
     return StepBatch(q, seq, rng.integers(0, 128, int(q.sum())), table)
-
-
-class WrongSlice(torch.nn.Module):
-    """The reference model plus a read of `table[pad count * bug]`: row 0 (all zeros) unless `bug` is set.
-
-    Eager runs unpadded (pad count 0) and reads row 0 whatever `bug` holds; a replay at a padded shape reads
-    another row once `bug` is 1: a wrong slice of a correct buffer, at live shapes only. `where` says whether
-    the wrong row reaches the output or only the values written into a second, flat KV cache (`cache`).
-    """
-
-    def __init__(self, config, where: str) -> None:
-        super().__init__()
-        self.llama = build_model(config)
-        self.where = where
-        rows = config.batching.max_num_tokens + 1
-        self.register_buffer("table", torch.cat([torch.zeros(1, 4), torch.linspace(1, 2, (rows - 1) * 4).view(-1, 4)]))
-        self.register_buffer("bug", torch.zeros((), dtype=torch.long))
-        slots = config.kv_cache.num_blocks * config.kv_cache.block_size
-        self.register_buffer("cache", torch.zeros(slots + 1, 4))  # slot-major, the last slot the pad tokens' sink
-
-    def forward(self, inputs):
-        out = self.llama(inputs)
-        slots = inputs.slot_mapping.long()
-        padding = (slots == PAD_SLOT_ID).sum()  # 0 in an eager run: it is unpadded
-        wrong = self.table.index_select(0, (padding * self.bug).view(1))[0]  # [4]: zeros unless padded and bugged
-        values = inputs.input_ids.float()[:, None] + wrong
-        self.cache.index_copy_(0, torch.where(slots < 0, self.cache.shape[0] - 1, slots), values)
-        if self.where == "output":
-            return out + wrong.sum()
-        return out
 
 
 def _manager(model, every: int = 1, **overrides) -> CaptureManager:
@@ -98,22 +68,6 @@ def test_sampling_every_third_step_checks_only_those():
     manager.execute(_batch(3, 2))  # steps 1 and 2 are not sampled: wrong, and silent
     with pytest.raises(ReplayMismatchError, match="replayed step 3 "):
         manager.execute(_batch(3, 3))
-
-
-class StalePlan(torch.nn.Module):
-    """The reference model scaled by a host plan `prepare()` computes from a tuning table the engine updates."""
-
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.llama = build_model(config)
-        self.tuning = {"scale": 1.0}  # an autotuner's choice, updated while serving
-        self.plan = 1.0
-
-    def prepare(self, inputs, phase) -> None:
-        self.plan = self.tuning["scale"]  # a Python value: what the graph saw at capture stays in it
-
-    def forward(self, inputs):
-        return self.llama(inputs) * self.plan
 
 
 def test_a_host_plan_that_goes_stale_after_capture_is_named_by_sampling():

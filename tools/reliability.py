@@ -985,6 +985,13 @@ def lifecycle_rows(scale: Scale) -> list[Row]:
     ]
 
 
+def checks_rows(scale: Scale) -> list[Row]:
+    """Lazy capture across a changed static input, scratch blocks a live row holds, sampled steps."""
+    import _checks_rows  # tools/: the experiments, beside this campaign
+
+    return _checks_rows.checks_rows(scale, Tally)
+
+
 # -- report ------------------------------------------------------------------------------
 
 
@@ -1087,6 +1094,7 @@ def main(argv: list[str] | None = None) -> int:
             ("command line", lambda: cli_rows(scale, Path(workdir))),
             ("outputs and engine buffers", lambda: shape_rows(scale, rng)),
             ("lifecycle", lambda: lifecycle_rows(scale)),
+            ("checks", lambda: checks_rows(scale)),
         ]
         for name, run in sections:
             t0 = time.perf_counter()

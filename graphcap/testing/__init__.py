@@ -11,6 +11,7 @@
 | `interrupts.py` | Ctrl-C at each stage of a running command (not imported here) |
 | `dp_agreement.py` | data-parallel ranks with different configs (not imported here) |
 | `outputs.py` | per-request outputs, whole engine buffers, values stored as inf, the null block (not imported here) |
+| `live_faults.py` | models that pass capture verification, then go wrong: `checks.sample_every` (not imported) |
 
 `Workload`, `fill_batch` (`graphcap.workload`) and `time_key` (`graphcap.capture.timing`) are product
 code that the command line uses; they are re-exported here for the tests and `tools/`.
