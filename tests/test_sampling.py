@@ -81,8 +81,10 @@ def test_a_host_plan_that_goes_stale_after_capture_is_named_by_sampling():
         manager.execute(batch)
 
 
-def test_a_sampled_step_leaves_the_kv_cache_and_outputs_bit_identical_to_an_unsampled_one():
-    sampled, plain = _manager(build_model, every=1), _manager(build_model, every=0)
+@pytest.mark.parametrize("mode", ["full", "piecewise"])
+def test_a_sampled_step_leaves_the_kv_cache_and_outputs_bit_identical_to_an_unsampled_one(mode):
+    overrides = {"capture.mode": mode, "model.attention": "per_request"} if mode == "piecewise" else {}
+    sampled, plain = _manager(build_model, every=1, **overrides), _manager(build_model, every=0, **overrides)
     for seed in range(6):
         batch = _batch(1 + seed % 7, seed, max_query=2)
         torch.testing.assert_close(sampled.execute(batch).clone(), plain.execute(batch).clone(), rtol=0, atol=0)
