@@ -78,34 +78,38 @@ _EXPORTS = {
 """Public name -> the module that defines it: the list `__all__` and the imports above must match."""
 
 __all__ = [  # the same names as _EXPORTS (tests/test_packaging.py holds them equal)
-    "BatchError",
-    "BlockTable",
-    "BufferSpec",
-    "CaptureConfig",
-    "CaptureError",
+    # What engines use: the manager, a step, the config, their own buffers and block table, errors.
     "CaptureManager",
+    "StepBatch",
+    "load_config",
+    "CaptureConfig",
+    "BufferSpec",
+    "BlockTable",
     "CaptureReport",
-    "CaptureSizes",
-    "CaptureUnsafeError",
-    "Communicator",
-    "ConfigError",
     "ForwardInputs",
-    "GraphKey",
+    "BatchError",
+    "CaptureError",
+    "CaptureUnsafeError",
+    "ConfigError",
     "InvariantViolation",
-    "PAD_SLOT_ID",
-    "PadRules",
-    "PersistentBuffers",
     "ReplayMismatchError",
     "StaticInputMovedError",
-    "StepBatch",
-    "check_invariants",
+    # What models and communicators call while a step or a capture runs.
+    "Communicator",
     "current_inputs",
-    "default_capture_sizes",
-    "dummy_batch",
     "eager_op",
     "is_capturing",
-    "load_config",
     "phase",
+    # Lower layers, under the manager (typically you don't call these yourself): staging and its
+    # checks, the key and size schedule, the pad rules and the dummy batch.
+    "PersistentBuffers",
+    "check_invariants",
+    "CaptureSizes",
+    "default_capture_sizes",
+    "GraphKey",
+    "PadRules",
+    "PAD_SLOT_ID",
+    "dummy_batch",
 ]
 
 

@@ -61,7 +61,7 @@ class BlockTable:
         self._block_size = block_size
         self._num_blocks = num_blocks
         self._pad = pad_block
-        self._before_write = before_write
+        self.before_write = before_write
         self._lowest = 0 if null_ok else 1  # a sliding-window group points columns its window left at block 0
         # Tokens a row's blocks can hold, capped at max_model_len: a step's request fits its row
         # when 1 <= seq_len <= capacity, i.e. (seq_len - 1) read as unsigned < capacity.
@@ -121,7 +121,7 @@ class BlockTable:
         """Row `row` holds exactly `block_ids` (a new request, or one whose blocks were replaced)."""
         i = self._row(row, "set_row")
         blocks = self._blocks(block_ids, f"set_row(row {row})", 0)
-        self._before_write()
+        self.before_write()
         old = int(self.counts[i])
         self._write(i, 0, blocks)
         if old > len(blocks):
@@ -135,7 +135,7 @@ class BlockTable:
         blocks = self._blocks(block_ids, f"append(row {row})", start)
         if not len(blocks):
             return
-        self._before_write()
+        self.before_write()
         self._write(i, start, blocks)
         self._set_count(i, start + len(blocks))
 
@@ -147,7 +147,7 @@ class BlockTable:
         i, j = self._row(src, "move"), self._row(dst, "move")
         if i == j:
             return
-        self._before_write()
+        self.before_write()
         n, old = int(self.counts[i]), int(self.counts[j])
         self._rows[j, :n] = self._rows[i, :n]
         self.offsets[j, :n] = self.offsets[i, :n]
@@ -162,7 +162,7 @@ class BlockTable:
         i, j = self._row(a, "swap"), self._row(b, "swap")
         if i == j:
             return
-        self._before_write()
+        self.before_write()
         ni, nj = int(self.counts[i]), int(self.counts[j])
         width = max(ni, nj)
         for table in (self._rows, self.offsets):
@@ -177,14 +177,14 @@ class BlockTable:
         i = self._row(row, "clear")
         n = int(self.counts[i])
         if n:
-            self._before_write()
+            self.before_write()
             self._rows[i, :n] = self._pad
             self._set_count(i, 0)
 
     def reset(self) -> None:
         """Every row empty."""
         if self.top:
-            self._before_write()
+            self.before_write()
             self._rows[: self.top] = self._pad
             self.counts[: self.top] = 0
             self.capacity[: self.top] = 0
@@ -209,13 +209,13 @@ class BlockTable:
                 )
         self._num_blocks = num_blocks
 
-    def _snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Copies of the rows that hold blocks (for `PersistentBuffers.table_set_aside`)."""
         top = self.top
         return self._rows[:top].copy(), self.offsets[:top].copy(), self.counts[:top].copy()
 
-    def _restore(self, saved: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
-        """Put back rows from `_snapshot` into an empty table (the caller waited for the upload)."""
+    def restore(self, saved: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        """Put back rows from `snapshot` into an empty table (the caller waited for the upload)."""
         rows, offsets, counts = saved
         top = len(counts)
         self._rows[:top] = rows

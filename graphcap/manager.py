@@ -20,6 +20,7 @@ import torch
 from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_device
 from graphcap.batch import StepBatch, step_or_idle
 from graphcap.block_table import BlockTable
+from graphcap.capture.driver import run_pass
 from graphcap.capture.failures import FailurePolicy
 from graphcap.capture.lazy import LazyCapture, check_time_limits
 from graphcap.capture.lifecycle import LiveGraphs, PassHistory, check_kv_fits, resize_plan
@@ -229,7 +230,7 @@ class CaptureManager:
         if keys and not self.graphs:
             self._guard.arm(self.model, self.buffers.storage())
         kwargs = {"set_aside": self.buffers.table_set_aside, "context": self._capture_context, "progress": progress}
-        return self._live.add(job, keys, config=self.config, budget=self._budget, **kwargs)
+        return run_pass(job, self._live, keys, budget=self._budget, **kwargs)
 
     def _capture_pass(self, scratch_blocks: Iterable[int] = (), group_scratch_blocks: Any = None) -> CapturePass:
         scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)

@@ -51,7 +51,8 @@ __all__ = ["current_inputs", "eager_op"]
 Phase = Literal["eager", "full", "piecewise", "piecewise_warmup"]
 """What the running forward feeds: an eager run, a full graph (capture or warmup of it), a
 piecewise capture (the session then cuts the forward at each eager op), or a warmup of a
-piecewise key (eager ops run outside the unsafe-op checker: their bodies never run in a graph)."""
+piecewise key (its session runs eager ops outside the unsafe-op checker: their bodies never run in
+a graph)."""
 
 _INPUTS: ContextVar[Any] = ContextVar("graphcap_current_inputs", default=None)
 _PHASE: ContextVar[tuple[Phase, Any]] = ContextVar("graphcap_phase", default=("eager", None))
@@ -117,11 +118,8 @@ class EagerOp:
             if self.capturable is not None:
                 return self.capturable(*args, **kwargs)
             return self._in_full_graph(args, kwargs)
-        if phase == "piecewise_warmup":
-            from graphcap.backends.preflight import outside_checks
-
-            with outside_checks():
-                return self.fn(*args, **kwargs)
+        if phase == "piecewise_warmup":  # the pass's session runs the body outside its checks
+            return session.run_eager(self.fn, args, kwargs)
         return self.fn(*args, **kwargs)
 
     def _in_full_graph(self, args: tuple, kwargs: dict) -> Any:

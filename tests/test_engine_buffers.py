@@ -1,6 +1,6 @@
 """Engine-declared persistent buffers (`BufferSpec`): staged, padded, checked and uploaded like the built-ins.
 
-The examples of the engine issue: mrope positions `[3, T]` int64 pad 0, a per-token LoRA index
+The examples are engines' own buffers: mrope positions `[3, T]` int64 pad 0, a per-token LoRA index
 pad -1, a per-request temperature float32 pad 1.0, a second KV-cache group with its own
 `[R, blocks]` block table and `[T]` slot mapping (pad `PAD_SLOT_ID`).
 """

@@ -1,6 +1,6 @@
 """Which rows of a step's result are real: `model.output_rows` declares them, no ambiguous shape is guessed.
 
-The case of the issue: a forward returning one row per request (`logits[query_start_loc[1:] - 1]`,
+The case it guards: a forward returning one row per request (`logits[query_start_loc[1:] - 1]`,
 as engines sample) replays a key with as many request rows as tokens (8 and 8); cut as per token,
 a 2-request 5-token prefill came back as 5 rows from `execute` and 2 from `eager`.
 """

@@ -1,6 +1,6 @@
 """`graphcap.phase()` and `graphcap.is_capturing()`: what a model, its `prepare` and an engine buffer's check see.
 
-The rule of issue 22's first finding: a communicator that returns a placeholder outside a graph's
+The rule: a communicator that returns a placeholder outside a graph's
 recording (vLLM's and SGLang's custom all-reduce during warmups) must be able to ask graphcap
 whether a graph records now; with `capture_context` as its capture mode and verification after
 the context exits, a model that asks replays correctly, and one that cannot ask fails capture.

@@ -8,6 +8,8 @@ step leaves it bit-identical to the same step unsampled, and a passing model is 
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -19,7 +21,11 @@ from graphcap import CaptureManager, ConfigError, ReplayMismatchError, StepBatch
 from graphcap.checks.sampling import StepSampler, locate
 from graphcap.models import build_model
 from graphcap.testing import make_config, make_manager
-from graphcap.testing.live_faults import StalePlan, WrongSlice
+from tests.tools import TOOLS
+
+sys.path.insert(0, str(TOOLS))  # tools/campaign/: the fault models, shared with the campaign
+
+from campaign.live_faults import StalePlan, WrongSlice
 
 
 def _batch(num_reqs: int, seed: int, max_query: int = 1) -> StepBatch:

@@ -124,7 +124,7 @@ def main() -> int:
 
 
 CAPTURE_GOAL = 1.5
-"""Issue 25's goal: a capture pass within 1.5x the four eager forwards per key it must run anyway."""
+"""The goal: a capture pass within 1.5x the four eager forwards per key it must run anyway."""
 
 
 def where_a_pass_goes(manager: CaptureManager, eager_ms: float, rounds: int) -> None:

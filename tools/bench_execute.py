@@ -1,4 +1,4 @@
-"""Per-step host cost of `CaptureManager.execute` around the replay, at one token (issue 25).
+"""Per-step host cost of `CaptureManager.execute` around the replay, at one token.
 
 What a replayed step pays on the host besides the graph itself: dispatch, staging and the
 invariants, the static guard, the step bookkeeping and the output cut. The model is `Trivial`:
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = sum(np.median(medians[name]) for name in ("dispatch", "stage", "guard", "cut"))
     hollow = np.median(medians["execute, no replay"])
     print(
-        f"goal (issue 25): execute - replay <= {EXECUTE_GOAL_US:g} us: {p50:.1f} us by subtraction; "
+        f"goal: execute - replay <= {EXECUTE_GOAL_US:g} us: {p50:.1f} us by subtraction; "
         f"execute with the graph's work stubbed out {hollow:.1f} us; graphcap's parts alone (dispatch + stage + "
         f"guard + cut) {parts:.1f} us"
     )

@@ -481,13 +481,14 @@ def levels(rounds: int, calls: int, warmup: int) -> int:
             goal = (np.median(full), np.median(ratio))
     if goal is not None:
         print(
-            f"goal (issue 25): full at {FULL_GOAL_CASE} <= {FULL_GOAL_US:g} us, filed at {FULL_FILED_US:g} us "
-            f"(rule by rule), i.e. <= {FULL_GOAL_US / FULL_FILED_US:.2f}x of it: now {goal[0]:.1f} us, {goal[1]:.2f}x"
+            f"goal: full at {FULL_GOAL_CASE} <= {FULL_GOAL_US:g} us, i.e. <= {FULL_GOAL_US / FULL_RULES_US:.2f}x "
+            f"of the rule-by-rule checks ({FULL_RULES_US:g} us on the reference VM): "
+            f"now {goal[0]:.1f} us, {goal[1]:.2f}x"
         )
     return 0
 
 
-FULL_GOAL_CASE, FULL_GOAL_US, FULL_FILED_US = "decode 256 reqs", 25.0, 70.0
+FULL_GOAL_CASE, FULL_GOAL_US, FULL_RULES_US = "decode 256 reqs", 25.0, 70.0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,7 +76,7 @@ def main() -> int:
         print(f"{name:<16} {label:<14} {median:>9.0f} {f'{p10:.0f}-{p90:.0f}':>13} {median / bare:>6.1f}x")
     helps = [statistics.median(v) for (name, label), v in samples.items() if "--help" in name and label == roots[0][0]]
     if helps:
-        print(f"goal (issue 25): graphcap --help <= {HELP_GOAL:g}x a bare interpreter: {helps[0] / bare:.1f}x")
+        print(f"goal: graphcap --help <= {HELP_GOAL:g}x a bare interpreter: {helps[0] / bare:.1f}x")
     return 0
 
 

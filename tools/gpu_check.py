@@ -1,14 +1,14 @@
 """One GPU run that settles the CUDA backend: phases P0-P17 in order of value, each printing its prediction
 next to what it saw. The plan is docs/gpu/README.md.
 
-The command (on the lent GPU machine, from the repository root; nothing to install):
+The command (on a CUDA machine, from the repository root; nothing to install):
 
     python3 tools/gpu_check.py
 
 With `OUT` set (the device machine returns only what is under `$OUT`) the JSON goes to
 `$OUT/gpu_check.json` and the log to `$OUT/gpu_check.log`, both rewritten as the run goes, so a
-run cut short keeps what it saw. The default deadline (360 s) leaves room in a 15-minute lease,
-machine start included, for one rerun of what did not fit; the run ends by printing that
+run cut short keeps what it saw. The default deadline (360 s) leaves room in a 15-minute slot on a GPU
+machine, its start included, for one rerun of what did not fit; the run ends by printing that
 rerun's command (`--only ...`).
 
 - Phases in order of value: the NCCL all-reduce in a graph, the tiny config, the 8B-shaped

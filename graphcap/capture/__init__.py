@@ -2,6 +2,7 @@
 
 | module | holds |
 |---|---|
+| `driver.py` | `run_pass`: one pass end to end (budget, GC, block tables set aside, reservation, install) |
 | `runner.py` | `CapturePass`: preflight, warmups, record and verify per key; `gc_frozen` around a pass |
 | `verification.py` | the capture-time replay comparisons (dummy and partly filled batches) |
 | `failures.py` | `FailurePolicy`: what a failed key does (`capture.on_error`) |

@@ -11,12 +11,15 @@ from __future__ import annotations
 import gc
 import logging
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphcap.backends import is_sticky_cuda_error
 from graphcap.errors import CaptureError, CaptureUnsafeError
+
+if TYPE_CHECKING:  # distributed/ sits beside capture/; only the annotation needs it
+    from graphcap.distributed.step import StepAgreement
 
 __all__ = ["OOM_HINT", "STICKY_HINT", "FailurePolicy", "describe_failure"]
 
@@ -42,7 +45,7 @@ class FailurePolicy:
     `settle` for every key (failed or not) in the same order: it is a collective with peers.
     """
 
-    def __init__(self, on_error: str, peers: Any = None) -> None:
+    def __init__(self, on_error: str, peers: StepAgreement | None = None) -> None:
         self.on_error = on_error
         self.peers = peers
 

@@ -22,12 +22,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graphcap.capture.runner import gc_frozen
 from graphcap.config.byte_counts import format_bytes
 from graphcap.errors import DistributedTimeoutError
 from graphcap.keys import GraphKey, KeyRegistry, StepStats
+
+if TYPE_CHECKING:  # distributed/ sits beside capture/; only the annotation needs it
+    from graphcap.distributed.step import StepAgreement
 
 __all__ = ["LazyCapture", "check_time_limits"]
 
@@ -40,11 +43,13 @@ _MAX_TRAFFIC = (1 << 40) - 1  # traffic counts saturate here: the pair stays wit
 class LazyCapture:
     """The pending keys of one manager and the order, agreed with data-parallel peers, they are captured in.
 
-    Does not capture: `run` calls the manager's `capture_key(key) -> ([GraphRecord], bytes)` (the key's
-    record, and the device memory its capture added).
+    Does not capture: `run` calls the `capture_key` callable it is given, `capture_key(key) -> ([GraphRecord], bytes)`
+    (the key's record, and the device memory its capture added).
     """
 
-    def __init__(self, registry: KeyRegistry, stats: StepStats, peers: Any = None, *, is_lazy: bool = True) -> None:
+    def __init__(
+        self, registry: KeyRegistry, stats: StepStats, peers: StepAgreement | None = None, *, is_lazy: bool = True
+    ) -> None:
         self._registry, self._stats, self._peers = registry, stats, peers
         self.is_lazy = is_lazy
         """`capture.strategy: lazy`: `capture()` leaves every key pending."""

@@ -24,12 +24,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from tqdm.contrib.logging import logging_redirect_tqdm
 
-from graphcap.capture.runner import gc_frozen
+from graphcap.backends import CapturedGraph, GraphBackend
+from graphcap.checks.guard import StaticGuard
 from graphcap.config import CaptureConfig
 from graphcap.errors import ConfigError, ConfigProblem
 from graphcap.keys import EAGER_REASONS, GraphKey, KeyRegistry, StepStats
+from graphcap.memory.budget import MemoryBudget
+from graphcap.report import GraphRecord
 
 __all__ = ["REUSED", "LiveGraphs", "PassHistory", "check_kv_fits", "kv_tensors", "resize_plan", "resized_config"]
 
@@ -40,42 +42,18 @@ REUSED = ("key schedule", "persistent buffers", "block table rows", "registered 
 class LiveGraphs:
     """The graphs a manager serves with (`CaptureManager.graphs` is `graphs`), kept and let go of.
 
-    `install` keeps what a pass produced and marks the registry's keys; `release_all` frees every
+    `install` keeps what a pass produced (`graphcap.capture.driver.run_pass` runs the pass) and marks the
+    registry's keys; `reserve` holds `capture.memory_budget` in the pool; `release_all` frees every
     graph, forgets the guard's records and the registry's capture state, and frees the pool when
     the backend is the manager's own (later captures go to a fresh pool: never into one whose
     graphs were freed); a shared backend's pool rotates only once no graph of any manager uses it.
     """
 
-    def __init__(self, backend: Any, owns_backend: bool, registry: KeyRegistry, guard: Any) -> None:
-        self.graphs: dict[GraphKey, Any] = {}
+    def __init__(self, backend: GraphBackend, owns_backend: bool, registry: KeyRegistry, guard: StaticGuard) -> None:
+        self.graphs: dict[GraphKey, CapturedGraph] = {}
         self._backend, self._owns_backend, self._registry, self._guard = backend, owns_backend, registry, guard
 
-    def add(
-        self, job: Any, keys: list[GraphKey], *, config: Any, budget: Any, set_aside: Any, context: Any, progress: Any
-    ) -> tuple[list, int]:
-        """Capture and verify `keys` with `job` (a `CapturePass`) within `budget`, and keep what passed.
-
-        GC is frozen and the block table set aside (`set_aside()`) meanwhile; the budget is reserved in
-        the pool once (`GraphBackend.reserve`). Returns every key's record, in `keys` order, and the
-        device memory the capture added. On an exception the graphs of `keys` are released, those
-        kept before stay.
-        """
-        if not keys:  # a lazy capture(): nothing to capture now, the budget reserved for later
-            self.reserve(budget)
-            return [], 0
-        admitted, declined = budget.split(config, keys, self._registry.captured)
-        with gc_frozen(), logging_redirect_tqdm(), set_aside():
-            if not self.graphs:
-                self._backend.empty_cache()  # once per pass; the graphs then share the pool
-            self.reserve(budget)
-            memory_before = self._backend.memory_in_use()
-            records, graphs = job.run(admitted, context=context, progress=progress) if admitted else ([], {})
-        self.install(records + declined, graphs)
-        order = {key: i for i, key in enumerate(keys)}
-        records = sorted(records + declined, key=lambda record: order[record.key])
-        return records, max(0, self._backend.memory_in_use() - memory_before)
-
-    def reserve(self, budget: Any) -> None:
+    def reserve(self, budget: MemoryBudget) -> None:
         """Reserve `budget.limit` in the backend's pool, once (until the graphs are all released)."""
         if budget.limit is not None and self._backend.reserved_bytes is None:
             try:
@@ -93,7 +71,7 @@ class LiveGraphs:
                     ]
                 ) from exc
 
-    def install(self, records: list, graphs: dict[GraphKey, Any]) -> None:
+    def install(self, records: list[GraphRecord], graphs: dict[GraphKey, CapturedGraph]) -> None:
         """Keep what a pass produced: its graphs (captured and verified), and the keys it skipped."""
         self.graphs.update(graphs)
         for record in records:

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from graphcap.backends import CapturedGraph, GraphBackend
 from graphcap.backends.pieces import forbidden_reads
+from graphcap.backends.preflight import outside_checks
 from graphcap.batch import StepBatch, dummy_batch
 from graphcap.capture.failures import FailurePolicy
 from graphcap.capture.timing import replay_speedup
@@ -341,7 +342,7 @@ class CapturePass:
         forward = self.forward
 
         def run() -> Any:
-            with running(inputs, "piecewise_warmup"), forbidden_reads(inputs):
+            with running(inputs, "piecewise_warmup", _WARMUP_SESSION), forbidden_reads(inputs):
                 return forward(inputs)
 
         return run
@@ -354,6 +355,19 @@ class CapturePass:
         extras = sampled(self.extras, rng, batch.num_tokens, batch.num_reqs)
         q, s, ids, table = batch.query_lens, batch.seq_lens, batch.input_ids, batch.block_table
         return StepBatch(q, s, ids, table, extras=extras, kv_groups=batch.kv_groups)
+
+
+class _WarmupSession:
+    """The session of a piecewise key's warmup: an eager op's body runs outside the checks (it never runs
+    in a graph, so it may do what a graph cannot hold, host syncs included)."""
+
+    @staticmethod
+    def run_eager(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        with outside_checks():
+            return fn(*args, **kwargs)
+
+
+_WARMUP_SESSION = _WarmupSession()
 
 
 def progress_bar(keys: list[GraphKey], backend: GraphBackend, progress: bool | None) -> Iterator[GraphKey]:

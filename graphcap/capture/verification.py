@@ -2,8 +2,8 @@
 
 `compare_replay` is the one check: replay `graph` on the staged `inputs`, run `eager()` (the
 expected real rows), compare with `torch.testing.assert_close` at the configured tolerance, and
-raise `CaptureError(message(difference))` when they differ. The manager runs it twice per key,
-after the capture pass's context has exited: on the capture's own dummy batch, and on
+raise `CaptureError(message(difference))` when they differ. A capture pass (`CapturePass`) runs it
+twice per key, after the pass's context has exited: on the capture's own dummy batch, and on
 `probe_batch`, partly filled and unlike the dummy in every value, so padded rows run and a host
 value the graph froze at capture (a Python count, an `.item()`) shows. Where a key is verified
 right after its capture (no engine context, no peers), the dummy batch's expected rows are its last

@@ -1,7 +1,7 @@
 """Agreement with data- and tensor-parallel peers: `StepAgreement` (a step), `GroupSync` (one reduction).
 
 `groups` picks the CPU group an agreement runs on; `sync` is the one reduction, carrying the
-step and the call; `step` orders a step so no rank strands its peers. docs/parallel.md is the
+step and the call; `step` orders a step so no rank strands its peers. docs/guide/distributed.md is the
 user's view.
 """
 

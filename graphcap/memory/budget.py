@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from graphcap.config import CaptureConfig
 from graphcap.config.byte_counts import format_bytes
 from graphcap.errors import ConfigError, ConfigProblem
 from graphcap.keys import GraphKey, KeyRegistry
@@ -35,7 +36,7 @@ OVER_BUDGET = "over_budget"
 class MemoryBudget:
     """The budget of one manager (`limit` None: every key fits) over `estimate_memory`'s per-key graphs."""
 
-    def __init__(self, config: Any, backend_name: str) -> None:
+    def __init__(self, config: CaptureConfig, backend_name: str) -> None:
         self.limit: int | None = config.capture.memory_budget
         self.kind = "cuda" if backend_name == "cuda" else "emulated"
         """Which estimate applies: `cuda` (one shared pool) or `emulated` (each graph's output)."""
@@ -50,7 +51,7 @@ class MemoryBudget:
                 ]
             )
 
-    def estimate(self, config: Any, keys: Iterable[GraphKey]) -> int:
+    def estimate(self, config: CaptureConfig, keys: Iterable[GraphKey]) -> int:
         """Estimated bytes the graphs of `keys` hold together (the `graphs` part of `estimate_memory`)."""
         if config.model.factory is not None:
             return 0
@@ -58,7 +59,7 @@ class MemoryBudget:
         return graphs_bytes([costs[key] for key in keys], self.kind)
 
     def split(
-        self, config: Any, keys: Iterable[GraphKey], held: Iterable[GraphKey]
+        self, config: CaptureConfig, keys: Iterable[GraphKey], held: Iterable[GraphKey]
     ) -> tuple[list[GraphKey], list[GraphRecord]]:
         """`keys` in order, as those to capture and the skipped records of those that would cross the budget.
 
@@ -83,7 +84,9 @@ class MemoryBudget:
             declined.append(GraphRecord(key, "skipped", 0.0, 0, False, reason))
         return admitted, declined
 
-    def to_dict(self, config: Any, held: Iterable[GraphKey], pool_bytes: int, backend: Any) -> dict[str, Any] | None:
+    def to_dict(
+        self, config: CaptureConfig, held: Iterable[GraphKey], pool_bytes: int, backend: Any
+    ) -> dict[str, Any] | None:
         """A report's `memory_budget` entry (None without a budget): the budget, the estimate of the live
         graphs `held`, the pool growth the pass measured and the bytes `backend` reserved for the graphs."""
         if self.limit is None:
@@ -95,6 +98,6 @@ class MemoryBudget:
             "reserved_bytes": backend.reserved_bytes or 0,
         }
 
-    def _costs(self, config: Any) -> dict[GraphKey, Any]:
+    def _costs(self, config: CaptureConfig) -> dict[GraphKey, Any]:
         keys = KeyRegistry.from_config(config).planned
         return dict(zip(keys, estimate_memory(config, backend=self.kind).graphs, strict=True))

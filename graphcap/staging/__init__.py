@@ -9,6 +9,7 @@
 | `padding.py` | `PadWriter`: padded rows written from `FIELD_TABLE`, only where dirty |
 | `refusals.py` | the rule-by-rule `BatchError` of a refused step |
 | `extras.py` | engine buffers (`BufferSpec`) in staging |
+| `groups.py` | `GroupStaging`: the block tables and slot mappings of extra KV-cache groups |
 """
 
 from graphcap.staging.buffers import POISON, PersistentBuffers

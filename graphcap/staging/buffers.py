@@ -222,7 +222,7 @@ class PersistentBuffers:
             self.block_table.resize(num_blocks)
             self.limits = dataclasses.replace(self.limits, num_blocks=num_blocks)
         self.plans.set_limits(self.limits)  # plans hold the ForwardInputs of the old limits
-        self.pad.qsl_written = None
+        self.pad.mark_qsl(None)
 
     # -- the persistent block table --------------------------------------------------------
 
@@ -247,7 +247,7 @@ class PersistentBuffers:
             if not self.kv_groups:
                 yield
                 return
-            with self.kv_groups.tables_set_aside(lambda table: self._set_aside(table, table._before_write)):
+            with self.kv_groups.tables_set_aside(lambda table: self._set_aside(table, table.before_write)):
                 yield
 
     @contextmanager
@@ -255,7 +255,7 @@ class PersistentBuffers:
         if not table.top:
             yield
             return
-        saved = table._snapshot()
+        saved = table.snapshot()
         table.reset()
         try:
             yield
@@ -263,7 +263,7 @@ class PersistentBuffers:
             if self.layout.upload_pending:
                 self.layout.wait()
             claim()
-            table._restore(saved)
+            table.restore(saved)
 
     # -- poison ----------------------------------------------------------------------------
 

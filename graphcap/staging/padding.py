@@ -48,6 +48,17 @@ class PadWriter:
         self._qsl[1:] = self.qsl_tail(T, R, 0, 0)
         self.fill(T, R, 0, 0, 0)
 
+    def clean(self, rows: int, table_cols: int | None = None) -> None:
+        """Rows at or above `rows` hold their pad (a step wrote none of them): only the bounds move.
+        With `table_cols` (a fresh table of that width staged the real rows), the block table's too."""
+        self.tokens = self.reqs = rows
+        if table_cols is not None:
+            self.table_rows, self.table_cols = rows, table_cols
+
+    def mark_qsl(self, plan: object | None) -> None:
+        """`plan` wrote the staged `query_start_loc` rows (None: another pass did, or a bound changed)."""
+        self.qsl_written = plan
+
     def qsl_tail(self, T: int, R: int, n: int, r: int) -> np.ndarray:
         """Padded `query_start_loc[r+1 : R+1]`: each padded request adds `padding.query_len` tokens, capped at T."""
         step = self.pad.query_len

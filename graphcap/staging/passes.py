@@ -124,17 +124,16 @@ def stage_decode(bufs: Parts, batch: StepBatch, p: Plan) -> ForwardInputs:
         if pad.tokens > r or pad.reqs > r:
             pad.fill(p.T, p.R, r, r, None)
         else:
-            pad.tokens = pad.reqs = r
+            pad.clean(r)
     else:
         width = _fresh_slots(bufs, bt, p, s, None)
         if pad.tokens > r or pad.reqs > r or pad.table_rows > r:
             pad.fill(p.T, p.R, r, r, width)
         else:  # nothing padded is dirty: only the bounds move
-            pad.tokens = pad.reqs = pad.table_rows = r
-            pad.table_cols = width
+            pad.clean(r, table_cols=width)
     if pad.qsl_written is not p:
         p.qsl[...] = p.qsl_content
-        pad.qsl_written = p
+        pad.mark_qsl(p)
     if p.upload is not None:
         bufs.upload_or_defer(p.upload)
     return p.inputs
@@ -184,7 +183,7 @@ def stage_general(bufs: Parts, batch: StepBatch, key: GraphKey, R: int) -> Forwa
         bufs.poison_rows(keep_table=bt is table)
     if bt is table and pad.table_rows:
         pad.claim_table_rows()
-    pad.qsl_written = None
+    pad.mark_qsl(None)
     p.qsl[0] = 0
     np.add.accumulate(q, out=p.qsl_from_1)
     if r:

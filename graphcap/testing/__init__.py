@@ -6,17 +6,13 @@
 | `fuzz.py` | the batch fuzzer and its independent validity oracle |
 | `stress.py` | the poisoned stress loop (graph == eager on every real row) |
 | `threads.py` | several threads on one manager, and the interleaving detector |
-| `cli_cases.py` | hostile and careless uses of the `graphcap` command, as data (not imported here) |
-| `cli_setups.py` | the files, factories, faults and checks those cases use (not imported here) |
-| `interrupts.py` | Ctrl-C at each stage of a running command (not imported here) |
-| `dp_agreement.py` | data-parallel ranks with different configs (not imported here) |
-| `outputs.py` | per-request outputs, whole engine buffers, values stored as inf, the null block (not imported here) |
-| `live_faults.py` | models that pass capture verification, then go wrong: `checks.sample_every` (not imported) |
+| `traffic.py` | traffic shapes and their histograms, for choosing sizes (not imported here) |
+| `allocations.py` | the exact allocation peak of a capture, from the profiler (not imported here) |
 
 `Workload`, `fill_batch` (`graphcap.workload`) and `time_key` (`graphcap.capture.timing`) are product
 code that the command line uses; they are re-exported here for the tests and `tools/`.
 
-`TINY` is the small configuration the test suite and `tools/reliability.py` share, and
+`TINY` is the small configuration the test suite and the reliability campaign share, and
 `make_config` / `make_manager` build on it. Importing this package imports torch.
 """
 

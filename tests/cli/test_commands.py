@@ -163,7 +163,7 @@ def test_bench_flags_noisy_keys(capsys, monkeypatch):
     assert timing.NOISY_IQR == 0.1
 
 
-@pytest.mark.parametrize("suffix", [".png", ".svg"])  # .pdf: graphcap.testing.cli_cases
+@pytest.mark.parametrize("suffix", [".png", ".svg"])  # .pdf: tools/campaign/cli_cases.py
 def test_bench_plot_is_written_in_the_format_its_suffix_names(capsys, tmp_path, suffix):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "out" / f"bench{suffix}"

@@ -15,7 +15,11 @@ import pytest
 
 import graphcap.backends
 from graphcap.cli import _main, main
-from graphcap.testing.interrupts import STAGES, interrupt_at, interrupted_cleanly
+from tests.tools import TOOLS
+
+sys.path.insert(0, str(TOOLS))  # tools/campaign/: Ctrl-C at each stage, shared with the campaign
+
+from campaign.interrupts import STAGES, interrupt_at, interrupted_cleanly
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "graphcap" / "configs" / "tiny-cpu-ci.yaml")

@@ -176,7 +176,7 @@ def grid(rank: int, world: int, directory: str) -> dict[str, Any]:
 
     def failing(inputs):
         # At the end of the recording (the key's last forward), after its all-reduce: a rank that fails
-        # earlier in a forward leaves its TP peer in that forward's next collective (docs/parallel.md).
+        # earlier in a forward leaves its TP peer in that forward's next collective (docs/guide/distributed.md).
         output = forward(inputs)
         if rank == 1 and inputs.key.num_tokens == 4 and graphcap.is_capturing():
             raise RuntimeError("injected failure on rank 1")

@@ -82,7 +82,7 @@ def world(request, tmp_path_factory) -> list[dict]:
 
 
 def _expected_random(specs: list[_worker.Spec]) -> GraphKey | None:
-    """The oracle for random steps: the rules, restated from the issue."""
+    """The oracle for random steps: the agreement rules, restated apart from graphcap's code."""
     if any(spec is not None and sum(spec) > _worker.MAX_SIZE for spec in specs):
         return None
     size = max(SIZES.pad(0 if spec is None else sum(spec)) for spec in specs)

@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
 from graphcap import CaptureManager, GraphKey
 from graphcap.testing import fill_batch, make_config, make_manager
-from graphcap.testing.outputs import (
+from tests.tools import TOOLS
+
+sys.path.insert(0, str(TOOLS))  # tools/campaign/: the checks, shared with the campaign
+
+from campaign.outputs import (
     DECLARED,
     INF_WHEN_STORED,
     NULL_BLOCK_STEPS,

@@ -29,4 +29,4 @@ def test_bench_startup_quick_times_every_command():
     assert header.split()[-2:] == ["x", "bare"]  # each command beside a bare interpreter, in one process
     assert [row.split()[0] for row in rows] == ["python", "--help", "--version", "validate", "sizes"]
     assert rows[0].endswith(" 1.0x")
-    assert goal.startswith("goal (issue 25): graphcap --help <= 2x a bare interpreter: ")
+    assert goal.startswith("goal: graphcap --help <= 2x a bare interpreter: ")

@@ -1,6 +1,6 @@
 """Models whose graphs pass capture-time verification and go wrong later: what `checks.sample_every` catches.
 
-Not imported by `graphcap.testing`: the tests and `tools/reliability.py` import this module.
+Used by `checks.py` and by `tests/test_sampling.py`.
 
 | model | the fault, switched on after capture | shows in |
 |---|---|---|

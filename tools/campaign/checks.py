@@ -1,4 +1,4 @@
-"""The reliability campaign's experiments on the checks nobody slips past (`tools/reliability.py` runs them).
+"""Lazy capture across a changed static input, scratch blocks a live row holds, sampled live steps.
 
 - lazy capture: a static input changed between `capture_pending` calls (an object replaced, a storage
   swapped with `.data =`, a `register_static` name registered again) is refused naming it, nothing captured;
@@ -22,7 +22,9 @@ import torch
 from graphcap import CaptureManager, ReplayMismatchError, StaticInputMovedError, StepBatch
 from graphcap.models import WindowedMemory, build_model
 from graphcap.testing import make_config, make_manager
-from graphcap.testing.live_faults import StalePlan, WrongSlice
+
+from .live_faults import StalePlan, WrongSlice
+from .trials import Row, Scale, Tally
 
 QUERIES = [[1], [1, 1, 1], [1] * 5, [1] * 8, [2], [2, 1], [3, 2, 2], [1, 1, 1, 1, 4]]
 """Steps that reach every key of the tiny config (uniform and mixed; 2, 4 and 8 tokens)."""
@@ -173,9 +175,9 @@ def sampling_pass_trial(steps: int, seed: int) -> int:
     return sampled._sampler.checked
 
 
-def checks_rows(scale: Any, tally: Callable[[], Any]) -> list[Any]:
-    """The rows (`tally()` makes a `Tally` of `tools/reliability.py`)."""
-    lazy, scratch, faults, passing = tally(), tally(), tally(), tally()
+def checks_rows(scale: Scale) -> list[Row]:
+    """The rows of the three experiments (see the module docstring)."""
+    lazy, scratch, faults, passing = Tally(), Tally(), Tally(), Tally()
     for seed in range(scale.faults):
         for swap in SWAPS:
             with lazy.trial(f"{swap}, seed {seed}"):

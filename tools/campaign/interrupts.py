@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from graphcap.testing.cli_setups import TINY
+from .cli_setups import TINY
 
 __all__ = ["STAGES", "interrupt_at", "interrupted_cleanly"]
 

@@ -22,7 +22,8 @@ from typing import Any
 import yaml
 
 from graphcap.config import MAX_CONFIG_BYTES
-from graphcap.testing import cli_setups as setups
+
+from . import cli_setups as setups
 
 __all__ = ["CLI_CASES", "CLOSED", "CliCase", "CliResult", "check_case", "run_case"]
 
@@ -104,7 +105,7 @@ _LOG_LEVELS = ("DEBUG ", "INFO ", "WARNING ", "ERROR ")
 
 
 _CAP = ("capture", "--config", "{tiny}", "--no-progress")
-_FACTORY = "graphcap.testing.cli_setups"
+_FACTORY = setups.__name__  # the name this module was imported by: the in-process command imports it again
 
 CLI_CASES: tuple[CliCase, ...] = (
     # -- files and flags: one line, exit 2 (exit 1 for a failure of the run itself)
