@@ -278,3 +278,39 @@ def test_the_norm_relative_error_needs_non_finite_values_at_the_same_places():
     shifted = expected.clone()
     shifted[2, 69999], shifted[0, 0] = 1.0, float("inf")
     assert "non-finite" in verification._difference(shifted, expected, {})
+
+
+def test_assert_close_gives_torch_testing_assert_closes_verdict_without_its_imports():
+    a = torch.randn(4, 8)
+    verification.assert_close(a, a.clone())
+    verification.assert_close({"x": a, "y": (a > 0)}, {"x": a + 1e-7, "y": (a > 0)})
+    verification.assert_close((a,), (a + 1e-3,), rtol=1e-2, atol=1e-2)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        verification.assert_close(a, a + 1)
+    with pytest.raises(AssertionError, match="step 3"):
+        verification.assert_close(a, a * 2, msg=lambda m: f"step 3: {m}")
+    with pytest.raises(AssertionError, match="dtype"):
+        verification.assert_close(a, a.double())
+    with pytest.raises(AssertionError):
+        verification.assert_close(torch.tensor([1, 2]), torch.tensor([1, 3]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=1, max_size=6),
+    st.lists(st.floats(-1e-4, 1e-4), min_size=6, max_size=6),
+)
+def test_assert_close_agrees_with_torch_on_every_input(values, noise):
+    a = torch.tensor(values, dtype=torch.float32)
+    b = a + torch.tensor(noise[: len(values)], dtype=torch.float32)
+    try:
+        torch.testing.assert_close(b, a)
+        torch_says = True
+    except AssertionError:
+        torch_says = False
+    try:
+        verification.assert_close(b, a)
+        ours = True
+    except AssertionError:
+        ours = False
+    assert ours == torch_says

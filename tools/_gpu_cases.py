@@ -15,6 +15,7 @@ from _gpu_steps import tiny_config
 
 from graphcap import CaptureManager, InvariantViolation, StepBatch, check_invariants
 from graphcap.backends import get_backend
+from graphcap.capture.verification import assert_close
 from graphcap.models import build_model
 from graphcap.testing import Workload, fill_batch
 
@@ -96,7 +97,7 @@ def founding_bug_execute(device: str, quick: bool) -> dict:
     hit = manager.last_key == key
     expected = manager.eager(batch)
     diff = float((replayed - expected).abs().max())
-    torch.testing.assert_close(replayed, expected, **manager.config.checks.tolerance)
+    assert_close(replayed, expected, **manager.config.checks.tolerance)
     inputs = manager.buffers.stage(batch, key, upload=False)
     tail = inputs.host.query_start_loc
     staged = tail.tolist()

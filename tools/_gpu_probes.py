@@ -15,6 +15,7 @@ from _gpu_steps import tiny_config
 from graphcap import CaptureError, CaptureManager
 from graphcap.backends import CaptureUnsafeError, check_capture_safe, get_backend
 from graphcap.backends.preflight import sync_debug_errors
+from graphcap.capture.verification import assert_close
 from graphcap.models import build_model
 
 SIZES = {"capture.sizes": [1, 2, 4, 8], "capture.on_error": "skip"}
@@ -227,7 +228,7 @@ def compiled(device: str, quick: bool) -> dict:
         graph = backend.capture(lambda: fn(x), {}, name="compiled")
     ran_compiled = len(runs) - before
     warned = any("without torch.compile" in str(w.message) for w in caught)
-    torch.testing.assert_close(graph.replay(), torch.relu(x @ w) * 2 + 1)
+    assert_close(graph.replay(), torch.relu(x @ w) * 2 + 1)
     on_cuda = device.startswith("cuda")
     observed = f"{backend.name}: {ran_compiled} compiled run(s) during capture, warning {'given' if warned else 'none'}"
     as_predicted = (ran_compiled == 1 and not warned) if on_cuda else (ran_compiled == 0 and warned)

@@ -17,6 +17,7 @@ import torch
 
 from graphcap import CaptureManager, StepBatch, load_config
 from graphcap.batch import dummy_batch
+from graphcap.capture.verification import assert_close
 from graphcap.config import CaptureConfig
 from graphcap.keys import GraphKey
 from graphcap.models import build_model
@@ -121,7 +122,7 @@ def pipelined(device: str, quick: bool) -> dict:
     for out, ref in zip(outputs, references):
         worst = max(worst, float((out - ref).abs().max()))
         try:
-            torch.testing.assert_close(out, ref, **config.checks.tolerance)
+            assert_close(out, ref, **config.checks.tolerance)
         except AssertionError:
             mismatches += 1
     hits = sum(manager.stats.graph_hits.values())
@@ -175,7 +176,7 @@ def piecewise(device: str, quick: bool) -> dict:
         expected = manager.eager(batch)
         worst = max(worst, float((replayed - expected).abs().max()))
         try:
-            torch.testing.assert_close(replayed, expected, **config.checks.tolerance)
+            assert_close(replayed, expected, **config.checks.tolerance)
         except AssertionError:
             mismatches += 1
         workload.advance(expected)
@@ -229,7 +230,9 @@ def agreement(device: str, quick: bool) -> dict:
     observed = f"agreement on {agreement_backend}; dispatch overhead ms per step {overhead}; execute ms {execute_ms}"
     if old_ms is not None:
         observed += f"; the old agreement alone (upload, NCCL all-reduce, host read): {old_ms} ms"
-    ok = agreement_backend == "gloo" and max(overhead.values()) < 1.0
+    # The < 1 ms goal is judged on a GPU machine; on the CPU (the test suite's quick run, a loaded machine)
+    # the figures are printed and only the agreement's backend decides.
+    ok = agreement_backend == "gloo" and (not on_cuda or max(overhead.values()) < 1.0)
     result = {"dispatch_ms": dispatch_ms, "execute_ms": execute_ms, "old_nccl_ms": old_ms}
     return {"ok": ok, "observed": observed, **result}
 

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from graphcap import BufferSpec, CaptureManager, StaticInputMovedError, StepBatch, load_config
+from graphcap.capture.verification import assert_close
 from graphcap.models import TinyLlama, WindowedMemory, dense_reference, window_reference
 
 CONFIG = {
@@ -271,11 +272,9 @@ class MiniEngine:
             self.capture_again()
             graph = self.manager.execute(batch).clone()
         eager = self.manager.eager(batch)
-        torch.testing.assert_close(graph, eager, msg=lambda m: f"step {index}: graph != eager: {m}")
+        assert_close(graph, eager, msg=lambda m: f"step {index}: graph != eager: {m}")
         dense = self.dense_logits(picked)
-        torch.testing.assert_close(
-            graph, dense, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {index}: graph != dense: {m}"
-        )
+        assert_close(graph, dense, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {index}: graph != dense: {m}")
         end = 0
         for request, q in picked:
             end += q

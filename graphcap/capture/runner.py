@@ -357,7 +357,7 @@ class CapturePass:
         return StepBatch(q, s, ids, table, extras=extras, kv_groups=batch.kv_groups)
 
 
-class _WarmupSession:
+class WarmupSession:
     """The session of a piecewise key's warmup: an eager op's body runs outside the checks (it never runs
     in a graph, so it may do what a graph cannot hold, host syncs included)."""
 
@@ -367,7 +367,7 @@ class _WarmupSession:
             return fn(*args, **kwargs)
 
 
-_WARMUP_SESSION = _WarmupSession()
+_WARMUP_SESSION = WarmupSession()
 
 
 def progress_bar(keys: list[GraphKey], backend: GraphBackend, progress: bool | None) -> Iterator[GraphKey]:

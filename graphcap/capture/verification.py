@@ -25,7 +25,7 @@ from graphcap.inputs import ForwardInputs
 from graphcap.outputs import OutputRows, cloned, flatten_output
 from graphcap.piecewise import running
 
-__all__ = ["DUMMY_MISMATCH", "NORM_TOLERANCE", "LastRun", "compare_replay", "probe_mismatch"]
+__all__ = ["DUMMY_MISMATCH", "NORM_TOLERANCE", "LastRun", "assert_close", "compare_replay", "probe_mismatch"]
 
 DUMMY_MISMATCH = (
     "replay differs from eager on the same inputs ({diff}); the forward depends on something the "
@@ -242,3 +242,30 @@ def _same_structure(a: Any, b: Any) -> bool:
     if isinstance(a, dict) or isinstance(b, dict):
         return isinstance(a, dict) and isinstance(b, dict) and list(a) == list(b)
     return type(a) is type(b) and len(a) == len(b)
+
+
+def assert_close(
+    actual: Any,
+    expected: Any,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    msg: str | Callable[[str], str] | None = None,
+) -> None:
+    """`torch.testing.assert_close` with the same verdict, decided by `torch.allclose` where it can.
+
+    Tensors, or tuples, lists and dicts of them, compared element by element at assert_close's
+    tolerances (its defaults by dtype, or `rtol` and `atol` together). Only a mismatch, or an input
+    the fast path does not judge, calls `torch.testing.assert_close`, which writes the message: on
+    torch 2.13 its first call in a process imports the DTensor stack and sympy (seconds on a loaded
+    machine), which every short-lived process (a tool, a rank of a multi-process test) would pay.
+    """
+    tolerance = {} if rtol is None and atol is None else {"rtol": rtol, "atol": atol}
+    if None not in tolerance.values() and _same_structure(actual, expected):
+        try:
+            left, right = flatten_output(actual, "comparison")[0], flatten_output(expected, "comparison")[0]
+        except CaptureError:  # a structure the fast path does not judge: assert_close does
+            left, right = [], [None]
+        if len(left) == len(right) and all(_surely_close(a, b, tolerance) for a, b in zip(left, right)):
+            return
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=msg)

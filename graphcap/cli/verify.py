@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from graphcap.capture.verification import assert_close
 from graphcap.cli._common import add_common, check_at_least, stage
 from graphcap.cli.capture import check_something_captured
 
@@ -86,7 +87,6 @@ def sweep_keys(manager) -> int:
 
 def replay_sequences(manager, num_sequences: int, num_steps: int, seed: int) -> tuple[list[str], int]:
     """Random step sequences through `execute` vs `eager`; returns (failures, steps compared)."""
-    import torch
 
     from graphcap.errors import InvariantViolation
     from graphcap.workload import Workload
@@ -114,7 +114,7 @@ def replay_sequences(manager, num_sequences: int, num_steps: int, seed: int) -> 
                 got = manager.execute(batch).clone()
                 key = manager.last_key
                 want = manager.eager(batch)
-                torch.testing.assert_close(got, want, **tolerance)
+                assert_close(got, want, **tolerance)
             except (AssertionError, InvariantViolation) as exc:
                 detail = str(exc).strip().splitlines()
                 failures.append(f"sequence {sequence}, key {key}, {batch}: {'; '.join(detail[:2])}")

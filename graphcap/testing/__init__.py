@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from graphcap.capture.timing import KeyTiming, time_key
+from graphcap.capture.verification import assert_close
 from graphcap.config import CaptureConfig, load_config
 from graphcap.manager import CaptureManager
 from graphcap.models import build_model
@@ -66,6 +67,7 @@ from graphcap.testing.threads import (
 from graphcap.workload import Request, Workload, fill_batch
 
 __all__ = [
+    "assert_close",
     "BAD_FORMS",
     "FAULTS",
     "FAULT_SIZES",

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 import yaml
 
 from graphcap.batch import StepBatch, dummy_batch
+from graphcap.capture.verification import assert_close
 from graphcap.checks.invariants import check_invariants
 from graphcap.config import CaptureConfig, config_from_text
 from graphcap.errors import BatchError, InvariantViolation
@@ -302,7 +302,7 @@ def check_plan(manager: CaptureManager, plan: BatchPlan, lim: Limits) -> str:
         return "refused"
     if expected:
         raise AssertionError(f"invalid step accepted (oracle: {sorted(expected)})\n{plan}")
-    torch.testing.assert_close(out, manager.eager(batch))
+    assert_close(out, manager.eager(batch))
     return "accepted"
 
 

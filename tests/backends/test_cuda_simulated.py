@@ -18,6 +18,7 @@ from graphcap.backends.cuda import CUDAGraphBackend, supports_input_liveness
 from graphcap.backends.cuda_pieces import CUDAPieceSession, release_pool_tensors
 from graphcap.backends.graph import record_input_ptrs
 from graphcap.backends.preflight import preflight
+from graphcap.capture.runner import WarmupSession
 from graphcap.errors import CaptureError
 from graphcap.models import build_model
 from graphcap.piecewise import running
@@ -43,7 +44,7 @@ def test_eager_op_bodies_run_with_sync_debug_off_inside_a_preflight_that_turned_
 
     with preflight("cpu", sync_debug=True):
         assert mode["now"] == 2
-        with running(None, "piecewise_warmup"):
+        with running(None, "piecewise_warmup", WarmupSession()):  # as a capture pass runs a piecewise warmup
             attention(torch.ones(2))
         assert mode["now"] == 2  # restored for the code after the eager op
     assert seen == [0] and mode["now"] == 0

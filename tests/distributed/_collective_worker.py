@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 import graphcap
+from graphcap.capture.verification import assert_close
 from tests.distributed._models import (
     CONFIG,
     GatherMLP,
@@ -30,7 +31,7 @@ def _close(output: torch.Tensor, batch) -> str:
     """ "ok" when `output` equals the single-process reference of `batch`, else the difference."""
     expected = reference(batch.input_ids) if batch is not None else torch.zeros(0, output.shape[-1])
     try:
-        torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+        assert_close(output, expected, atol=1e-5, rtol=1e-5)
     except AssertionError as exc:
         return str(exc).splitlines()[-1]
     return "ok"

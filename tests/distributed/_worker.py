@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from graphcap.capture.verification import assert_close
 from tests.configs import SMALL
 
 CONFIG = {**SMALL, "model.num_layers": 1, "capture.on_error": "skip"}
@@ -229,7 +230,7 @@ def _step(manager, spec: Spec, seed: int) -> dict[str, Any]:
     reasons = [r for r, n in manager.stats.eager.items() if n != eager[r]]
     reference = manager.eager(batch if batch is not None else StepBatch([], []))
     try:
-        torch.testing.assert_close(output, reference)
+        assert_close(output, reference)
         match = "ok"
     except AssertionError as exc:
         match = str(exc)

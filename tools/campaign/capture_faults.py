@@ -8,10 +8,10 @@ import json
 import os
 from pathlib import Path
 
-import torch
 import yaml
 
 from graphcap import CaptureError, StepBatch
+from graphcap.capture.verification import assert_close
 from graphcap.report import atomic_write
 from graphcap.testing import FAULT_SIZES, FAULTS, assert_nothing_left, leftover_temp_files, make_config, make_manager
 
@@ -67,12 +67,12 @@ def _fault_trial(manager, path: Path, kind: str, on_error: str, on_call: int, si
             raise AssertionError("memory held beyond the captured graphs")
         if json.loads(path.read_text())["num_skipped"] != len(failing):
             raise AssertionError("the report on disk is not this pass's")
-        torch.testing.assert_close(manager.execute(PROBE).clone(), manager.eager(PROBE))
+        assert_close(manager.execute(PROBE).clone(), manager.eager(PROBE))
     manager.model.disarm()  # and the manager captures again, fully
     report = manager.capture()
     if len(report.captured) != len(manager.registry.planned):
         raise AssertionError("the manager could not capture again")
-    torch.testing.assert_close(manager.execute(PROBE).clone(), manager.eager(PROBE))
+    assert_close(manager.execute(PROBE).clone(), manager.eager(PROBE))
 
 
 def fault_rows(scale: Scale, workdir: Path) -> list[Row]:

@@ -5,9 +5,9 @@ release/capture cycles and resize_kv cycles.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from graphcap import BatchError, StepBatch
+from graphcap.capture.verification import assert_close
 from graphcap.testing import make_config, make_manager
 
 from .moved_inputs import PROBE_STEP
@@ -41,7 +41,7 @@ def lifecycle_rows(scale: Scale) -> list[Row]:
             report = manager.capture()
             if report.recapture["after"] != "release()" or manager.buffers.storage()["packed"].data_ptr() != packed:
                 raise AssertionError(f"not a re-capture on the same buffers: {report.recapture}")
-            torch.testing.assert_close(manager.execute(PROBE_STEP).clone(), asleep)
+            assert_close(manager.execute(PROBE_STEP).clone(), asleep)
     manager = make_manager(make_config())
     manager.capture()
     grown = 72 + 24 * (1 + np.arange(scale.lifecycle_cycles))
@@ -53,7 +53,7 @@ def lifecycle_rows(scale: Scale) -> list[Row]:
             step = StepBatch([2], [6], [3, 4], manager.block_table)
             eager = manager.execute(step).clone()
             manager.capture(scratch_blocks=range(1, 40))
-            torch.testing.assert_close(manager.execute(step).clone(), eager)
+            assert_close(manager.execute(step).clone(), eager)
             try:
                 manager.resize_kv(num_blocks - 1)
             except BatchError as exc:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from graphcap import CaptureError, StaticInputMovedError, StepBatch
+from graphcap.capture.verification import assert_close
 from graphcap.testing import MOVES, make_config, make_manager
 
 from .trials import Row, Scale, Tally
@@ -52,7 +53,7 @@ def moved_rows(scale: Scale) -> list[Row]:
                 else:
                     raise AssertionError("replayed after the move")
             manager.capture()
-            torch.testing.assert_close(manager.execute(PROBE_STEP).clone(), manager.eager(PROBE_STEP))
+            assert_close(manager.execute(PROBE_STEP).clone(), manager.eager(PROBE_STEP))
     rows = [
         refused.row(
             "moved inputs",

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from graphcap.batch import StepBatch
+from graphcap.capture.verification import assert_close
 from graphcap.config import CaptureConfig
 from graphcap.errors import BatchError, CaptureError, InvariantViolation
 from graphcap.inputs import BufferSpec
@@ -95,7 +96,7 @@ def check_output_rows(manager: CaptureManager, batch: StepBatch) -> None:
     expect(
         shapes == (batch.num_reqs, batch.num_tokens), f"rows {shapes}, expected ({batch.num_reqs}, {batch.num_tokens})"
     )
-    torch.testing.assert_close(got, manager.eager(batch))
+    assert_close(got, manager.eager(batch))
 
 
 def check_wrong_cut_refused(config: CaptureConfig, result: str, wrong: bool) -> None:
@@ -148,7 +149,7 @@ def check_whole_buffer(manager: CaptureManager, batch: StepBatch, rng: np.random
     got = manager.execute(batch).clone()
     expect(model.seen == {shape}, f"the forward saw scale shaped {sorted(model.seen)}, expected {shape}")
     expect(manager.buffers.host["scale"].tolist() == value.tolist(), "the staged buffer is not the step's value")
-    torch.testing.assert_close(got, manager.eager(batch))
+    assert_close(got, manager.eager(batch))
 
 
 INF_WHEN_STORED = (
