@@ -21,7 +21,7 @@ import torch
 
 from graphcap import CaptureManager, ReplayMismatchError, StaticInputMovedError, StepBatch
 from graphcap.models import WindowedMemory, build_model
-from graphcap.testing import make_config, make_manager
+from graphcap.testing import assert_close, make_config, make_manager
 
 from .live_faults import StalePlan, WrongSlice
 from .trials import Row, Scale, Tally
@@ -96,7 +96,7 @@ def lazy_trial(swap: str, seed: int) -> None:
     manager.capture_pending()
     for i, q in enumerate(QUERIES):
         batch = _batch(q, seed * 100 + i)
-        torch.testing.assert_close(manager.execute(batch).clone(), manager.eager(batch))
+        assert_close(manager.execute(batch).clone(), manager.eager(batch))
 
 
 class _Hybrid(torch.nn.Module):
@@ -169,7 +169,7 @@ def sampling_pass_trial(steps: int, seed: int) -> int:
         q = rng.integers(1, 4, n).tolist()
         batch = _batch(q, int(rng.integers(0, 2**31)))
         out = sampled.execute(batch).clone()
-        torch.testing.assert_close(out, plain.execute(batch).clone(), rtol=0, atol=0)
+        assert_close(out, plain.execute(batch).clone(), rtol=0, atol=0)
         if not torch.equal(sampled.model.kv_cache, plain.model.kv_cache):
             raise AssertionError("the sampled step left another KV cache")
     return sampled._sampler.checked
