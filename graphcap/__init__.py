@@ -7,7 +7,8 @@ inputs), the graph backends (`graphcap.backends`: capture one callable), and `Ca
 that keep a persistent block table write its rows through `CaptureManager.block_table`
 (`BlockTable`); models that run parts eagerly between graph pieces use `eager_op` and
 `current_inputs`; models and communicators that act differently while a graph records ask
-`is_capturing()` and `phase()`, and engines pass their communicators as `Communicator`s.
+`is_capturing()` and `phase()`, and engines pass their communicators as `Communicator`s and their
+data- and tensor-parallel groups as one `Parallel`.
 
 The names below load on first use: `import graphcap` alone imports neither torch nor numpy,
 so the `graphcap` command starts in milliseconds (`--help`, `--version`, `validate` never
@@ -27,6 +28,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from graphcap.checks.invariants import check_invariants
     from graphcap.communicators import Communicator
     from graphcap.config import PAD_SLOT_ID, CaptureConfig, PadRules, load_config
+    from graphcap.distributed.options import Parallel
     from graphcap.errors import (
         BatchError,
         CaptureError,
@@ -54,6 +56,7 @@ _EXPORTS = {
     "CaptureConfig": "graphcap.config.root",
     "PadRules": "graphcap.config.sections",
     "load_config": "graphcap.config._load",
+    "Parallel": "graphcap.distributed.options",
     "BatchError": "graphcap.errors",
     "CaptureError": "graphcap.errors",
     "CaptureUnsafeError": "graphcap.errors",
@@ -78,8 +81,10 @@ _EXPORTS = {
 """Public name -> the module that defines it: the list `__all__` and the imports above must match."""
 
 __all__ = [  # the same names as _EXPORTS (tests/test_packaging.py holds them equal)
-    # What engines use: the manager, a step, the config, their own buffers and block table, errors.
+    # What engines use: the manager, a step, the config, their parallel peers, their own buffers and block
+    # table, errors.
     "CaptureManager",
+    "Parallel",
     "StepBatch",
     "load_config",
     "CaptureConfig",

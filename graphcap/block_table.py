@@ -196,6 +196,11 @@ class BlockTable:
         Refuses (`BatchError` naming the row, column and block) when a row holds a block at or past
         a smaller bound, before changing anything: clear or re-write such rows first.
         """
+        self.check_resize(num_blocks)
+        self._num_blocks = num_blocks
+
+    def check_resize(self, num_blocks: int) -> None:
+        """What `resize(num_blocks)` refuses, without changing anything."""
         top = self.top
         if top:
             held = self._columns < self.counts[:top, None]  # [top, width]: the columns each row holds
@@ -207,7 +212,6 @@ class BlockTable:
                     f"cache [0, {num_blocks}) (kv_cache.num_blocks); clear or set_row every row holding blocks "
                     "past the new bound before resize_kv"
                 )
-        self._num_blocks = num_blocks
 
     def snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Copies of the rows that hold blocks (for `PersistentBuffers.table_set_aside`)."""

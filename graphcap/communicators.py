@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-__all__ = ["Communicator", "communicators_of", "key_captured_hook", "pass_context"]
+__all__ = ["Communicator", "communicators_of", "holds_collectives", "key_captured_hook", "pass_context"]
 
 
 class Communicator:
@@ -92,3 +92,29 @@ def key_captured_hook(communicators: tuple[Communicator, ...]) -> Callable[[Any]
             communicator.key_captured(key)
 
     return key_captured
+
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional::", "c10d::", "c10d_functional::")
+
+
+def holds_collectives(graphs: Iterable[Any], communicators: tuple[Communicator, ...] = ()) -> bool | None:
+    """Whether the forward the graphs recorded holds a collective: True when communicators are given or a graph's
+    tape records one (the emulated backend records every op); False when every graph is a tape without one;
+    None when it cannot tell (no graph yet, or a CUDA graph, whose kernels graphcap does not see)."""
+    if communicators:
+        return True
+    graphs = list(graphs)
+    if not graphs:
+        return None
+    known = True
+    for graph in graphs:
+        tape = getattr(graph, "tape", None)
+        if tape is None:
+            known = False
+            continue
+        for step in tape.steps:
+            op = step[0]
+            name = str(getattr(op, "_name", None) or getattr(op, "__qualname__", None) or op)
+            if name.startswith(_COLLECTIVE_NAMESPACES):
+                return True
+    return False if known else None

@@ -255,13 +255,14 @@ class KeyRegistry:
         self.declined.clear()
         self.uncaptured_reason = reason
 
-    def dispatch(self, num_tokens: int, num_reqs: int, uniform: bool) -> Dispatch:
+    def dispatch(self, num_tokens: int, num_reqs: int, uniform: bool, *, count: bool = True) -> Dispatch:
         """How a step of these counts runs: its captured key and mode, or eagerly with a reason.
 
         `uniform`: every request of the step has exactly `uniform_query_len` tokens (an empty
         step is uniform). A uniform step prefers its uniform key and falls back to the mixed
         (or piecewise) key of its size; a key that was skipped or not captured yet is never
-        returned.
+        returned. `count`: a key with no graph yet counts the step in `demand` (False: a look
+        that is not the step's key, such as a data-parallel rank's own before the agreement).
         """
         if self.mode == "none":
             return self._eager(num_tokens, num_reqs, "mode_none")
@@ -271,7 +272,7 @@ class KeyRegistry:
             key = self._uniform[num_tokens]
             if key is not None and key in self.captured:
                 return Dispatch(Mode.FULL, key, "")
-            if key is not None:  # traffic for its uniform key, whatever replays instead
+            if key is not None and count:  # traffic for its uniform key, whatever replays instead
                 self.demand[key] += 1
             fallback = key
         else:
@@ -280,7 +281,7 @@ class KeyRegistry:
         if piece is not None:  # piecewise keys hold any request count the buffers hold
             if piece in self.captured:
                 return Dispatch(Mode.PIECEWISE, piece, "")
-            return self._eager(num_tokens, num_reqs, self._state(piece))
+            return self._eager(num_tokens, num_reqs, self._state(piece, count=count))
         keys = self._mixed[num_tokens]
         if not keys:  # full_decode_only plans no mixed keys
             reason = "decode_only" if fallback is None else self._state(fallback, count=False)
@@ -293,7 +294,7 @@ class KeyRegistry:
                 fits = fits or key
         if fits is None:
             return self._eager(num_tokens, num_reqs, "too_many_requests")
-        return self._eager(num_tokens, num_reqs, self._state(fits))
+        return self._eager(num_tokens, num_reqs, self._state(fits, count=count))
 
     @staticmethod
     def eager_key(num_tokens: int, num_reqs: int) -> GraphKey:

@@ -32,6 +32,8 @@ from graphcap.communicators import Communicator, communicators_of, key_captured_
 from graphcap.config import CaptureConfig
 from graphcap.config.byte_counts import format_bytes
 from graphcap.distributed import StepAgreement, counts_buffers
+from graphcap.distributed.ledger import CollectiveLedger
+from graphcap.distributed.options import Parallel, parallel_of, refuse_moved
 from graphcap.errors import ConfigError, ConfigProblem, InvariantViolation
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
 from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode, StepStats
@@ -67,16 +69,19 @@ class CaptureManager:
         backend: str | GraphBackend = "auto",
         group: Any = None,
         *,
+        parallel: Parallel | None = None,
         progress: bool | None = None,
-        dp_timeout: float = 300.0,
         buffers: Iterable[BufferSpec] = (),
         capture_context: Callable[[], AbstractContextManager] | None = None,
         device: torch.device | str | None = None,
-        tp_group: Any = None,
-        pad_eager: bool = False,
-        dp_token_counts: bool = False,
         communicators: Iterable[Communicator] = (),
+        **moved: Any,
     ) -> None:
+        """`group`: the data-parallel group, shorthand for `parallel=Parallel(dp_group=group)`; `parallel`: every
+        data- and tensor-parallel option (`graphcap.Parallel`). The keyword arguments `tp_group=`, `dp_timeout=`,
+        `pad_eager=` and `dp_token_counts=` are refused with a `TypeError` naming their `Parallel` field."""
+        refuse_moved(moved)
+        parallel = parallel_of(parallel, group)
         if not callable(getattr(model, "forward", None)):
             raise TypeError(f"model must have a callable forward(inputs); got {type(model).__name__}")
         self._communicators = communicators_of(communicators)
@@ -86,7 +91,7 @@ class CaptureManager:
         self.model = model
         self.config = config
         self.device = resolve_device(config) if device is None else torch.device(device)
-        extras = (*merged_specs(config.buffers, buffers), *counts_buffers(group, dp_token_counts))
+        extras = (*merged_specs(config.buffers, buffers), *counts_buffers(parallel))
         self.buffers = PersistentBuffers.from_config(config, self.device, extras=extras)
         self.registry = KeyRegistry.from_config(config)
         # A backend passed in may hold other managers' graphs: only one built here is reset.
@@ -103,10 +108,14 @@ class CaptureManager:
         self._forward: Callable[[ForwardInputs], Any] = model.forward
         self._prepare = prepare_of(model)
         self._outputs = OutputRows.of(model)  # which output tensors are per token, per request or whole
-        self._peers = StepAgreement.create(  # DP (group) and TP peers, or None; agrees on the config first
-            config, self.registry, self.buffers, group, tp_group, dp_timeout, pad_eager, dp_token_counts
-        )
-        self._failures = FailurePolicy(config.capture.on_error, self._peers)
+        # DP and TP peers, or None; agrees on the config first (collective)
+        self._peers = StepAgreement.create(config, self.registry, self.buffers, parallel)
+        around = [name for name, given in (("capture_context", capture_context), ("communicators", self._communicators))
+                  if given]  # fmt: skip
+        self._failures = FailurePolicy(config.capture.on_error, self._peers, " and ".join(around))
+        # With peers, a capture forward that fails part-way issues the collectives its peers wait in (not on
+        # CUDA: a dispatch mode around the warmups would change what torch.compile traces there).
+        self._ledger = CollectiveLedger() if self._peers is not None and self.device.type != "cuda" else None
         self._budget = MemoryBudget(config, self.backend.name)
         self._lazy = LazyCapture(self.registry, self.stats, self._peers, is_lazy=config.capture.strategy == "lazy")
         self._counting = True
@@ -230,7 +239,11 @@ class CaptureManager:
         if keys and not self.graphs:
             self._guard.arm(self.model, self.buffers.storage())
         kwargs = {"set_aside": self.buffers.table_set_aside, "context": self._capture_context, "progress": progress}
-        return run_pass(job, self._live, keys, budget=self._budget, **kwargs)
+        try:
+            return run_pass(job, self._live, keys, budget=self._budget, **kwargs)
+        finally:
+            if self._peers is not None:  # what decides whether eager steps pad (`Parallel.pad_eager` None)
+                self._peers.learn_collectives(self.graphs.values(), self._communicators)
 
     def _capture_pass(self, scratch_blocks: Iterable[int] = (), group_scratch_blocks: Any = None) -> CapturePass:
         scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
@@ -241,7 +254,7 @@ class CaptureManager:
             registry=self.registry,
             config=self.config,
             stage=self._stage,
-            forward=self._forward,
+            forward=self._forward if self._ledger is None else self._ledger.wrap(self._forward),
             static_inputs=lambda inputs: self._guard.collect(self.model, inputs.tensors()),
             extras=self.buffers.extras,
             failures=self._failures,
@@ -397,8 +410,9 @@ class CaptureManager:
             self._guard.register(name, tensor)
 
     def reset(self) -> None:
-        """Release every graph; later steps run eagerly until `capture()` runs again."""
+        """Release every graph; later steps run eagerly until `capture()` runs again. Collective with peers."""
         with self._scope("reset"):
+            self._agree_call("reset")
             self._history.freed("reset()", self._live.release_all())
 
     def release(self) -> int:
@@ -406,8 +420,10 @@ class CaptureManager:
 
         Keeps the buffers, block table rows and registrations: `capture()` (or, lazy, `capture_pending()`)
         serves again on the same addresses; steps between run eagerly (reason `released`). On CUDA the memory
-        goes back to the device and later captures use a fresh pool (never one whose graphs were freed)."""
+        goes back to the device and later captures use a fresh pool (never one whose graphs were freed).
+        Collective with peers (every rank releases, or every rank raises)."""
         with self._scope("release"):
+            self._agree_call("release")
             count = self._live.release_all("released")
             self.backend.empty_cache()
             return self._history.freed("release()", count, self.stats)
@@ -419,14 +435,30 @@ class CaptureManager:
         later steps and captures use the new bound. `tensors`: the new cache tensors (a tensor, list or mapping),
         dim `block_dim` counting blocks, checked and registered like `register_static`. Refusals change nothing:
         `ConfigError` naming the key for a count the config refuses or a cache that holds fewer blocks;
-        `BatchError` naming a block table row holding a block past the bound. Returns the graphs released."""
+        `BatchError` naming a block table row holding a block past the bound. Returns the graphs released.
+        Collective with peers: a refusal on any rank changes nothing on every rank."""
         with self._scope("resize_kv"):
-            config, named = resize_plan(self.config, self.model, num_blocks, tensors, group, block_dim)
+            try:
+                config, named = resize_plan(self.config, self.model, num_blocks, tensors, group, block_dim)
+                table = self.buffers.block_table if group is None else self.buffers.kv_groups.tables[group]
+                table.check_resize(num_blocks)
+            except Exception as exc:
+                if self._peers is None:
+                    raise
+                self._agree_call("resize_kv", exc, f"{group}:{num_blocks}")
+                raise
+            self._agree_call("resize_kv", None, f"{group}:{num_blocks}")
             self.buffers.resize_kv(num_blocks, group)
             self.config = config
             for name, tensor in named.items():
                 self._guard.register(name, tensor)
             return self._history.freed("resize_kv()", self._live.release_all("kv_resized"), self.stats)
+
+    def _agree_call(self, kind: str, refused: BaseException | None = None, detail: str = "") -> None:
+        """With peers: agree `kind` (release, resize_kv, reset) before it changes any graph (`agree_call`)."""
+        if self._peers is not None:
+            self._peers.current = None
+            self._peers.agree_call(kind, refused, detail)
 
     def __repr__(self) -> str:
         return f"CaptureManager({len(self.graphs)} graphs, backend={self.backend.name}, device={self.device})"

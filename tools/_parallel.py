@@ -117,7 +117,7 @@ def _serve(rank: int, args: Any, directory: str) -> dict[str, Any]:
     import mini_engine
     import torch.distributed as dist
 
-    from graphcap import CaptureManager, load_config
+    from graphcap import CaptureManager, Parallel, load_config
 
     dist.init_process_group(
         "gloo",
@@ -138,8 +138,10 @@ def _serve(rank: int, args: Any, directory: str) -> dict[str, Any]:
         config,
         progress=False,
         buffers=mini_engine.BUFFERS,
-        group=dp_groups[tp_rank] if args.dp > 1 else None,
-        tp_group=tp_groups[replica] if args.tp > 1 else None,
+        parallel=Parallel(
+            dp_group=dp_groups[tp_rank] if args.dp > 1 else None,
+            tp_group=tp_groups[replica] if args.tp > 1 else None,
+        ),
     )
     manager.capture()
     engine = mini_engine.MiniEngine(manager, mini_engine.AdaptedLlama(config), args.seed + replica, idle_steps=True)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _sampling import measure
 
-from graphcap import CaptureManager, StepBatch, load_config
+from graphcap import CaptureManager, Parallel, StepBatch, load_config
 from graphcap.distributed import GroupSync
 from graphcap.models import build_model
 
@@ -74,7 +74,9 @@ def run_rank(rank: int, world_size: int, store: str, rounds: int, repeats: int) 
         managers = {
             "solo": CaptureManager(build_model(config), config, backend="emulated", progress=False),
             "dp": CaptureManager(build_model(config), config, backend="emulated", group=group, progress=False),
-            "tp": CaptureManager(build_model(config), config, backend="emulated", tp_group=group, progress=False),
+            "tp": CaptureManager(
+                build_model(config), config, backend="emulated", parallel=Parallel(tp_group=group), progress=False
+            ),
         }
         for manager in managers.values():
             manager.capture()

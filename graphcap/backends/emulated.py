@@ -22,6 +22,11 @@ what it reproduces and what it cannot, each with its test):
 - Slots are freed after their last use and nothing but externals and the output lives
   between replays; the same liveness gives `memory_bytes`.
 
+- While it records (and only then), `torch.cuda.is_current_stream_capturing()` answers True,
+  as CUDA's does inside a capture: code that asks it (vLLM's and SGLang's custom all-reduce)
+  records its real collective; warmups, verification and eager steps get torch's own answer
+  (False where a CUDA runtime is present), and the function is restored after each recording.
+
 Not emulated: static addresses of intermediates (a replay allocates fresh ones), and the
 device-side behaviour of captured kernels (capture here runs them, so the output holds
 fn's result right after capture, and in-place writes happen once during capture).
@@ -29,6 +34,8 @@ fn's result right after capture, and in-place writes happen once during capture)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +49,7 @@ from graphcap.backends.preflight import unsafe_op_checker
 from graphcap.backends.tape import Tape, TapeRecorder, compile_tape
 from graphcap.outputs import flatten_output
 
-__all__ = ["EmulatedBackend", "EmulatedGraph"]
+__all__ = ["EmulatedBackend", "EmulatedGraph", "stream_capturing"]
 
 
 @dataclass(eq=False, repr=False, kw_only=True)
@@ -77,6 +84,26 @@ class EmulatedGraph(CapturedGraph):
                     invalidate(leaf)
 
 
+@contextmanager
+def stream_capturing() -> Iterator[None]:
+    """`torch.cuda.is_current_stream_capturing()` answers True inside (a recording), as on a capturing CUDA stream.
+
+    Both module attributes code reaches it by (`torch.cuda` and `torch.cuda.graphs`) are swapped and
+    restored on every exit; the swap is process-wide, like the capture mode of a CUDA stream.
+    """
+    graphs = torch.cuda.graphs
+    saved = torch.cuda.is_current_stream_capturing, graphs.is_current_stream_capturing
+    torch.cuda.is_current_stream_capturing = graphs.is_current_stream_capturing = _capturing
+    try:
+        yield
+    finally:
+        torch.cuda.is_current_stream_capturing, graphs.is_current_stream_capturing = saved
+
+
+def _capturing() -> bool:
+    return True
+
+
 class EmulatedBackend(GraphBackend):
     """CUDA-graph semantics on the CPU (or any device), for tests and machines without a GPU.
 
@@ -88,7 +115,7 @@ class EmulatedBackend(GraphBackend):
     def _capture(self, fn: Forward, *, name: str, input_ptrs: dict[str, int]) -> EmulatedGraph:
         recorder = TapeRecorder(self.device)
         try:
-            with eager_only() as uncompiled, unsafe_op_checker(self.device, recorder):
+            with eager_only() as uncompiled, unsafe_op_checker(self.device, recorder), stream_capturing():
                 output = fn()
             leaves, _ = flatten_output(output, name)
             tape = compile_tape(recorder.records, leaves)

@@ -54,6 +54,8 @@ _SYNC_FIX = "Keep the data on the device inside the forward: no .item(), host co
 _SKIP_DIRS = (
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    # the dispatch mode that watches a capture forward's collectives calls every op of the forward
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed", "ledger.py"),
 )
 # Python methods and functions, looked up by the object torch hands to __torch_function__.
 _FUNCTIONS: dict[Any, UnsafeOp] = {}

@@ -21,7 +21,17 @@ from graphcap.errors import CaptureError, CaptureUnsafeError
 if TYPE_CHECKING:  # distributed/ sits beside capture/; only the annotation needs it
     from graphcap.distributed.step import StepAgreement
 
-__all__ = ["OOM_HINT", "STICKY_HINT", "FailurePolicy", "describe_failure"]
+__all__ = ["OOM_HINT", "PHASES", "STICKY_HINT", "FailurePolicy", "describe_failure", "phase_of"]
+
+PHASES = {"warmup": (1, "warmup"), "capture": (2, "recording"), "verify": (3, "verification")}
+"""A capture phase -> (its code in the failure agreement, its name in messages)."""
+
+
+def phase_of(failure: BaseException | None) -> str | None:
+    """The capture phase a failed forward ran in ("warmup", "capture", "verify"), where graphcap saw it
+    (`graphcap.distributed.ledger` marks the failures of the forwards it watches)."""
+    return getattr(failure, "graphcap_phase", None)
+
 
 log = logging.getLogger("graphcap")
 
@@ -45,9 +55,12 @@ class FailurePolicy:
     `settle` for every key (failed or not) in the same order: it is a collective with peers.
     """
 
-    def __init__(self, on_error: str, peers: StepAgreement | None = None) -> None:
+    def __init__(self, on_error: str, peers: StepAgreement | None = None, context: str = "") -> None:
         self.on_error = on_error
         self.peers = peers
+        self.context = context
+        """What the engine runs around a pass ("capture_context", "communicators", both, or ""): named when a
+        verification of a forward that holds collectives fails."""
 
     def settle(self, what: str, failure: BaseException | None, graph: Any = None) -> str | None:
         """None when `what` (a key, or its verification) succeeded on every rank; else release `graph`
@@ -63,9 +76,11 @@ class FailurePolicy:
                 sticky = True
         if failure is None:
             return None
+        where = PHASES.get(phase_of(failure) or "", (0, ""))[1]
+        reason = describe_failure(failure) + (f" (in its {where} on this rank)" if where else "")
+        reason += self._collectives_hint(failure, graph)  # before the release
         if graph is not None:
             graph.release()
-        reason = describe_failure(failure)
         _drop_frames(failure)  # the failed forward's tensors must not outlive this key
         if sticky:
             raise CaptureError(f"{what} failed: {reason}; {STICKY_HINT}") from failure
@@ -78,13 +93,41 @@ class FailurePolicy:
         log.warning("skipping %s: %s", what, reason)
         return reason
 
+    def _collectives_hint(self, failure: BaseException, graph: Any) -> str:
+        """Why a replay can differ from eager when the forward holds collectives (a placeholder outside recording)."""
+        from graphcap.communicators import holds_collectives
+
+        if "replay differs from eager" not in str(failure) or graph is None:
+            return ""
+        holds = holds_collectives([graph], ())
+        if not holds and not self.context:
+            return ""
+        what = " holds collectives" if holds else ""
+        inside = f"{' and' if holds else ''} ran inside {self.context}" if self.context else ""
+        return (
+            f". The forward{what}{inside}: a communicator or capture mode that returns a placeholder when no graph "
+            "records (torch.cuda.is_current_stream_capturing() is False in warmups, verification and eager steps) "
+            "makes them differ from the replay. An engine must not wrap capture() in its own capture mode: give it "
+            "as capture_context= or a graphcap.Communicator, and let its collectives ask graphcap.is_capturing()"
+        )
+
     def _agree(self, what: str, failure: BaseException | None) -> BaseException | None:
         if self.peers is None:
             return failure
-        failed_rank = self.peers.first_failed(failure is not None, "key", what)
-        if failure is None and failed_rank is not None:
+        # A mismatch may follow from a peer's failure (its forward failed part-way and issued placeholders).
+        derived = failure is not None and "replay differs from eager" in str(failure)
+        code = PHASES.get(phase_of(failure) or "", (0, ""))[0]
+        first = self.peers.first_failure(failure is not None, "key", what, derived=derived, phase=code)
+        if first is None:
+            return failure
+        failed_rank, first_derived, first_phase = first
+        if failed_rank != self.peers.rank and (failure is None or (derived and not first_derived)):
             # Capture is in lockstep: a key one rank lacks is dropped by every rank (or raises).
-            return CaptureError(f"rank {failed_rank} failed to capture it; parallel ranks keep the same keys")
+            where = next((f" in its {name}" for c, name in PHASES.values() if c == first_phase), "")
+            then = "; this rank's verification failed after it" if failure is not None else ""
+            return CaptureError(
+                f"rank {failed_rank} failed to capture it{where}; parallel ranks keep the same keys{then}"
+            )
         return failure
 
 

@@ -1,10 +1,13 @@
 """Agreement with data- and tensor-parallel peers: `StepAgreement` (a step), `GroupSync` (one reduction).
 
+`options.Parallel` is what an engine passes (`CaptureManager(..., parallel=Parallel(...))`).
+
 `groups` picks the CPU group an agreement runs on; `sync` is the one reduction, carrying the
 step and the call; `step` orders a step so no rank strands its peers. docs/guide/distributed.md is the
 user's view.
 """
 
+from graphcap.distributed.options import Parallel
 from graphcap.distributed.step import (
     COUNTS_BUFFER,
     AgreedStep,
@@ -19,6 +22,7 @@ __all__ = [
     "AgreedStep",
     "Agreement",
     "GroupSync",
+    "Parallel",
     "StepAgreement",
     "counts_buffers",
     "is_collective_error",

@@ -7,20 +7,25 @@ run leaves them blocked in it. The order, per `execute` (and `dispatch`, which r
    (`BatchError`) makes the rank join the step as an idle rank (no requests): its peers
    complete the step, then it raises the refusal.
 2. Tensor-parallel check (with a TP group): one agreement over the TP group of a digest of the
-   staged host rows (CRC-32 of the packed prefix the upload copies). TP ranks must stage the
-   same rows; if they differ, every TP rank joins the step idle and raises `BatchError`.
+   staged host rows of the rank's own key (CRC-32 of each field's rows for that key, never the
+   capacity past them, which still holds what a larger earlier step wrote). TP ranks must stage
+   the same rows; if they differ, every TP rank joins the step idle and raises `BatchError`.
 3. Data-parallel agreement (with a DP group): one agreement of the MAX of the token and request
    counts, "cannot use a graph" and "not uniform", and every rank's token count; every rank
-   reaches the same key, or every rank runs eagerly. `pad_eager`: an eager step pads to the
-   agreed (largest) token and request counts on every rank, so an eager forward's collectives
-   have one shape everywhere. The per-rank token counts are the model's to read
-   (`inputs.extras["num_tokens_across_dp"]`, with `dp_token_counts=True`).
+   reaches the same key, or every rank runs eagerly. Padded eager steps (`Parallel.pad_eager`;
+   by default whenever the forward may hold a collective): an eager step pads to the agreed
+   (largest) token and request counts on every rank, so an eager forward's collectives have one
+   shape everywhere. The per-rank token counts are the model's to read
+   (`inputs.extras["num_tokens_across_dp"]`, with `Parallel(token_counts=True)`). Lazy demand
+   counts the agreed key, never a rank's own.
 4. The manager stages for the agreed key and runs; a refusal found then (the model's `prepare`,
    the invariants) also runs the step idle before raising. A collective error inside the step
    becomes `DistributedTimeoutError` naming the step and the key.
 
 Every agreement carries the step number and the call (see `GroupSync`), so ranks out of step
-fail at the first mismatched call.
+fail at the first mismatched call. The calls that change the live graphs between steps
+(`release`, `resize_kv`, `reset`) are agreed too (`agree_call`): one rank calling one alone fails
+at once on every rank, naming each rank's call.
 """
 
 from __future__ import annotations
@@ -31,9 +36,12 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
+
 from graphcap.batch import IDLE, StepBatch
 from graphcap.config.fingerprint import agreed_items, fingerprint_int
-from graphcap.distributed.sync import GroupSync
+from graphcap.distributed.options import Parallel
+from graphcap.distributed.sync import KINDS, GroupSync, config_mismatch
 from graphcap.errors import BatchError, DistributedTimeoutError, InvariantViolation
 from graphcap.inputs import BufferSpec, ForwardInputs
 from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode
@@ -41,18 +49,16 @@ from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode
 __all__ = ["COUNTS_BUFFER", "AgreedStep", "StepAgreement", "counts_buffers", "is_collective_error"]
 
 COUNTS_BUFFER = "num_tokens_across_dp"
-"""The engine buffer of per-rank token counts (`dp_token_counts=True`): int32 [DP world size]."""
+"""The engine buffer of per-rank token counts (`Parallel(token_counts=True)`): int32 [DP world size]."""
 
 
-def counts_buffers(group: Any, enabled: bool) -> tuple[BufferSpec, ...]:
-    """The engine buffer that holds every DP rank's token count, when `enabled` (and a group is given)."""
-    if not enabled:
+def counts_buffers(parallel: Parallel) -> tuple[BufferSpec, ...]:
+    """The engine buffer that holds every DP rank's token count, with `Parallel(token_counts=True)`."""
+    if not parallel.token_counts:
         return ()
-    if group is None:
-        raise ValueError("dp_token_counts=True needs a data-parallel group (group=...)")
     import torch.distributed as dist
 
-    return (BufferSpec(COUNTS_BUFFER, "none", shape=(dist.get_world_size(group),), dtype="int32"),)
+    return (BufferSpec(COUNTS_BUFFER, "none", shape=(dist.get_world_size(parallel.dp_group),), dtype="int32"),)
 
 
 @dataclasses.dataclass
@@ -88,76 +94,78 @@ class AgreedStep:
 class StepAgreement:
     """The agreements of one manager with its DP and TP peers (see the module doc).
 
-    `stage(batch, key)`: stage without uploading (the validation of step 1). `packed_prefix(key,
-    num_reqs)`: the staged host bytes of a key (the TP digest). Holds the step count: steps
-    are `execute` calls; `dispatch` is a look at the next step.
+    `stage(batch, key)`: stage without uploading (the validation of step 1). `key_rows(key,
+    num_reqs)`: the staged host rows of a key by field (the TP digest). Holds the step count:
+    steps are `execute` calls; `dispatch` is a look at the next step.
     """
 
-    def __init__(
-        self,
-        registry: KeyRegistry,
-        stage: Any,
-        packed_prefix: Any,
-        *,
-        group: Any,
-        tp_group: Any,
-        timeout: float,
-        pad_eager: bool,
-        token_counts: bool,
-    ) -> None:
+    def __init__(self, registry: KeyRegistry, stage: Any, key_rows: Any, parallel: Parallel) -> None:
         import torch.distributed as dist
 
-        self.dp = GroupSync(group, timeout, "data-parallel") if group is not None else None
-        self.tp = GroupSync(tp_group, timeout, "tensor-parallel") if tp_group is not None else None
+        timeout = parallel.timeout
+        self.dp = GroupSync(parallel.dp_group, timeout, "data-parallel") if parallel.dp_group is not None else None
+        self.tp = GroupSync(parallel.tp_group, timeout, "tensor-parallel") if parallel.tp_group is not None else None
         self.syncs = [sync for sync in (self.dp, self.tp) if sync is not None]
         self.rank = dist.get_rank()
         self.registry = registry
         self._stage = stage
-        self._packed_prefix = packed_prefix
-        self.pad_eager = pad_eager
-        self.token_counts = token_counts
+        self._key_rows = key_rows
+        self.pad_eager = parallel.pad_eager
+        """True/False: the engine's choice; None: pad while `forward_collectives` is not False."""
+        self.forward_collectives: bool | None = None
+        """Whether the captured forward holds a collective: None until a capture tells (the manager sets it)."""
+        self.token_counts = parallel.token_counts
         self.steps = 0
         """Steps executed: the number of the last `execute`."""
         self.current: AgreedStep | None = None
 
     @classmethod
-    def create(
-        cls,
-        config: Any,
-        registry: KeyRegistry,
-        buffers: Any,
-        group: Any,
-        tp_group: Any,
-        timeout: float,
-        pad_eager: bool,
-        token_counts: bool,
-    ) -> StepAgreement | None:
+    def create(cls, config: Any, registry: KeyRegistry, buffers: Any, parallel: Parallel) -> StepAgreement | None:
         """The agreements of a manager over `buffers` (`PersistentBuffers`), None without groups.
 
         Collective: the ranks agree on `config` (and the torch and graphcap versions) first.
         """
-        if (pad_eager or token_counts) and group is None:
-            raise ValueError("pad_eager and dp_token_counts need a data-parallel group (group=...)")
-        if group is None and tp_group is None:
+        if not parallel.has_peers:
             return None
-        peers = cls(
-            registry,
-            lambda batch, key: buffers.stage(batch, key, upload=False),
-            lambda key, num_reqs: buffers.packed_host[: buffers.upload_nbytes(key, num_reqs)],
-            group=group,
-            tp_group=tp_group,
-            timeout=timeout,
-            pad_eager=pad_eager,
-            token_counts=token_counts,
-        )
+
+        def key_rows(key: GraphKey, num_reqs: int) -> Mapping[str, Any]:
+            R = key.num_reqs if key.num_reqs is not None else num_reqs
+            return buffers.layout.views(key.num_tokens, R).host
+
+        peers = cls(registry, lambda batch, key: buffers.stage(batch, key, upload=False), key_rows, parallel)
         peers.agree_on_config(fingerprint_int(config), agreed_items(config))
         return peers
 
     # -- agreements outside steps ----------------------------------------------------------
 
     def agree_on_config(self, fingerprint: int, items: Mapping[str, str]) -> None:
+        """Every rank of the DP and TP groups holds the same fingerprint, else every rank raises `ConfigError`
+        naming each differing key and every rank's value (DP, then TP: on a TP x DP grid every rank learns
+        every rank's config, so no rank is left waiting in a later agreement)."""
+        highest, complement = fingerprint, 2**62 - fingerprint
         for sync in self.syncs:
-            sync.agree_on_config(fingerprint, items)
+            highest, complement = sync.fingerprint_range(highest, complement)
+        if highest == 2**62 - complement:  # the largest fingerprint is also the smallest: all equal
+            return
+        known = {self.rank: dict(items)}
+        for sync in self.syncs:
+            known = sync.gather(known)
+        role = " x ".join(sync.role for sync in self.syncs)
+        raise config_mismatch(known, role)
+
+    def agree_call(self, kind: str, refused: BaseException | None = None, detail: str = "") -> None:
+        """A call that changes the live graphs between steps (`kind`: "release", "resize_kv", "reset"), agreed
+        like `capture()` (collective): a rank that makes it alone fails here on every rank, naming each rank's
+        call ("ranks out of step"); a call `refused` on any rank (checked before agreeing) raises on every rank,
+        the refusing rank its own error, so no rank changes its graphs alone."""
+        failed = self.first_failed(refused is not None, kind, detail)
+        if refused is not None:
+            raise refused
+        if failed is not None:
+            raise DistributedTimeoutError(
+                f"{KINDS[kind][1]} after step {self.steps}: rank {failed} refused it (its own error names why); "
+                "every rank keeps its graphs, so the ranks stay in step"
+            )
 
     def begin_capture(self) -> None:
         """Before a capture pass runs anything: ranks capturing while a peer steps fail here, out of step."""
@@ -167,10 +175,39 @@ class StepAgreement:
 
     def first_failed(self, failed: bool, kind: str, what: str) -> int | None:
         """The lowest world rank that failed `what` (DP, then TP: every rank of a TP x DP grid learns it)."""
-        known = self.rank if failed else None
+        first = self.first_failure(failed, kind, what)
+        return None if first is None else first[0]
+
+    def first_failure(
+        self, failed: bool, kind: str, what: str, *, derived: bool = False, phase: int = 0
+    ) -> tuple[int, bool, int] | None:
+        """(the world rank to name for failing `what`, whether its failure is derived, its phase code), or None.
+
+        `derived`: this rank's failure may follow from a peer's (a verification mismatch after a peer's
+        forward failed part-way): the lowest rank whose failure is not derived is named first. `phase`: the
+        code of the capture phase this rank failed in (0: not known), which every rank learns with the rank."""
+        known = (((1 << 22) if derived else 0) | (phase << 20) | self.rank) if failed else None
         for sync in self.syncs:
             known = sync.first_failed(known, self.steps, kind, what)
-        return known
+        if known is None:
+            return None
+        return known & ((1 << 20) - 1), bool(known >> 22), (known >> 20) & 3
+
+    def learn_collectives(self, graphs: Any, communicators: tuple = ()) -> None:
+        """After a capture: whether the forward holds a collective, from what the graphs recorded (once True, kept)."""
+        if self.forward_collectives is not True:
+            from graphcap.communicators import holds_collectives
+
+            seen = holds_collectives(graphs, communicators)
+            if seen is not None:
+                self.forward_collectives = seen
+
+    def pads_eager(self) -> bool:
+        """Whether this step's eager forward pads to the agreed counts (`Parallel.pad_eager`; None: unless a
+        capture showed the forward holds no collective)."""
+        if self.pad_eager is not None:
+            return self.pad_eager
+        return self.forward_collectives is not False
 
     # -- a step ----------------------------------------------------------------------------
 
@@ -193,10 +230,11 @@ class StepAgreement:
             digests = self.tp.agree(number, call, value=digest).values
             if len(set(digests)) > 1:
                 shown = ", ".join(f"rank {self.tp.ranks[i]}: {d:x}" for i, d in enumerate(digests))
+                own_reason = "" if refused is None else f"; this rank's batch was refused: {refused}"
                 mismatch = BatchError(
                     f"step {number}: the tensor-parallel ranks staged different rows (digests {shown}; 1: a "
                     "refused batch); every rank of a tensor-parallel group must execute the same batch. "
-                    "Every rank of the group ran this step idle"
+                    f"Every rank of the group ran this step idle{own_reason}"
                 )
                 mismatch.__cause__ = refused
                 refused, batch = mismatch, IDLE
@@ -204,6 +242,8 @@ class StepAgreement:
         dispatch, counts, padded = own, (batch.num_tokens,), None
         if self.dp is not None:
             dispatch, counts, padded = self._agree_dp(number, call, batch, uniform, own)
+        elif own.mode is Mode.EAGER:  # the step's key is its own: counted once, as without peers
+            self.registry.dispatch(batch.num_tokens, batch.num_reqs, uniform)
         step = AgreedStep(number, dispatch, batch, counts, padded, refused)
         if call == "execute":
             self.steps = number
@@ -251,13 +291,21 @@ class StepAgreement:
             view[...] = step.counts
 
     def _own(self, batch: StepBatch) -> tuple[Dispatch, bool]:
+        """This rank's own dispatch, not counted in the lazy demand (`plan` counts the step's key once)."""
         uniform = batch.is_uniform(self.registry.uniform_query_len)
-        return self.registry.dispatch(batch.num_tokens, batch.num_reqs, uniform), uniform
+        return self.registry.dispatch(batch.num_tokens, batch.num_reqs, uniform, count=False), uniform
 
     def _digest(self, batch: StepBatch, key: GraphKey) -> int:
-        """CRC-32 of the staged host rows and the counts, >= 2 (1 marks a refused batch)."""
-        seed = zlib.crc32(f"{key}/{batch.num_tokens}/{batch.num_reqs}".encode())
-        return zlib.crc32(self._packed_prefix(key, batch.num_reqs), seed) + 2
+        """CRC-32 of each field's staged host rows of `key` and the counts, >= 2 (1 marks a refused batch).
+
+        Only the rows the key uses: the capacity past them holds what an earlier, larger step
+        wrote, which TP peers need not share (a peer whose batch was refused did not write it).
+        The per-rank token counts are left out: they are written after the agreement."""
+        crc = zlib.crc32(f"{key}/{batch.num_tokens}/{batch.num_reqs}".encode())
+        for name, rows in self._key_rows(key, batch.num_reqs).items():
+            if name != COUNTS_BUFFER:
+                crc = zlib.crc32(np.ascontiguousarray(rows).view(np.uint8), crc)
+        return crc + 2
 
     def _agree_dp(
         self, number: int, call: str, batch: StepBatch, uniform: bool, own: Dispatch
@@ -273,12 +321,12 @@ class StepAgreement:
         agreement = self.dp.agree(number, call, payload, value=batch.num_tokens)
         num_tokens, any_cannot, any_mixed, num_reqs = agreement.payload
         counts = tuple(agreement.values)
-        padded = (num_tokens, num_reqs) if self.pad_eager else None
+        padded = (num_tokens, num_reqs) if self.pads_eager() else None
         eager = Dispatch(Mode.EAGER, _eager_key(batch, padded), own.reason if own.mode is Mode.EAGER else "peer")
-        if any_cannot:
+        agreed = registry.dispatch(num_tokens, num_reqs, not any_mixed)  # counts the agreed key's demand, once
+        if any_cannot or agreed.mode is Mode.EAGER:
             return eager, counts, padded
-        agreed = registry.dispatch(num_tokens, num_reqs, not any_mixed)
-        return (eager if agreed.mode is Mode.EAGER else agreed), counts, padded
+        return agreed, counts, padded
 
 
 def _eager_key(batch: StepBatch, padded: tuple[int, int] | None) -> GraphKey:

@@ -29,7 +29,7 @@ import torch
 from graphcap.distributed.groups import cpu_group, global_rank
 from graphcap.errors import ConfigError, ConfigProblem, DistributedTimeoutError
 
-__all__ = ["KINDS", "Agreement", "GroupSync", "call_tag"]
+__all__ = ["KINDS", "Agreement", "GroupSync", "call_tag", "config_mismatch"]
 
 PAYLOAD = 8
 KINDS = {
@@ -40,6 +40,9 @@ KINDS = {
     "dispatch": (5, "dispatch()"),
     "execute": (6, "execute()"),
     "reduce_max": (7, "reduce_max"),
+    "release": (8, "release()"),
+    "resize_kv": (9, "resize_kv()"),
+    "reset": (10, "reset()"),
 }
 """Kind of call -> (its number in the call slot, its name in "ranks out of step" messages)."""
 _NAMES = {number: name for number, name in KINDS.values()}
@@ -73,7 +76,7 @@ class GroupSync:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group given, but torch.distributed is not initialized; call init_process_group first")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"dp_timeout must be > 0 seconds; got {timeout!r}")
+            raise ValueError(f"timeout must be > 0 seconds (Parallel(timeout=...)); got {timeout!r}")
         self._dist = dist
         self.role = role
         self.timeout = _dt.timedelta(seconds=timeout)
@@ -128,29 +131,26 @@ class GroupSync:
         which covers the torch and graphcap versions too). When the ranks differ, they gather
         `items` (dotted key -> value) and raise `ConfigError` naming each differing key with
         every rank's value, instead of a misleading timeout or a capture failure later.
+        `StepAgreement.agree_on_config` chains the same two steps over a DP and a TP group.
         """
-        highest, complement = self.agree(0, "construction", [fingerprint, 2**62 - fingerprint]).payload
-        if highest == 2**62 - complement:  # the largest fingerprint is also the smallest: all equal
+        if self.fingerprint_range(fingerprint, 2**62 - fingerprint) == (fingerprint, 2**62 - fingerprint):
             return
+        raise config_mismatch(self.gather({self.ranks[self.rank]: dict(items)}), self.role)
+
+    def fingerprint_range(self, highest: int, complement: int) -> tuple[int, int]:
+        """(the MAX of `highest`, the MAX of `complement`) over the group: `2**62 - complement` is the smallest
+        fingerprint, so every rank holds the same one when the two meet (collective)."""
+        highest, complement = self.agree(0, "construction", [highest, complement]).payload
+        return highest, complement
+
+    def gather(self, known: dict[int, dict[str, str]]) -> dict[int, dict[str, str]]:
+        """Every rank's `known` (world rank -> items), merged (collective; only after a mismatch)."""
         gathered: list[Any] = [None] * self.world_size
         try:
-            self._dist.all_gather_object(gathered, dict(items), group=self.group)
+            self._dist.all_gather_object(gathered, known, group=self.group)
         except RuntimeError as exc:
             raise self._timeout_error("config agreement", str(exc)) from exc
-        problems = []
-        for key in sorted({key for values in gathered for key in values}):
-            values = [values.get(key, "<absent>") for values in gathered]
-            if len(set(values)) > 1:
-                per_rank = ", ".join(f"rank {self.ranks[i]}: {value}" for i, value in enumerate(values))
-                must = (
-                    "every rank must run the same torch and graphcap"
-                    if key.startswith("version.")
-                    else "every rank must load the same config (only device and report.path may differ)"
-                )
-                problems.append(
-                    ConfigProblem(key, f"differs across the {self.world_size} {self.role} ranks ({per_rank}); {must}")
-                )
-        raise ConfigError(problems, f"the config of {self.role} rank {self.rank}")
+        return {rank: items for part in gathered for rank, items in part.items()}
 
     def _out_of_step(self, calls: list[int], what: str) -> DistributedTimeoutError:
         described = "; ".join(f"rank {self.ranks[i]}: {_describe(call)}" for i, call in enumerate(calls))
@@ -180,12 +180,29 @@ class GroupSync:
         )
 
 
+def config_mismatch(known: Mapping[int, Mapping[str, str]], role: str) -> ConfigError:
+    """The `ConfigError` naming each key whose value differs between the ranks of `known` (world rank -> items)."""
+    ranks = sorted(known)
+    problems = []
+    for key in sorted({key for items in known.values() for key in items}):
+        values = [known[rank].get(key, "<absent>") for rank in ranks]
+        if len(set(values)) > 1:
+            per_rank = ", ".join(f"rank {rank}: {value}" for rank, value in zip(ranks, values))
+            must = (
+                "every rank must run the same torch and graphcap"
+                if key.startswith("version.")
+                else "every rank must load the same config (only device and report.path may differ)"
+            )
+            problems.append(ConfigProblem(key, f"differs across the {len(ranks)} {role} ranks ({per_rank}); {must}"))
+    return ConfigError(problems, f"the config of the {len(ranks)} {role} ranks")
+
+
 def _describe(call: int) -> str:
     """A call as its rank made it: "execute() of step 3", "capturing a key after step 2"."""
     step, kind = call >> 24, (call >> 16) & 0xFF
     name = _NAMES.get(kind, "an unknown call")
     if kind in (3, 4):
         return f"{name} a key (tag {call & 0xFFFF}) after step {step}"
-    if kind in (1, 2):
+    if kind in (1, 2, 8, 9, 10):  # between steps: the number is the steps executed before it
         return f"{name} after step {step}"
     return f"{name} of step {step}"

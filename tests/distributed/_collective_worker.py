@@ -65,10 +65,7 @@ def data_parallel(rank: int, world: int, directory: str) -> dict[str, Any]:
         model,
         config,
         backend="emulated",
-        group=dist.group.WORLD,
-        dp_timeout=DP_TIMEOUT_S,
-        pad_eager=True,
-        dp_token_counts=True,
+        parallel=graphcap.Parallel(dp_group=dist.group.WORLD, timeout=DP_TIMEOUT_S, pad_eager=True, token_counts=True),
         progress=False,
     )
     manager.capture()
@@ -103,8 +100,9 @@ def data_parallel_death(rank: int, world: int, directory: str) -> dict[str, Any]
     config = load_config(overrides=CONFIG)
     model = GatherMLP(dist.group.WORLD, world)
     manager = CaptureManager(
-        model, config, backend="emulated", group=dist.group.WORLD, dp_timeout=DP_TIMEOUT_S, progress=False
-    )
+        model, config, backend="emulated", parallel=graphcap.Parallel(dp_group=dist.group.WORLD, timeout=DP_TIMEOUT_S),
+        progress=False,
+    )  # fmt: skip
     manager.capture()
     res = {"first": _step(manager, model, 3, 1 + rank)}
     if rank == 1:
@@ -122,24 +120,89 @@ def tensor_parallel(rank: int, world: int, directory: str) -> dict[str, Any]:
     config = load_config(overrides=CONFIG)
     group = dist.group.WORLD
     res: dict[str, Any] = {}
-    for spelling in ("functional", "funcol", "inplace", "custom_graphcap", "custom_cuda"):
+    for spelling in ("functional", "funcol", "inplace", "custom_graphcap", "custom_cuda", "custom_stream"):
         model = TensorParallelMLP(rank, world, spelling, group)
         context = model.custom.capture if model.custom is not None else None
         manager = CaptureManager(
-            model, config, backend="emulated", tp_group=group, dp_timeout=DP_TIMEOUT_S, progress=False,
-            capture_context=context,
+            model, config, backend="emulated", parallel=graphcap.Parallel(tp_group=group, timeout=DP_TIMEOUT_S),
+            progress=False, capture_context=context,
         )  # fmt: skip
         done = res[spelling] = outcome(lambda: len(manager.capture().captured))  # noqa: B023
         if "value" in done:
             done["steps"] = [_step(manager, model, n, 100 * n) for n in (1, 3, 8, 12)]
             done["tape"] = tape_ops(manager.graphs[max(manager.graphs)])
     model = TensorParallelMLP(rank, world, "functional", group)
-    manager = CaptureManager(model, config, backend="emulated", tp_group=group, dp_timeout=DP_TIMEOUT_S, progress=False)
+    tp_only = graphcap.Parallel(tp_group=group, timeout=DP_TIMEOUT_S)
+    manager = CaptureManager(model, config, backend="emulated", parallel=tp_only, progress=False)
     manager.capture()
     res["same"] = _step(manager, model, 3, 7)
     res["other_size"] = _step(manager, model, (3, 5)[rank], 8)  # different keys: 4 and 8
     res["other_tokens"] = _step(manager, model, 3, 9 + rank)  # the same key, other token ids
     res["same_again"] = _step(manager, model, 6, 10)
+    # Rank 1's batch is refused while rank 0 stages 8 rows; then identical small steps: only the key's rows count.
+    res["refused_big"] = _step(manager, model, 8, 11, bad_block=rank == 1)
+    res["small_after"] = [_step(manager, model, 1, 12), _step(manager, model, 2, 13)]
+    res["refused_twice"] = [_step(manager, model, 3, 14, bad_block=rank == 0) for _ in range(2)]
+    res.update(_wrapped_capture(rank, world, config, tp_only))
+    res.update(_failing_before_collective(rank, world, tp_only))
+    return res
+
+
+def _failing_before_collective(rank: int, world: int, parallel) -> dict[str, Any]:
+    """A rank whose capture forward raises before its all-reduce: in the recording of size 4 (rank 1, on_error:
+    skip), in the verification of size 8 (rank 0, on_error: raise). Its peer is inside that all-reduce."""
+    import torch.distributed as dist
+
+    from graphcap import CaptureManager, load_config
+
+    res: dict[str, Any] = {}
+    cases = {"fail_recording": ("skip", 1, "capture", 4), "fail_verify": ("raise", 0, "verify", 8)}
+    for case, (on_error, failing, when, size) in cases.items():
+        model = TensorParallelMLP(rank, world, "functional", dist.group.WORLD)
+        forward = model.forward
+
+        def failing_forward(inputs, forward=forward, failing=failing, when=when, size=size):
+            if rank == failing and graphcap.phase() == when and inputs.key.num_tokens == size:
+                raise RuntimeError(f"injected failure on rank {rank} before the all-reduce")
+            return forward(inputs)
+
+        model.forward = failing_forward
+        config = load_config(overrides={**CONFIG, "capture.on_error": on_error})
+        manager = CaptureManager(model, config, backend="emulated", parallel=parallel, progress=False)
+        done = res[case] = outcome(lambda: len(manager.capture().captured))  # noqa: B023
+        done["skipped"] = sorted(manager.registry.skipped)
+        done["reasons"] = [manager.registry.skipped[key] for key in done["skipped"]]
+        if "value" in done:
+            done["steps"] = [_step(manager, model, n, 300 + n) for n in (3, 8)]
+        done["completed"] = manager._ledger.completed
+    return res
+
+
+def _wrapped_capture(rank: int, world: int, config, parallel) -> dict[str, Any]:
+    """An engine that wraps capture() in its own capture mode, its custom all-reduce asking torch's stream query:
+    with the emulated backend answering as CUDA does, verification refuses; without that answer (the canary),
+    every key "verifies" with placeholders everywhere and replays differ from the reference."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    import graphcap.backends.emulated as emulated
+    from graphcap import CaptureManager
+
+    res: dict[str, Any] = {}
+    for case in ("wrapped", "wrapped_unanswered"):
+        model = TensorParallelMLP(rank, world, "custom_stream", dist.group.WORLD)
+        manager = CaptureManager(model, config, backend="emulated", parallel=parallel, progress=False)
+        answer = emulated.stream_capturing
+        if case == "wrapped_unanswered":
+            emulated.stream_capturing = contextlib.nullcontext
+        try:
+            with model.custom.capture():
+                done = res[case] = outcome(lambda: len(manager.capture().captured))  # noqa: B023
+        finally:
+            emulated.stream_capturing = answer
+        if "value" in done:
+            done["steps"] = [_step(manager, model, n, 200 + n) for n in (1, 3)]
     return res
 
 
@@ -162,8 +225,18 @@ def grid(rank: int, world: int, directory: str) -> dict[str, Any]:
     dist.get_backend = lambda group=None: "nccl" if group is dp else real(group)
     res: dict[str, Any] = {}
     config = load_config(overrides={**CONFIG, "capture.on_error": "skip"})
+    # Rank 0 alone loads other capture sizes: every rank of the grid refuses, naming the field and both values.
+    own = (
+        load_config(overrides={**CONFIG, "capture.on_error": "skip", "capture.sizes": [1, 2, 4]})
+        if rank == 0
+        else config
+    )
+    both = graphcap.Parallel(dp_group=dp, tp_group=tp, timeout=DP_TIMEOUT_S)
+    res["config"] = outcome(lambda: CaptureManager(build_model(own), own, parallel=both, progress=False))
     # A DP-only manager per DP group, made at the same time by both groups (no graphs: dispatch is eager).
-    dp_only = CaptureManager(build_model(config), config, group=dp, dp_timeout=DP_TIMEOUT_S, progress=False)
+    dp_only = CaptureManager(
+        build_model(config), config, parallel=graphcap.Parallel(dp_group=dp, timeout=DP_TIMEOUT_S), progress=False
+    )
     res["dp_only"] = dp_only.dispatch(decodes(rank + 1, rank))
 
     from graphcap.distributed import GroupSync
@@ -185,8 +258,9 @@ def grid(rank: int, world: int, directory: str) -> dict[str, Any]:
 
     model.forward = failing
     manager = CaptureManager(
-        model, config, backend="emulated", group=dp, tp_group=tp, dp_timeout=DP_TIMEOUT_S, progress=False
-    )
+        model, config, backend="emulated", parallel=graphcap.Parallel(dp_group=dp, tp_group=tp, timeout=DP_TIMEOUT_S),
+        progress=False,
+    )  # fmt: skip
     manager.capture()
     res["captured"] = sorted(manager.registry.captured)
     res["skipped"] = sorted(manager.registry.skipped)

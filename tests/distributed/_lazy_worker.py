@@ -33,11 +33,13 @@ def scenario(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     """`spawn_world` target: this rank's steps and `capture_pending` calls (see the module doc)."""
     import torch.distributed as dist
 
-    from graphcap import CaptureManager, load_config
+    from graphcap import CaptureManager, Parallel, load_config
     from graphcap.models import build_model
 
     config = load_config(overrides=CONFIG)
-    manager = CaptureManager(build_model(config), config, group=dist.group.WORLD, progress=False, dp_timeout=SLOW_S)
+    manager = CaptureManager(
+        build_model(config), config, parallel=Parallel(dp_group=dist.group.WORLD, timeout=SLOW_S), progress=False
+    )
     result: dict[str, Any] = {"rank": rank, "calls": [], "mismatches": [], "keys": []}
     manager.capture()
     step = 0
@@ -72,11 +74,13 @@ def _one_rank_too_slow(rank: int, config) -> dict[str, Any]:
     import torch.distributed as dist
 
     import graphcap.capture.runner
-    from graphcap import CaptureManager
+    from graphcap import CaptureManager, Parallel
     from graphcap.models import build_model
 
     speedup = 0.5 if rank == dist.get_world_size() - 1 else 100.0
     graphcap.capture.runner.replay_speedup = lambda *args, **kwargs: speedup
-    manager = CaptureManager(build_model(config), config, group=dist.group.WORLD, progress=False, dp_timeout=SLOW_S)
+    manager = CaptureManager(
+        build_model(config), config, parallel=Parallel(dp_group=dist.group.WORLD, timeout=SLOW_S), progress=False
+    )
     report = manager.capture()
     return {"graphs": len(manager.graphs), "reasons": sorted({r.reason for r in report.records})}

@@ -51,7 +51,9 @@ def reference(input_ids) -> torch.Tensor:
 class CustomAllReduce:
     """vLLM's and SGLang's custom all-reduce: inside its `capture()` (the engine's capture context) a
     run that is not being recorded is a warmup and returns `zeros_like`. `ask="graphcap"` learns
-    that from `graphcap.is_capturing()`; `ask="cuda"` from torch's stream query (False on a CPU)."""
+    that from `graphcap.is_capturing()`; `ask="cuda"` from torch's stream query where CUDA is available
+    (never on a CPU); `ask="stream"` asks `torch.cuda.is_current_stream_capturing()` as vLLM does
+    (`stream_capturing`)."""
 
     def __init__(self, group, ask: str) -> None:
         self.group, self.ask = group, ask
@@ -70,6 +72,8 @@ class CustomAllReduce:
         if self.in_capture:
             if self.ask == "graphcap":
                 recording = graphcap.is_capturing()
+            elif self.ask == "stream":
+                recording = stream_capturing()
             else:
                 recording = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             if not recording:
@@ -82,10 +86,19 @@ class CustomAllReduce:
         return torch.ops._c10d_functional.wait_tensor(out)
 
 
+def stream_capturing() -> bool:
+    """`torch.cuda.is_current_stream_capturing()`; False where torch has no CUDA runtime to ask (a CPU build
+    raises there), which is CUDA's answer on a stream that is not capturing."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:
+        return False
+
+
 class TensorParallelMLP(torch.nn.Module):
     """One shard (`rank` of `world`) of the reference network; `spelling` picks the all-reduce:
     `functional` (torch.ops._c10d_functional + wait_tensor), `funcol` (_functional_collectives),
-    `inplace` (dist.all_reduce), `custom_graphcap` / `custom_cuda` (`CustomAllReduce`)."""
+    `inplace` (dist.all_reduce), `custom_graphcap` / `custom_cuda` / `custom_stream` (`CustomAllReduce`)."""
 
     def __init__(self, rank: int, world: int, spelling: str, group) -> None:
         super().__init__()

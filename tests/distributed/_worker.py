@@ -35,8 +35,8 @@ FAIL_SIZE_SKIP = 8  # the last rank's forward runs out of memory at this size (o
 FAIL_SIZE_RAISE = 4  # rank 0's forward raises at this size (on_error: raise)
 STICKY = "CUDA error: device-side assert triggered"  # the last rank's forward raises it at FAIL_SIZE_SKIP
 NUM_RANDOM_STEPS = 12
-TIMEOUT_S = 3.0  # dp_timeout of the timeout scenario
-SLOW_S = 60.0  # dp_timeout and store timeout everywhere else: loaded CI machines are slow
+TIMEOUT_S = 3.0  # Parallel.timeout of the timeout scenario
+SLOW_S = 60.0  # Parallel.timeout and store timeout everywhere else: loaded CI machines are slow
 
 Spec = tuple[int, ...] | None
 """A step of one rank: its query lengths, or None for an idle rank."""
@@ -122,7 +122,7 @@ def run_rank(rank: int, world_size: int, directory: str) -> None:
 def _scenarios(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from graphcap import CaptureError, CaptureManager, ConfigError, load_config
+    from graphcap import CaptureError, CaptureManager, ConfigError, Parallel, load_config
     from graphcap.errors import DistributedTimeoutError
     from graphcap.models import build_model
 
@@ -137,7 +137,9 @@ def _scenarios(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"rank": rank}
     config = load_config(overrides=CONFIG)
 
-    manager = CaptureManager(build_model(config), config, group=group, progress=False, dp_timeout=SLOW_S)
+    manager = CaptureManager(
+        build_model(config), config, parallel=Parallel(dp_group=group, timeout=SLOW_S), progress=False
+    )
     manager.capture()
     result["captured"] = sorted(manager.registry.captured)
     scripted = scripted_steps(rank, world_size)
@@ -156,7 +158,7 @@ def _scenarios(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     failing = model.forward = FailingForward(model.forward)
     if rank == world_size - 1:
         failing.size, failing.error = FAIL_SIZE_SKIP, torch.OutOfMemoryError("injected: CUDA out of memory")
-    skipper = CaptureManager(model, config, group=group, progress=False, dp_timeout=SLOW_S)
+    skipper = CaptureManager(model, config, parallel=Parallel(dp_group=group, timeout=SLOW_S), progress=False)
     report = skipper.capture()
     failing.size = None
     result["skip"] = {
@@ -172,7 +174,7 @@ def _scenarios(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     failing = model.forward = FailingForward(model.forward)
     if rank == 0:
         failing.size, failing.error = FAIL_SIZE_RAISE, RuntimeError("injected failure")
-    raiser = CaptureManager(model, config_raise, group=group, progress=False, dp_timeout=SLOW_S)
+    raiser = CaptureManager(model, config_raise, parallel=Parallel(dp_group=group, timeout=SLOW_S), progress=False)
     try:
         raiser.capture()
         result["raise"] = None
@@ -185,7 +187,7 @@ def _scenarios(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     failing = model.forward = FailingForward(model.forward)
     if rank == world_size - 1:
         failing.size, failing.error = FAIL_SIZE_SKIP, RuntimeError(STICKY)
-    stopper = CaptureManager(model, config, group=group, progress=False, dp_timeout=SLOW_S)
+    stopper = CaptureManager(model, config, parallel=Parallel(dp_group=group, timeout=SLOW_S), progress=False)
     try:
         stopper.capture()
         result["sticky"] = None
@@ -195,19 +197,23 @@ def _scenarios(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     # Different configs: every rank refuses at construction, naming each key that differs.
     mismatched = load_config(overrides={**CONFIG, "capture.max_size": 8 if rank == 0 else 16})
     try:
-        CaptureManager(build_model(mismatched), mismatched, group=group, progress=False, dp_timeout=SLOW_S)
+        CaptureManager(
+            build_model(mismatched), mismatched, parallel=Parallel(dp_group=group, timeout=SLOW_S), progress=False
+        )
         result["mismatch"] = None
     except ConfigError as exc:
         result["mismatch"] = {"keys": [p.key for p in exc.problems], "message": str(exc)}
     # Keys that are per rank by nature (device, report.path) may differ.
     own = load_config(overrides={**CONFIG, "report.path": str(out / f"report{rank}.json")})
-    CaptureManager(build_model(own), own, group=group, progress=False, dp_timeout=SLOW_S)
+    CaptureManager(build_model(own), own, parallel=Parallel(dp_group=group, timeout=SLOW_S), progress=False)
     result["per_rank_keys_agree"] = True
 
     # The last rank stops stepping: the others get DistributedTimeoutError, not a hang.
     dist.barrier()
     # Every rank builds the manager (construction agrees on the config: a collective) ...
-    stuck = CaptureManager(build_model(config), config, group=group, progress=False, dp_timeout=TIMEOUT_S)
+    stuck = CaptureManager(
+        build_model(config), config, parallel=Parallel(dp_group=group, timeout=TIMEOUT_S), progress=False
+    )
     if rank != world_size - 1:  # ... and the last one never steps
         start = time.perf_counter()
         try:

@@ -59,7 +59,7 @@ def test_a_timeout_that_is_not_positive_is_refused(tmp_path):
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30)
     )
     try:
-        with pytest.raises(ValueError, match="dp_timeout must be > 0 seconds; got 0"):
+        with pytest.raises(ValueError, match=r"timeout must be > 0 seconds \(Parallel\(timeout=...\)\); got 0"):
             GroupSync(dist.group.WORLD, timeout=0)
     finally:
         dist.destroy_process_group()

@@ -49,7 +49,7 @@ def _rank(rank: int, world_size: int, directory: str) -> None:
         import torch
         import torch.distributed as dist
 
-        from graphcap import CaptureManager, ConfigError
+        from graphcap import CaptureManager, ConfigError, Parallel
         from graphcap.models import build_model
         from graphcap.testing import make_config
 
@@ -64,7 +64,9 @@ def _rank(rank: int, world_size: int, directory: str) -> None:
         sizes = [2, 4, 8] if rank == 0 else [2, 4]
         config = make_config({"capture.sizes": sizes, "report.path": f"{directory}/rank{rank}.json"})
         try:
-            CaptureManager(build_model(config), config, group=dist.group.WORLD, progress=False, dp_timeout=60.0)
+            CaptureManager(
+                build_model(config), config, parallel=Parallel(dp_group=dist.group.WORLD, timeout=60.0), progress=False
+            )
             result.update(keys=[], message="")
         except ConfigError as exc:
             result.update(keys=[p.key for p in exc.problems], message=str(exc))

@@ -1,0 +1,96 @@
+"""`Parallel`: the data- and tensor-parallel options of one `CaptureManager`, in one object.
+
+    manager = CaptureManager(model, config, parallel=Parallel(dp_group=dp, tp_group=tp, timeout=60.0))
+
+`group=` stays on `CaptureManager` as the shorthand for `Parallel(dp_group=group)` (the common
+case: data parallel only). The keyword arguments these fields replaced (`tp_group=`,
+`dp_timeout=`, `pad_eager=`, `dp_token_counts=`) are refused with a `TypeError` naming the field
+(`refuse_moved`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["MOVED", "Parallel", "parallel_of", "refuse_moved"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Parallel:
+    """Who a manager's peers are and how it agrees with them; every field has a default (no peers).
+
+    Checked when built: `TypeError`/`ValueError` naming the field and the value.
+    """
+
+    dp_group: Any = None
+    """The data-parallel group: ranks that serve different requests and must replay the same key each step
+    (a `torch.distributed` group; its gloo CPU group when the engine has one). None: no DP peers."""
+    tp_group: Any = None
+    """The tensor-parallel group: ranks that shard one model and must execute the same batch each step."""
+    timeout: float = 300.0
+    """Seconds any agreement with peers may wait (a step, a capture, a lifecycle call); then
+    `DistributedTimeoutError` on the waiting rank."""
+    pad_eager: bool | None = None
+    """Whether an eager step pads to the largest token and request counts of the DP ranks, so an eager
+    forward's collectives have one shape everywhere. None (the default): pad once a captured graph of this
+    manager holds a collective (graphcap records them), else run each rank's own count; True/False: always/never."""
+    token_counts: bool = False
+    """Stage every DP rank's real token count into `inputs.extras["num_tokens_across_dp"]` (int32 [DP ranks])."""
+
+    def __post_init__(self) -> None:
+        timeout = self.timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"Parallel(timeout=...) must be seconds > 0; got {timeout!r}")
+        if self.pad_eager is not None and not isinstance(self.pad_eager, bool):
+            raise TypeError(f"Parallel(pad_eager=...) must be None, True or False; got {self.pad_eager!r}")
+        if not isinstance(self.token_counts, bool):
+            raise TypeError(f"Parallel(token_counts=...) must be True or False; got {self.token_counts!r}")
+        if self.dp_group is None and (self.pad_eager or self.token_counts):
+            raise ValueError(
+                "Parallel(pad_eager=True) and Parallel(token_counts=True) need a data-parallel group: "
+                "pass Parallel(dp_group=...)"
+            )
+
+    @property
+    def has_peers(self) -> bool:
+        """Whether any group is given (no group: the manager agrees with nobody)."""
+        return self.dp_group is not None or self.tp_group is not None
+
+
+MOVED = {
+    "tp_group": "tp_group",
+    "dp_timeout": "timeout",
+    "pad_eager": "pad_eager",
+    "dp_token_counts": "token_counts",
+}
+"""A keyword argument `CaptureManager` no longer takes -> the `Parallel` field that holds it now."""
+
+
+def refuse_moved(kwargs: Mapping[str, Any]) -> None:
+    """`TypeError` for keyword arguments `CaptureManager` does not take: a moved one names its `Parallel` field."""
+    if not kwargs:
+        return
+    moved = [name for name in kwargs if name in MOVED]
+    if moved:
+        fields = ", ".join(f"{MOVED[name]}=..." for name in moved)
+        raise TypeError(
+            f"CaptureManager({', '.join(f'{name}=' for name in moved)}...) moved into one options object: pass "
+            f"parallel=Parallel({fields}) (from graphcap import Parallel)"
+        )
+    raise TypeError(f"CaptureManager() got an unexpected keyword argument {next(iter(kwargs))!r}")
+
+
+def parallel_of(parallel: Parallel | None, group: Any) -> Parallel:
+    """The options of a manager from `parallel=` and the `group=` shorthand (`Parallel(dp_group=group)`)."""
+    if parallel is not None and not isinstance(parallel, Parallel):
+        raise TypeError(f"parallel must be a graphcap.Parallel; got {type(parallel).__name__}")
+    if group is None:
+        return parallel or Parallel()
+    if parallel is not None:
+        raise TypeError(
+            "CaptureManager got both group= and parallel=: group=g is the shorthand for "
+            "parallel=Parallel(dp_group=g); pass the group inside Parallel(dp_group=...) only"
+        )
+    return Parallel(dp_group=group)
