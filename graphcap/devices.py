@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["BACKEND_NAMES", "MAX_DEVICE_INDEX", "device_problem"]
+__all__ = ["BACKEND_NAMES", "CAPTURE_ERROR_MODES", "MAX_DEVICE_INDEX", "device_problem"]
 
 BACKEND_NAMES = ("auto", "cuda", "emulated")
 """Names `graphcap.backends.get_backend` and `graphcap --backend` accept."""
+
+CAPTURE_ERROR_MODES = ("thread_local", "global", "relaxed")
+"""`capture.capture_error_mode` values, given to `CUDAGraph.capture_begin`; the first is the default."""
 
 MAX_DEVICE_INDEX = 127
 """Largest `N` of `cuda:N`. torch keeps a device index in 8 bits: `torch.device("cuda:128")` is

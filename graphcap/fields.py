@@ -11,10 +11,13 @@ from __future__ import annotations
 from typing import Literal, NamedTuple
 
 __all__ = [
+    "COUNTS_ENTRY",
+    "COUNT_FIELDS",
     "FIELDS",
     "FIELD_TABLE",
     "INT32_MAX",
     "INT32_MIN",
+    "RESERVED_NAMES",
     "REQUEST_FIELDS",
     "TOKEN_FIELDS",
     "Field",
@@ -60,3 +63,12 @@ TOKEN_FIELDS = tuple(f for f in FIELD_TABLE if f.rows == "tokens")
 """The fields with one row per token (padded rows hold their pad rule's value)."""
 REQUEST_FIELDS = tuple(f.name for f in FIELD_TABLE if f.rows != "tokens")
 """The fields with one row per request: a piecewise graph, whose request count varies, never reads them."""
+
+COUNT_FIELDS = ("num_tokens_device", "num_reqs_device")
+"""The step's real token and request counts as 0-dim int32 device tensors of `ForwardInputs`: what a
+graph reads to tell real rows from padded ones (`ForwardInputs.padding_mask`). Staged with the rows on
+every step, so a replay reads the current step's counts."""
+COUNTS_ENTRY = "step_counts"
+"""The packed-buffer entry that holds `COUNT_FIELDS` (two int32, in that order): one write per step."""
+RESERVED_NAMES = (*FIELDS, *COUNT_FIELDS, COUNTS_ENTRY)
+"""Names of the built-in static inputs and their packed entries: not free for an engine buffer."""

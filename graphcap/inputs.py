@@ -17,7 +17,7 @@ import torch
 
 from graphcap.config import PadRules
 from graphcap.config.buffers import BufferConfig, buffer_problems
-from graphcap.fields import FIELDS
+from graphcap.fields import COUNT_FIELDS, FIELDS
 from graphcap.keys import GraphKey
 
 __all__ = [
@@ -48,10 +48,15 @@ class BufferSpec:
     invariant level (`basic` and `full`) on the staged host rows and raises to refuse them.
     `sample(rng, num_real_rows)`: the real rows of the batches graphcap makes for capture and
     verification (a numpy `Generator`; `num_real_rows` is 0 for a `none` buffer, which returns
-    the whole tensor), so verification runs the buffer with real values, not only its pad.
-    Without it those batches hold the pad in every row. Values that index engine state (a
-    second KV group's slots, a state row) must name rows the engine lets graphcap write: the
-    capture pass writes what the model writes for them.
+    the whole tensor), so verification runs the buffer with real values, not only its pad, and a
+    forward that reads it as a host value (frozen at capture) is refused. Without it
+    (`sample=None`) a float buffer is sampled around its pad (`pad * uniform(0.5, 2)`, or
+    `uniform(0.5, 2)` for a pad of 0) and a bool buffer at random; an integer buffer holds its pad
+    in every row, since an integer may index engine state (a slot, a state row, a LoRA) and a value
+    graphcap made up could write what the engine owns or read out of range: give it a `sample`
+    whose values name rows the engine lets graphcap write (the capture pass writes what the model
+    writes for them). `sample="pad"`: every row holds the pad (for a float or bool buffer whose
+    values must follow a rule no sampler knows; verification then cannot see it read as a host value).
     """
 
     name: str
@@ -61,14 +66,16 @@ class BufferSpec:
     pad: int | float | bool = 0
     row_dim: int = 0
     check: Callable[[np.ndarray, int], Any] | None = field(default=None, compare=False)
-    sample: Callable[[np.random.Generator, int], Any] | None = field(default=None, compare=False)
+    sample: Callable[[np.random.Generator, int], Any] | Literal["pad"] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         problems = buffer_problems(self.name, self.rows, self.shape, self.dtype, self.pad, self.row_dim)
         if self.check is not None and not callable(self.check):
             problems.append(("check", f"must be callable(host_view, num_real_rows); got {type(self.check).__name__}"))
-        if self.sample is not None and not callable(self.sample):
-            problems.append(("sample", f"must be callable(rng, num_real_rows); got {type(self.sample).__name__}"))
+        if self.sample is not None and self.sample != "pad" and not callable(self.sample):
+            problems.append(
+                ("sample", f"must be callable(rng, num_real_rows), 'pad' or None; got {type(self.sample).__name__}")
+            )
         if problems:
             detail = "; ".join(f"{key}: {message}" for key, message in problems)
             raise ValueError(f"BufferSpec {self.name!r}: {detail}")
@@ -82,6 +89,13 @@ class BufferSpec:
     @property
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.dtype)
+
+    @property
+    def is_sampled(self) -> bool:
+        """Whether graphcap's capture and verification batches hold sampled rows (not the pad) of this buffer."""
+        if self.sample is None:
+            return self.np_dtype.kind in "fb"
+        return self.sample != "pad"
 
 
 class KVGroup(NamedTuple):
@@ -169,6 +183,10 @@ class ForwardInputs:
     and never slice by the Python counts (a graph freezes them). The views alias persistent
     storage: they stay valid, and keep their addresses, for the life of the buffers, and
     the next `stage` overwrites them. A model must not resize or replace them.
+
+    `num_tokens_device` and `num_reqs_device` are the real counts as 0-dim int32 tensors staged with
+    the rows (the Python `num_tokens` and `num_reqs` are frozen into a graph at capture; these are
+    not): `padding_mask()` derives from them which rows are padding, without a host sync.
     """
 
     input_ids: torch.Tensor  # [T] int32
@@ -177,6 +195,8 @@ class ForwardInputs:
     query_start_loc: torch.Tensor  # [R+1] int32, cumulative query lengths
     seq_lens: torch.Tensor  # [R] int32, total lengths including this step
     block_table: torch.Tensor  # [R, max_blocks_per_req] int32
+    num_tokens_device: torch.Tensor  # [] int32: num_tokens, on the device; a replay reads the step's own
+    num_reqs_device: torch.Tensor  # [] int32: num_reqs, on the device; a replay reads the step's own
     num_tokens: int
     num_reqs: int
     key: GraphKey
@@ -191,12 +211,29 @@ class ForwardInputs:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The static input tensors by name (built-ins in packed order, then the extras)."""
-        out = {name: getattr(self, name) for name in FIELDS}
+        out = {name: getattr(self, name) for name in (*FIELDS, *COUNT_FIELDS)}
         out.update(self.extras)
         for group in self.limits.kv_groups:
             view = self.kv_groups[group.name]
             out[group.table_field], out[group.slots_field] = view.block_table, view.slot_mapping
         return out
+
+    def padding_mask(self, rows: Literal["tokens", "reqs"] = "tokens") -> torch.Tensor:
+        """Bool `[T]` (`rows="tokens"`) or `[R]` (`"reqs"`): True for padded rows, False for real ones.
+
+        Computed on the device from `num_tokens_device` / `num_reqs_device`: no host sync, so a graph
+        captures it and every replay's mask follows that step's counts. A mixture-of-experts layer keeps
+        padded tokens out of routing with it (vLLM's `is_padding`, SGLang's `num_token_non_padded`).
+        `"reqs"` has the step's request rows, which a piecewise key does not fix: there only an
+        `eager_op` may ask for it (the token mask is fine anywhere).
+        """
+        if rows == "tokens":
+            like, count = self.input_ids, self.num_tokens_device
+        elif rows == "reqs":
+            like, count = self.seq_lens, self.num_reqs_device
+        else:
+            raise ValueError(f"padding_mask(rows=...) takes 'tokens' or 'reqs'; got {rows!r}")
+        return torch.arange(like.shape[0], dtype=torch.int32, device=like.device) >= count
 
 
 def prepare_of(model: Any) -> Callable[[ForwardInputs, PreparePhase], None] | None:

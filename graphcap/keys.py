@@ -95,6 +95,7 @@ EAGER_REASONS = {
     "pending": "capture.strategy is lazy and its key is not captured yet (manager.capture_pending() captures it)",
     "over_budget": "its graph would take the graphs past capture.memory_budget",
     "no_speedup": "its replay was not capture.min_speedup times faster than eager at capture",
+    "over_padding": "its graph would compute more than capture.max_padding_factor times its real tokens",
 }
 """Why a step ran eagerly; the keys of `CaptureManager.stats.eager`."""
 
@@ -146,6 +147,7 @@ class KeyRegistry:
         uniform_query_len: int,
         max_num_seqs: int,
         max_model_len: int | None = None,
+        max_padding_factor: float | None = None,
     ) -> None:
         self.sizes = sizes
         self.mode = mode
@@ -189,7 +191,19 @@ class KeyRegistry:
                 for key in mixed:
                     by_size[key.num_tokens] = (*by_size.get(key.num_tokens, ()), key)
                 self._mixed = [by_size[sizes.pad(n)] for n in range(sizes.max_size + 1)]
+        # The padding factor folded into the tables once: a uniform key past it is dropped from its
+        # counts, and `_over_padding[n]` marks the counts whose schedule size is past it.
+        self.max_padding_factor = max_padding_factor
+        self._over_padding = [False] * (sizes.max_size + 1)
+        if max_padding_factor is not None:
+            for n in range(1, sizes.max_size + 1):
+                limit = max_padding_factor * n
+                self._over_padding[n] = sizes.pad(n) > limit
+                key = self._uniform[n]
+                if key is not None and key.num_tokens > limit:
+                    self._uniform[n] = None
         self.planned: tuple[GraphKey, ...] = tuple(sorted(planned, key=_ascending))
+        self._order = tuple(sorted(self.planned, key=lambda k: (-k.num_tokens, *_ascending(k)[1:])))
         self.captured: set[GraphKey] = set()
         self.skipped: dict[GraphKey, str] = {}
         self.declined: dict[GraphKey, str] = {}
@@ -207,6 +221,7 @@ class KeyRegistry:
             config.capture.uniform_query_len,
             config.batching.max_num_seqs,
             config.kv_cache.max_model_len,
+            config.capture.max_padding_factor,
         )
         if config.capture.strategy == "lazy":
             registry.uncaptured_reason = "pending"
@@ -214,7 +229,7 @@ class KeyRegistry:
 
     def capture_order(self) -> list[GraphKey]:
         """Largest first (smaller graphs then reuse the pool); uniform before mixed; more rows first."""
-        return sorted(self.planned, key=lambda k: (-k.num_tokens, *_ascending(k)[1:]))
+        return list(self._order)
 
     def mode_of(self, key: GraphKey) -> Mode:
         """How a planned key's graph runs: `PIECEWISE` for a key of any request count, else `FULL`."""
@@ -245,7 +260,12 @@ class KeyRegistry:
 
     def pending(self) -> list[GraphKey]:
         """Planned keys neither captured nor skipped, in `capture_order`."""
-        return [key for key in self.capture_order() if key not in self.captured and key not in self.skipped]
+        return [key for key in self._order if key not in self.captured and key not in self.skipped]
+
+    @property
+    def num_pending(self) -> int:
+        """How many keys `pending()` holds, in O(1): `captured` and `skipped` are disjoint sets of planned keys."""
+        return len(self.planned) - len(self.captured) - len(self.skipped)
 
     def reset(self, reason: str = "not_captured") -> None:
         """Forget capture state (keys stay planned); `reason`: why steps run eagerly until a capture
@@ -262,7 +282,9 @@ class KeyRegistry:
         step is uniform). A uniform step prefers its uniform key and falls back to the mixed
         (or piecewise) key of its size; a key that was skipped or not captured yet is never
         returned. `count`: a key with no graph yet counts the step in `demand` (False: a look
-        that is not the step's key, such as a data-parallel rank's own before the agreement).
+        that is not the step's key, such as a data-parallel rank's own before the agreement). A step
+        its graph would pad past `max_padding_factor` times its tokens runs eagerly (`over_padding`; a
+        uniform step whose uniform key is within the factor but not captured: that key's reason).
         """
         if self.mode == "none":
             return self._eager(num_tokens, num_reqs, "mode_none")
@@ -277,8 +299,11 @@ class KeyRegistry:
             fallback = key
         else:
             fallback = None
+        over = self._over_padding[num_tokens]  # every key of this count but the uniform one pads past the factor
         piece = self._piecewise[num_tokens]
         if piece is not None:  # piecewise keys hold any request count the buffers hold
+            if over:
+                return self._over_padding_of(num_tokens, num_reqs, fallback)
             if piece in self.captured:
                 return Dispatch(Mode.PIECEWISE, piece, "")
             return self._eager(num_tokens, num_reqs, self._state(piece, count=count))
@@ -289,6 +314,8 @@ class KeyRegistry:
         fits = None  # the fewest rows that hold the step; a larger captured one replays instead
         for key in keys:
             if key.num_reqs >= num_reqs:
+                if over:
+                    return self._over_padding_of(num_tokens, num_reqs, fallback)
                 if key in self.captured:
                     return Dispatch(Mode.FULL, key, "")
                 fits = fits or key
@@ -303,6 +330,12 @@ class KeyRegistry:
 
     def _eager(self, num_tokens: int, num_reqs: int, reason: str) -> Dispatch:
         return Dispatch(Mode.EAGER, GraphKey(num_tokens, num_reqs, False), reason)
+
+    def _over_padding_of(self, num_tokens: int, num_reqs: int, fallback: GraphKey | None) -> Dispatch:
+        """A step whose keys pad past the factor: `over_padding`, or the reason of its own uniform key (not
+        captured, within the factor)."""
+        reason = "over_padding" if fallback is None else self._state(fallback, count=False)
+        return self._eager(num_tokens, num_reqs, reason)
 
     def _state(self, key: GraphKey, *, count: bool = True) -> str:
         """Why a step whose key is `key` (not captured) runs eagerly; counts the step in `demand`."""

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from graphcap.backends import CapturedGraph, GraphBackend, get_backend, resolve_device
+from graphcap.backends import CapturedGraph, GraphBackend, backend_for, resolve_device
+from graphcap.backends.sync_debug import beside_engine_threads
 from graphcap.batch import StepBatch, step_or_idle
 from graphcap.block_table import BlockTable
 from graphcap.capture.driver import run_pass
@@ -38,6 +39,9 @@ from graphcap.errors import ConfigError, ConfigProblem, InvariantViolation
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
 from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode, StepStats
 from graphcap.memory.budget import MemoryBudget
+from graphcap.memory.estimate import GraphMemory
+from graphcap.memory.measured import measure_graph
+from graphcap.model_facts import VOCAB_HINT, is_built_in, precision_of, with_model_vocab
 from graphcap.outputs import OutputRows
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
@@ -59,7 +63,8 @@ class CaptureManager:
     threads never interleave staging and replay. The tensor `execute` returns is a view of
     the graph's static output: valid until the next step (clone it to keep it), as on every
     engine; with several threads, hold `lock` until you have read or cloned it.
-    Does not schedule, sample or manage KV blocks: the engine owns those.
+    Does not schedule, sample or manage KV blocks: the engine owns those. `config.model.vocab_size` is
+    read off the model when it declares its vocabulary (`graphcap.model_facts`); `manager.config` holds it.
     """
 
     def __init__(
@@ -75,15 +80,19 @@ class CaptureManager:
         capture_context: Callable[[], AbstractContextManager] | None = None,
         device: torch.device | str | None = None,
         communicators: Iterable[Communicator] = (),
+        generators: Iterable[torch.Generator] = (),
         **moved: Any,
     ) -> None:
         """`group`: the data-parallel group, shorthand for `parallel=Parallel(dp_group=group)`; `parallel`: every
         data- and tensor-parallel option (`graphcap.Parallel`). The keyword arguments `tp_group=`, `dp_timeout=`,
-        `pad_eager=` and `dp_token_counts=` are refused with a `TypeError` naming their `Parallel` field."""
+        `pad_eager=` and `dp_token_counts=` are refused with a `TypeError` naming their `Parallel` field.
+        `generators`: the engine's own `torch.Generator`s its forward draws from (a sampler's), registered with
+        every graph before its capture begins (`graphcap.backends.backend_for`)."""
         refuse_moved(moved)
         parallel = parallel_of(parallel, group)
         if not callable(getattr(model, "forward", None)):
             raise TypeError(f"model must have a callable forward(inputs); got {type(model).__name__}")
+        config, vocab_known = with_model_vocab(config, model)  # the model's own vocabulary, when it says it
         self._communicators = communicators_of(communicators)
         self._capture_context = pass_context(capture_context, self._communicators)
         """Entered around a pass's captures, verification after it exits (an engine's `graph_capture()`)."""
@@ -94,11 +103,7 @@ class CaptureManager:
         extras = (*merged_specs(config.buffers, buffers), *counts_buffers(parallel))
         self.buffers = PersistentBuffers.from_config(config, self.device, extras=extras)
         self.registry = KeyRegistry.from_config(config)
-        # A backend passed in may hold other managers' graphs: only one built here is reset.
-        owns_backend = not isinstance(backend, GraphBackend)
-        self.backend = (
-            get_backend(backend, self.device, sync_debug=config.checks.sync_debug) if owns_backend else backend
-        )
+        self.backend, owns_backend = backend_for(backend, self.device, config, generators)
         self._guard = StaticGuard()
         self._live = LiveGraphs(self.backend, owns_backend, self.registry, self._guard)
         self.graphs: dict[GraphKey, CapturedGraph] = self._live.graphs
@@ -112,11 +117,13 @@ class CaptureManager:
         self._peers = StepAgreement.create(config, self.registry, self.buffers, parallel)
         around = [name for name, given in (("capture_context", capture_context), ("communicators", self._communicators))
                   if given]  # fmt: skip
-        self._failures = FailurePolicy(config.capture.on_error, self._peers, " and ".join(around))
+        index_hint = None if vocab_known else VOCAB_HINT.format(vocab=config.model.vocab_size)
+        self._failures = FailurePolicy(config.capture.on_error, self._peers, " and ".join(around), index_hint)
         # With peers, a capture forward that fails part-way issues the collectives its peers wait in (not on
         # CUDA: a dispatch mode around the warmups would change what torch.compile traces there).
         self._ledger = CollectiveLedger() if self._peers is not None and self.device.type != "cuda" else None
-        self._budget = MemoryBudget(config, self.backend.name)
+        measure = None if is_built_in(model, config) else self._measure_key  # the model that is there
+        self._budget = MemoryBudget(config, self.backend.name, measure)
         self._lazy = LazyCapture(self.registry, self.stats, self._peers, is_lazy=config.capture.strategy == "lazy")
         self._counting = True
         self._history = PassHistory()
@@ -225,14 +232,31 @@ class CaptureManager:
         the live graphs captured (an object replaced, a storage swapped, a `register_static` name re-registered):
         put back what was captured (or `copy_` new values into it), or `capture()` again to capture every key
         anew. Tensors the model reaches that appeared since are recorded and checked from then on.
+
+        Fits an engine's idle gap: `max_seconds` counts from this call's first line, a key starts only while time
+        is left (the call ends at most one key's capture past it), GC is paused around each key and never
+        collected whole; with nothing pending and no peers the call returns at once (`pending()` asks first).
         """
+        start = self._lazy.clock()
         check_time_limits(max_seconds, max_keys)
-        job = self._capture_pass(scratch_blocks, group_scratch_blocks)
-        with self._scope("capture_pending"):
+        scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
+        group_scratch = group_scratch_ids(group_scratch_blocks, self.buffers.limits.kv_groups)
+        if self._peers is None and not self.registry.num_pending:  # peers must still agree that every rank stops
+            return 0
+        with self._scope("capture_pending"), beside_engine_threads():  # no process-wide sync-debug mode
             # A key captured now must read what the live graphs read: one record checks them all.
             self._guard.check_before_capture("capture_pending()", self.model, self.buffers.storage())
             self._check_ready()
-            return self._lazy.run(lambda key: self._capture_keys(job, [key], False), max_seconds, max_keys)
+            job = self._pass_of(scratch, group_scratch)
+            capture_key = lambda key: self._capture_keys(job, [key], False)  # noqa: E731
+            return self._lazy.run(capture_key, max_seconds, max_keys, start=start)
+
+    def pending(self) -> list[GraphKey]:
+        """The keys `capture_pending()` would capture, in the order it takes them (most traffic first, then
+        largest first); empty when there is nothing to capture (`capture.strategy: upfront` after `capture()`,
+        or every key captured or skipped). With peers: this rank's keys (`capture_pending` agrees on the order)."""
+        with self._lock:
+            return self._lazy.ordered() if self.registry.num_pending else []
 
     def _capture_keys(self, job: CapturePass, keys: list[GraphKey], progress: bool | None) -> tuple[list, int]:
         """Capture `keys` into the live graphs within the budget (arming the guard first); records, pool growth."""
@@ -248,6 +272,9 @@ class CaptureManager:
     def _capture_pass(self, scratch_blocks: Iterable[int] = (), group_scratch_blocks: Any = None) -> CapturePass:
         scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
         group_scratch = group_scratch_ids(group_scratch_blocks, self.buffers.limits.kv_groups)
+        return self._pass_of(scratch, group_scratch)
+
+    def _pass_of(self, scratch: tuple[int, ...], group_scratch: Any) -> CapturePass:
         check_scratch_free(scratch, group_scratch, self.block_table, self.kv_group_tables)  # before any write
         return CapturePass(
             backend=self.backend,
@@ -263,8 +290,14 @@ class CaptureManager:
             kv_groups=self.buffers.limits.kv_groups,
             group_scratch=group_scratch or {},
             on_captured=key_captured_hook(self._communicators),
-            precision=_precision(self.model),
+            precision=precision_of(self.model),
         )
+
+    def _measure_key(self, key: GraphKey) -> GraphMemory:
+        """`key`'s graph memory measured on this model: its dummy batch staged as a warmup's, one forward."""
+        run = self._pass_of((), {}).key_run(key)
+        shape = self.registry.capture_shape(key)
+        return measure_graph(key.num_tokens, shape.num_reqs, run, self.backend)
 
     def _check_ready(self) -> None:
         """`ConfigError`: `num_warmups: 0` where the backend needs warmups (cuda), or a KV cache that shrank
@@ -333,7 +366,7 @@ class CaptureManager:
                 stats.eager_op_copies += graph.copies_per_replay
         real = self._outputs.real(output, inputs)
         if expected is not None:
-            self._sampler.compare(key, real, expected, self.config.checks.tolerance, _precision(self.model))
+            self._sampler.compare(key, real, expected, self.config.checks.tolerance, precision_of(self.model))
         return real
 
     def _sample_eager(self, batch: StepBatch, key: GraphKey) -> Expected:
@@ -462,11 +495,3 @@ class CaptureManager:
 
     def __repr__(self) -> str:
         return f"CaptureManager({len(self.graphs)} graphs, backend={self.backend.name}, device={self.device})"
-
-
-def _precision(model: Any) -> torch.dtype | None:
-    """The lowest-precision floating dtype of `model`'s parameters (None: not a module, or none)."""
-    if not isinstance(model, torch.nn.Module):
-        return None
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    return max(dtypes, key=lambda d: torch.finfo(d).eps, default=None)  # the largest epsilon

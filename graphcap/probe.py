@@ -1,10 +1,13 @@
-"""The verification batch (`probe_batch`): partly filled, unlike the dummy batch, writing no live KV block.
+"""The verification batches (`probe_batch`): partly filled at several fill levels, unlike the dummy batch,
+writing no live KV block.
 
-After capture each graph replays a second batch and is compared with an eager run of it: fewer
-real requests and tokens than the key holds, random ids, context lengths and block tables, so
-a graph that froze a host value or lets padded rows leak into real ones is caught. The batch
-reads live blocks but writes only blocks the engine names as scratch (`scratch_block_ids`), in
-the built-in KV cache and in every extra group (`kv_cache.groups`), or nothing.
+After capture each graph replays batches filled to each of `probe_fills(key)` and is compared
+with an eager run of each: fewer real requests and tokens than the key holds (one, about half,
+all but one), random ids, context lengths and block tables, so a graph that froze a host value
+or lets padded rows leak into real ones is caught whatever the share of padding that shows it.
+The batches read live blocks but write only blocks the engine names as scratch
+(`scratch_block_ids`), in the built-in KV cache and in every extra group (`kv_cache.groups`),
+or nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +21,16 @@ from graphcap.batch import StepBatch
 from graphcap.inputs import KVGroup
 from graphcap.keys import GraphKey
 
-__all__ = ["Probe", "check_scratch_free", "distinct_blocks", "group_scratch_ids", "probe_batch", "scratch_block_ids"]
+__all__ = [
+    "Fill",
+    "Probe",
+    "check_scratch_free",
+    "distinct_blocks",
+    "group_scratch_ids",
+    "probe_batch",
+    "probe_fills",
+    "scratch_block_ids",
+]
 
 
 class Probe(NamedTuple):
@@ -28,6 +40,51 @@ class Probe(NamedTuple):
     writes_kv: bool
     """True: every real token writes its own slot, in a block the engine named scratch; False: the
     block table reads live blocks, and staging gives every real token the pad slot (no KV write)."""
+
+
+class Fill(NamedTuple):
+    """The real counts of a verification batch for a key."""
+
+    num_tokens: int
+    num_reqs: int
+
+    def is_full(self, key: GraphKey) -> bool:
+        """Whether the batch fills every token and request row of `key` (no padded row runs)."""
+        return self.num_tokens == key.num_tokens and self.num_reqs == key.num_reqs
+
+
+def probe_fills(key: GraphKey, *, max_model_len: int) -> tuple[Fill, ...]:
+    """The fill levels `key` is verified at: every smaller batch level the key admits, or the full one.
+
+    Tokens at one, about half and all but one of `T` (a mixed key), each with requests at the same
+    level of `R` (one; about half, and fewer than the tokens so requests of several tokens run; all
+    but one), at least the requests `max_model_len` needs; where none of those has requests of several
+    tokens (a key of two or three tokens), all but one token (both of two) over the fewest requests too,
+    so an output with a row per request cut as per token shows. A uniform key (`T / R` tokens per
+    request) at one, about half and all but one of its requests. Distinct levels, in that order. A key that
+    admits no smaller batch (one request of a uniform key, one token of a mixed one) gets its full
+    fill alone: it is verified on the full batch only.
+    """
+    T, R = key.num_tokens, key.num_reqs
+    if key.uniform:
+        q = T // R
+        levels = [Fill(r * q, r) for r in (1, max(1, R // 2), R - 1) if 1 <= r < R]
+    else:
+        least = lambda n: -(-n // max_model_len)  # noqa: E731 - the requests n tokens need at least
+        levels = []
+        if T > 1:
+            half = max(1, T // 2)
+            levels.append(Fill(1, 1))
+            levels.append(Fill(half, min(R, max(least(half), min(max(1, R // 2), max(1, half // 2))))))
+            levels.append(Fill(T - 1, min(R, max(least(T - 1), min(max(1, R - 1), T - 1)))))
+            # Requests of several tokens, so an output with a row per request cut as per token shows: all
+            # but one token (both tokens of a key of two) over the fewest requests.
+            n = T - 1 if T > 2 else T
+            several = Fill(n, least(n))
+            if not any(f.num_tokens > f.num_reqs for f in levels) and several.num_reqs < n and not several.is_full(key):
+                levels.append(several)
+    out = tuple(dict.fromkeys(levels))
+    return out or (Fill(T, R),)
 
 
 def probe_batch(
@@ -41,15 +98,15 @@ def probe_batch(
     scratch_blocks: Sequence[int] = (),
     groups: Sequence[KVGroup] = (),
     group_scratch: Mapping[str, Sequence[int]] | None = None,
+    fill: Fill | None = None,
 ) -> Probe:
-    """A second verification batch for `key`: partly filled, unlike the dummy batch in every value.
+    """A verification batch for `key` with `fill`'s real counts (None: the middle of `probe_fills`), unlike
+    the dummy batch in every value.
 
-    Fewer real requests than `R` wherever the key allows, so padded rows exist, and for mixed keys
-    fewer tokens than `T` (from `T = 3`) over fewer requests than tokens (an output with a row per
-    request cut as per token shows); random token ids, context lengths and block tables. A graph
-    that froze a host value at capture (a Python count, a value read from the host metadata)
-    or lets padded rows leak into real ones gives different real rows than an eager run of
-    this batch.
+    The tokens spread over the requests at random (each at most `max_model_len`; a uniform key's
+    requests have `T / R` each); random token ids, context lengths and block tables. A graph that
+    froze a host value at capture (a Python count, a value read from the host metadata) or lets
+    padded rows leak into real ones gives different real rows than an eager run of this batch.
 
     The probe never writes a KV block that may hold a live request's keys: its context reads
     random blocks (from 1 up, never the null block), and the blocks its tokens are computed in
@@ -59,16 +116,14 @@ def probe_batch(
     its own random table the same way, its computed tokens in `group_scratch[name]`; the batch
     writes only when every cache has enough scratch, or nothing anywhere.
     """
-    rng = np.random.default_rng([seed, key.num_tokens, key.num_reqs, int(key.uniform)])
-    T, R = key.num_tokens, key.num_reqs
+    if fill is None:
+        fills = probe_fills(key, max_model_len=max_model_len)
+        fill = fills[len(fills) // 2]
+    num_tokens, num_reqs = fill
+    rng = np.random.default_rng([seed, key.num_tokens, key.num_reqs, int(key.uniform), num_tokens, num_reqs])
     if key.uniform:
-        q_len = T // R
-        q = np.full(max(1, R - 1), q_len, dtype=np.int64)
+        q = np.full(num_reqs, key.num_tokens // key.num_reqs, dtype=np.int64)
     else:
-        num_tokens = T - max(1, T // 4) if T > 2 else T
-        num_reqs = min(max(1, R - max(1, R // 3)), max(1, num_tokens // 2)) if R > 1 else 1
-        num_reqs = max(num_reqs, -(-num_tokens // max_model_len))
-        num_tokens = min(num_tokens, num_reqs * max_model_len)
         q = np.ones(num_reqs, dtype=np.int64)
         extra = rng.integers(0, num_reqs, num_tokens - num_reqs)
         np.add.at(q, extra, 1)

@@ -90,9 +90,19 @@ class GraphRecord:
     speedup: float | None = None
     """Eager over replay time of the key's dummy batch at capture: one run each (verification), or with
     `capture.min_speedup` the medians of a few interleaved runs; None when neither ran."""
+    verified_fills: tuple[tuple[int, int], ...] = ()
+    """(real tokens, real requests) of each probe batch the replay matched an eager run on (besides the dummy
+    batch): partly filled at several levels, or the key's own counts alone when no smaller batch fits the key."""
+
+    @property
+    def full_batch_only(self) -> bool:
+        """Verified, but on full batches only: the key admits no smaller batch (one request of a uniform key)."""
+        T, R = self.key.num_tokens, self.key.num_reqs  # R None: a piecewise key holds any request count
+        return self.verified and all(n == T and R in (None, r) for n, r in self.verified_fills)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        out["verified_fills"] = [list(fill) for fill in self.verified_fills]
         out["key"] = {
             "num_tokens": self.key.num_tokens,
             "num_reqs": self.key.num_reqs,
@@ -207,6 +217,8 @@ class CaptureReport:
             note = f"skipped: {r.reason}" if r.status == "skipped" else ""
             if r.key.piecewise and r.status == "captured":
                 note = f"{r.pieces} pieces around {r.eager_ops} eager ops"
+            if r.full_batch_only:
+                note = "verified on the full batch only (no smaller batch fits the key)"
             rows.append(
                 f"{kind:<9} {r.key.num_tokens:>6} {reqs:>5} {r.capture_seconds * 1e3:>10.1f} "
                 f"{format_bytes(r.memory_bytes):>10} {verified:>8}  {note}".rstrip()

@@ -254,9 +254,11 @@ def test_forward_inputs_names_its_static_tensors(buffers):
         "positions",
         "slot_mapping",
         "block_table",
+        "num_tokens_device",
+        "num_reqs_device",
     ]
-    fields_bytes = 4 * (3 * MAX_TOKENS + 2 * MAX_REQS + 1 + MAX_REQS * MAX_BLOCKS)
-    assert fields_bytes <= buffers.nbytes < fields_bytes + 64 * 6  # each field starts 64-byte aligned
+    fields_bytes = 4 * (3 * MAX_TOKENS + 2 * MAX_REQS + 1 + MAX_REQS * MAX_BLOCKS + 2)
+    assert fields_bytes <= buffers.nbytes < fields_bytes + 64 * 7  # each field starts 64-byte aligned
 
 
 # -- poison ------------------------------------------------------------------------------
@@ -271,11 +273,12 @@ def test_poison_fills_unstaged_rows_with_the_sentinel_and_staged_rows_pass(case)
     inputs = buffers.stage(batch, key)
     check_invariants(inputs, "full", dummy=batch.block_table is None)
     T, R = key.num_tokens, key.num_reqs
-    staged = 3 * T + (R + 1) + R + R * MAX_BLOCKS
+    staged = 3 * T + (R + 1) + R + R * MAX_BLOCKS + 2  # the rows, and the step's two counts
     packed = buffers.storage()["packed"].numpy().view(np.int32)
     assert np.count_nonzero(packed != POISON) == staged
     for name in FIELDS:
         assert not np.any(getattr(inputs.host, name) == POISON), name
+    assert (int(inputs.num_tokens_device), int(inputs.num_reqs_device)) == (batch.num_tokens, batch.num_reqs)
 
 
 # -- construction ------------------------------------------------------------------------

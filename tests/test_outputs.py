@@ -111,11 +111,11 @@ def test_an_undeclared_per_request_output_fails_verification_naming_the_declarat
 
 @pytest.mark.parametrize(
     ("overrides", "rows"),
-    [({}, r"\(3, 128\); a 'tokens' output has a row per token, padded ones included: 6 rows here \(6 tokens, 3 requests\)"),
+    [({}, r"\(2, 128\); a 'tokens' output has a row per token, padded ones included: 4 rows here \(4 tokens, 2 requests\)"),
      ({"batching.max_num_seqs": 2}, r"\(2, 128\); a 'tokens' output has a row per token, padded ones included: 8 rows")],
 )  # fmt: skip
 def test_a_wrong_declaration_is_refused_at_capture(overrides, rows):
-    # Key (8, 8): the replay's 8 rows fit 'tokens'; the eager run of the probe (6 tokens, 3 requests) shows it
+    # Key (8, 8): the replay's 8 rows fit 'tokens'; the eager run of a probe (4 tokens, 2 requests) shows it
     # wrong. Key (8, 2): the graph's own output has the wrong rows.
     config = make_config(overrides, capture__sizes=[8])
     manager = CaptureManager(Sampled(config, {"logits": "tokens"}), config, progress=False)

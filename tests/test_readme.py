@@ -24,7 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 GUIDE = ROOT / "docs" / "GUIDE.md"
 PAGES = sorted((ROOT / "docs" / "guide").glob("*.md"))
-DOCS = [README, GUIDE, *PAGES]
+LINKED = {
+    (GUIDE.parent / page).resolve()
+    for row in GUIDE.read_text().splitlines()
+    if row.startswith("| [")
+    for page in re.findall(r"\]\(([\w./-]+\.md)\)", row)
+}
+"""Every page the guide's table links (its own pages, and docs/ pages beside them): the guide says their blocks run."""
+DOCS = [README, GUIDE, *sorted({*PAGES, *LINKED} - {README, GUIDE})]
 
 
 def _text(doc: Path) -> str:
@@ -108,8 +115,27 @@ def _sampling_example(namespace: dict, out: str) -> None:
     torch.testing.assert_close(namespace["logits"].clone(), manager.eager(namespace["batch"]))
 
 
+def _first_model_example(namespace: dict, out: str) -> None:
+    report, manager, batch = namespace["report"], namespace["manager"], namespace["batch"]
+    assert report.records and all(r.verified for r in report.records)
+    assert [r.key.num_tokens for r in report.records if r.full_batch_only] == [1, 1]
+    assert manager.dispatch(batch).num_tokens == 4 and namespace["logits"].shape == (3, 512)
+
+
+def _size_choice_example(namespace: dict, out: str) -> None:
+    choice = namespace["choice"]
+    assert set(choice.sizes) <= {1, 2, 37, 60} and choice.sizes[-1] == 60 and choice.waste == 0.0
+
+
+def _output_rows_example(namespace: dict, out: str) -> None:
+    assert namespace["MyModel"].output_rows == {"hidden": "tokens", "logits": "reqs"}
+
+
 CHECKS = {
     '"checks.sample_every": 2': _sampling_example,
+    "class FirstModel(": _first_model_example,
+    "choose_sizes(counts, 30": _size_choice_example,
+    'output_rows = {"hidden": "tokens"': _output_rows_example,
     "manager.capture_pending(max_seconds=0.05)": _lazy_example,
     "manager.dispatch(batch), manager.stats": _library_example,
     "@graphcap.eager_op": _piecewise_example,

@@ -15,6 +15,7 @@ import torch
 from graphcap import CaptureManager, StepBatch
 from graphcap.capture.timing import SPEEDUP_REPS, replay_speedup
 from graphcap.models import build_model
+from graphcap.probe import probe_fills
 from graphcap.testing import FaultyModel, make_config, make_manager
 
 
@@ -96,9 +97,12 @@ def test_keys_are_timed_again_only_when_a_minimum_decides(min_speedup):
     manager = CaptureManager(model, config, progress=False)
     manager.capture()
     extra = 0 if min_speedup is None else SPEEDUP_REPS  # eager runs of the key's own dummy batch
-    # the preflight, one warmup, the capture and the probe batch's eager run (verification compares the
-    # dummy batch's replay with the warmup's output: no engine context, no peers)
-    assert set(model.calls[key] for key in manager.registry.planned) == {4 + extra}
+    # the preflight, one warmup, the capture and each probe batch's eager run, one per fill level (verification
+    # compares the dummy batch's replay with the warmup's output: no engine context, no peers)
+    max_model_len = config.kv_cache.max_model_len
+    for key in manager.registry.planned:
+        probes = len(probe_fills(manager.registry.capture_shape(key), max_model_len=max_model_len))
+        assert model.calls[key] == 3 + probes + extra, key
 
 
 def test_without_verification_or_a_minimum_no_speedup_is_recorded():

@@ -91,7 +91,7 @@ def verdict(phases: dict, num_phases: int) -> dict:
     ]
     ran = len(body) - len(not_run)
     unselected = num_phases - len(body)
-    parts = [f"{ran} of {len(body)} phases ran" + (f" ({unselected} not selected by --only)" if unselected else "")]
+    parts = [f"{ran} of {len(body)} phases ran" + (f" ({unselected} not selected)" if unselected else "")]
     if failed:
         parts.append("NOT as predicted: " + ", ".join(failed))
     elif not not_run and not cases_not_run:
@@ -102,7 +102,7 @@ def verdict(phases: dict, num_phases: int) -> dict:
         parts.append("not run: " + ", ".join(not_run))
     if cases_not_run:
         parts.append("cases not run: " + ", ".join(cases_not_run))
-    deadline_cut = [name for name, r in body.items() if "deadline" in r["observed"] or "budget" in r["observed"]]
+    deadline_cut = [name for name, r in body.items() if _cut_short(r)]
     rerun = f"python3 tools/gpu_check.py --only {','.join(deadline_cut)}" if deadline_cut else None
     if rerun:
         parts.append(f"rerun: {rerun}")
@@ -115,3 +115,14 @@ def verdict(phases: dict, num_phases: int) -> dict:
     else:
         final = "ok, everything ran as predicted"
     return {"status": "failed" if failed else "ok", "observed": "; ".join(parts), "final": final, "rerun": rerun}
+
+
+def _cut_short(record: dict) -> bool:
+    """Whether a phase did not run, or not to its end, for time: the deadline, its budget, the second plan."""
+    observed = str(record["observed"])
+    if record["status"] == "skipped":
+        return "deadline" in observed or "second plan" in observed
+    return any(
+        str(case.get("observed", "")).startswith(("skipped: the phase ran out of its budget", "timeout after"))
+        for case in record.get("cases", {}).values()
+    )

@@ -14,15 +14,26 @@ sizes 1, 8 and 64, through the full step path (staging and invariants included).
 chunked-prefill scheduler with a 512-token budget), three seeds each. No timing: the numbers
 are exact for the histograms.
 
+`--held-out` prints, per traffic shape and seed, the waste of sizes chosen from traffic
+(`graphcap.sizing.held_out.choose_held_out`) in sample and held out (chosen on half the steps,
+scored on the other, both ways), at 30 graphs and at the ladder's 51, beside the default ladder's
+held-out waste at the same number of graphs (the goal: never above it). No timing.
+
 `--recapture` times, per round on a fresh manager, its first capture, a re-capture after a weight
 swap (`lm_head` replaced, as an RL weight sync does) and a capture after `release()` (a wake-up),
 side by side, rounds interleaved; a first warm-up round is dropped (the process's own lazy set-up).
 
     python tools/bench_capture.py [--config PATH] [--steps N] [--threads N] [--quick]
     python tools/bench_capture.py --padding [--seeds N]
+    python tools/bench_capture.py --held-out [--seeds N]
     python tools/bench_capture.py --recapture [--rounds N] [--config PATH] [--quick]
     python tools/bench_capture.py --recapture --gc-full   # ... and re-captures with a full collection after
     python tools/bench_capture.py --lazy [--rounds N] [--config PATH] [--quick]
+    python tools/bench_capture.py --fills [--rounds N] [--config PATH] [--quick]
+
+`--fills` times re-captures (after a weight swap) whose verification replays a probe batch at every
+fill level of each key (`graphcap.probe.probe_fills`: one real token, about half, all but one)
+against ones that replay the middle level only, interleaved in pairs (which goes first alternates).
 
 `--lazy` times, per round, the time to the first served step (manager construction, `capture()`,
 one decode step of 3 requests; the model is built before the clock starts) with
@@ -42,7 +53,7 @@ import sys
 import numpy as np
 import torch
 
-import graphcap.manager as manager_module
+import graphcap.capture.driver as driver_module
 from graphcap import CaptureManager, load_config
 from graphcap.models import build_model
 from graphcap.sizing.choice import SizeConstraints, choose_sizes
@@ -62,13 +73,19 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="sizes up to 8, 3 steps (a smoke run)")
     parser.add_argument("--padding", action="store_true", help="padding of chosen vs default ladders, then exit")
     parser.add_argument("--seeds", type=int, default=3, help="with --padding: seeds per traffic shape")
+    parser.add_argument("--held-out", action="store_true", help="in-sample vs held-out waste of chosen sizes")
     parser.add_argument("--recapture", action="store_true", help="first capture vs re-capture vs wake, then exit")
     parser.add_argument("--rounds", type=int, default=5, help="with --recapture: timed rounds")
     parser.add_argument("--gc-full", action="store_true", help="with --recapture: also a full collection after")
     parser.add_argument("--lazy", action="store_true", help="time to the first served step, lazy vs upfront")
+    parser.add_argument("--fills", action="store_true", help="verification at every fill level vs one, then exit")
     args = parser.parse_args()
+    if args.fills:
+        return fill_levels(args.config, 2 if args.quick else args.rounds, args.quick, args.threads)
     if args.padding:
         return padding(args.seeds)
+    if args.held_out:
+        return held_out(args.seeds)
     if args.lazy:
         return first_step(args.config, 2 if args.quick else args.rounds, args.quick, args.threads)
     if args.recapture:
@@ -80,6 +97,8 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     overrides = {} if args.config else {"device": "cpu"}
+    if args.threads:  # the pass too (capture.num_threads), not only the eager steps
+        overrides["capture.num_threads"] = args.threads
     if args.quick:
         overrides["capture.max_size"] = 8
     steps = 3 if args.quick else args.steps
@@ -253,13 +272,13 @@ def collections(path: str | None, rounds: int, quick: bool, threads: int | None)
     manager = CaptureManager(model, config, progress=False)
     manager.capture()
     seconds: dict[str, list[float]] = {"young": [], "full": []}
-    young = manager_module.gc_frozen
+    young = driver_module.gc_frozen
     for index in range(2 * rounds):
         kind = ("young", "full")[index % 2]
-        manager_module.gc_frozen = young if kind == "young" else functools.partial(young, after=2)
+        driver_module.gc_frozen = young if kind == "young" else functools.partial(young, after=2)
         model.lm_head = torch.nn.Parameter(model.lm_head.detach().clone(), requires_grad=False)
         seconds[kind].append(manager.capture().total_seconds)
-    manager_module.gc_frozen = young
+    driver_module.gc_frozen = young
     ratio = np.array(seconds["young"]) / np.array(seconds["full"])
     print()
     print(f"re-capture after a weight swap, collection after the pass ({rounds} pairs, interleaved)")
@@ -267,6 +286,45 @@ def collections(path: str | None, rounds: int, quick: bool, threads: int | None)
     for kind, values in seconds.items():
         print(f"{kind:<10} {np.median(values):>9.2f} {min(values):>6.2f}-{max(values):<6.2f}")
     print(f"young / full per pair: median {np.median(ratio):.2f} ({ratio.min():.2f}-{ratio.max():.2f})")
+    return 0
+
+
+def fill_levels(path: str | None, rounds: int, quick: bool, threads: int | None) -> int:
+    """Re-captures after a weight swap verified at every fill level vs at one (the middle level), interleaved."""
+    import graphcap.capture.probing as probing
+
+    torch.set_num_threads(threads or 1)
+    config = load_config(path, {} if path else {"device": "cpu", "capture.max_size": 8 if quick else 16})
+    model = build_model(config)
+    manager = CaptureManager(model, config, progress=False)
+    manager.capture()  # the process's own lazy set-up, not timed
+    every = probing.probe_fills
+
+    def middle(key, *, max_model_len):
+        fills = every(key, max_model_len=max_model_len)
+        return fills[len(fills) // 2 : len(fills) // 2 + 1]
+
+    seconds: dict[str, list[float]] = {"every level": [], "one level": []}
+    for index in range(2 * rounds):
+        kind = ("every level", "one level")[(index + index // 2) % 2]  # which goes first alternates per pair
+        probing.probe_fills = every if kind == "every level" else middle
+        model.lm_head = torch.nn.Parameter(model.lm_head.detach().clone(), requires_grad=False)
+        report = manager.capture()
+        if not all(r.verified for r in report.records):
+            raise SystemExit("bench_capture: a key was not verified")
+        seconds[kind].append(report.total_seconds)
+    probing.probe_fills = every
+    ratio = np.array(seconds["every level"]) / np.array(seconds["one level"])
+    probes = sum(len(every(manager.registry.capture_shape(r.key), max_model_len=config.kv_cache.max_model_len))
+                 for r in report.records)  # fmt: skip
+    print(
+        f"capture passes verified at every fill level ({probes} probe batches) vs one ({len(report.records)}), "
+        f"{len(report.records)} graphs, {rounds} pairs interleaved, {torch.get_num_threads()} thread(s)"
+    )
+    print(f"{'verification':<12} {'median s':>9} {'min-max s':>13}")
+    for kind, values in seconds.items():
+        print(f"{kind:<12} {np.median(values):>9.2f} {min(values):>6.2f}-{max(values):<6.2f}")
+    print(f"every / one per pair: median {np.median(ratio):.2f} ({ratio.min():.2f}-{ratio.max():.2f})")
     return 0
 
 
@@ -296,6 +354,29 @@ def padding(seeds: int) -> int:
         )
     print("synthetic rows: every count 1-512 with weight 1, and with weight 1/n (steps need not be whole)")
     print(f"worst waste with 30 chosen graphs (60% of the ladder's 51) on the traffic shapes: {worst:.2%}")
+    return 0
+
+
+def held_out(seeds: int) -> int:
+    """In-sample and held-out waste of chosen sizes at 30 and 51 graphs, beside the ladder's held out."""
+    from graphcap.sizing.held_out import choose_held_out
+
+    bound = SizeConstraints(512)
+    print("padded-token waste of sizes chosen from traffic: in sample, and held out (chosen on half the steps,")
+    print("scored on the other, both ways), beside the default ladder's held out at the same number of graphs")
+    header = f"{'shape':<14} {'seed':>4} {'N':>3} {'in sample':>9} {'held out':>8} {'ladder':>7} {'way':<8}"
+    print(header)
+    worst = 0.0  # held out minus the ladder's: the goal is <= 0
+    for shape in TRAFFIC_SHAPES:
+        for seed in range(seeds):
+            histogram = traffic_histogram(shape, seed)
+            for graphs in (30, len(VLLM_LADDER)):
+                held = choose_held_out(histogram, graphs, bound)
+                ours, ladder = held.held_out[held.way], held.held_out["ladder"]
+                worst = max(worst, ours - ladder)
+                row = f"{shape:<14} {seed:>4} {graphs:>3} {held.in_sample:>9.2%} {ours:>8.2%} {ladder:>7.2%}"
+                print(f"{row} {held.way:<8}")
+    print(f"largest held-out waste above the ladder's at the same N: {worst:.2%} (goal <= 0.00%)")
     return 0
 
 

@@ -1,5 +1,5 @@
-"""One GPU run that settles the CUDA backend: phases P0-P17 in order of value, each printing its prediction
-next to what it saw. The plan is docs/gpu/README.md.
+"""One GPU run that settles the CUDA backend: phases named P0-P17, run most telling first, each printing its
+prediction next to what it saw. The plan is docs/gpu/README.md.
 
 The command (on a CUDA machine, from the repository root; nothing to install):
 
@@ -7,24 +7,26 @@ The command (on a CUDA machine, from the repository root; nothing to install):
 
 With `OUT` set (the device machine returns only what is under `$OUT`) the JSON goes to
 `$OUT/gpu_check.json` and the log to `$OUT/gpu_check.log`, both rewritten as the run goes, so a
-run cut short keeps what it saw. The default deadline (360 s) leaves room in a 15-minute slot on a GPU
-machine, its start included, for one rerun of what did not fit; the run ends by printing that
-rerun's command (`--only ...`).
+run cut short keeps what it saw. On CUDA it runs the first plan, whose phase budgets sum to the
+450 s deadline (7.5 minutes, within 8 on an H200): the environment, the CUDA test files (most of
+the GPU tests), release and recapture, the founding bug, the tiny config and lazy capture
+within a memory budget, the failure paths, piecewise capture (keys replayed out of capture
+order), the 8B-shaped passes, NCCL in a graph, the preflight table and the output probe. The
+second plan (`--plan second`, about 150 s: torch.compile, bf16 tolerances, pipelining,
+data-parallel agreement, inductor timing) is the rerun the first run's verdict prints.
 
-- Phases in order of value: the NCCL all-reduce in a graph, the tiny config, the 8B-shaped
-  pass, piecewise capture, piecewise at 8B decode shapes, the founding bug, release and
-  recapture, torch.compile, bf16 tolerances; then the CUDA tests, pipelining, the output probe,
-  the failure paths, the preflight table, data-parallel agreement and inductor timing.
-- A phase that no longer fits the deadline is skipped, and the verdict names it.
+- A phase that no longer fits the deadline (its predecessors overran) is skipped, and the
+  verdict names it and prints the rerun's command (`--only ...`).
 - On CUDA every case runs in its own subprocess (its own process group) with a timeout: a
   poisoned CUDA context (a device-side assert is sticky) or a hang ends that case, not the run.
   On the CPU cases run in-process (`--isolate always` forces subprocesses there too).
-- `--device cpu` runs what a CPU can (the emulated backend, fake-CUDA preflight verdicts, gloo);
-  phases that need CUDA report "skipped: no CUDA", and the verdict lists every phase and case
-  that did not run. CI runs it that way.
+- `--device cpu` runs what a CPU can of every phase (the emulated backend, fake-CUDA preflight
+  verdicts, gloo); phases that need CUDA report "skipped: no CUDA", and the verdict lists every
+  phase and case that did not run. CI runs it that way.
 
-    python tools/gpu_check.py --list                  # the phases and their predictions
+    python tools/gpu_check.py --list                  # the phases, their budgets and predictions
     python tools/gpu_check.py --device cpu --quick    # what CI runs
+    python3 tools/gpu_check.py --plan second          # the phases the first plan leaves out
     python3 tools/gpu_check.py --only P10,P11         # a rerun of two phases
 """
 
@@ -48,7 +50,15 @@ sys.path[:0] = [str(HERE), str(ROOT)]  # the case modules beside this file, and 
 
 from _gpu_report import PARTIAL, Log, environment, verdict  # noqa: E402  (found through the path set above)
 
-DEFAULT_DEADLINE = 360.0
+DEFAULT_DEADLINE = 450.0
+"""Seconds a run may take: 7.5 minutes, within 8 on an H200 with the final write. Each plan's phase
+budgets sum to at most this (tests/tools/test_gpu_check.py checks it), so no phase of the plan is
+skipped for time unless the ones before it overran their budgets."""
+
+
+CPU_BUDGET_SCALE = 4
+"""Budgets are an H200's seconds; on the CPU (the emulated backend, a shared CI machine) a phase may take
+this many times its budget."""
 
 
 @dataclass(frozen=True)
@@ -61,127 +71,138 @@ class Phase:
     cases: tuple[str, ...]
     """Case functions (in _gpu_cases, _gpu_llama, _gpu_steps, _gpu_probes), each run alone; () for P0 and P17."""
     needs_cuda: bool = False
+    second: bool = False
+    """Not in a GPU run's first plan (the phases that fit `DEFAULT_DEADLINE`): `--plan second` (or `--only`)
+    runs it; the first run's verdict prints that command."""
 
 
 PHASES = (
-    Phase("P0", "environment of the target device", 10, "-", ()),
+    Phase("P0", "environment of the target device", 5, "-", ()),
     Phase(
-        "P1",
-        "NCCL all-reduce captured in a CUDA graph (one GPU, world size 1)",
-        45,
-        "captured; replay equals eager exactly",
-        ("nccl_graph",),
+        "P10",
+        "pytest tests/backends/test_cuda.py tests/backends/test_cuda_engine.py",
+        110,
+        "all pass (replay == eager, pools, preflight, failed captures; the budget reservation used by lazy "
+        "captures and following the pool, sync-debug beside an engine thread, capture error modes, "
+        "generators, piecewise keys replayed out of order)",
+        ("cuda_tests",),
         True,
+    ),
+    Phase(
+        "P7",
+        "release the last graph of a pool, then capture on the same backend",
+        15,
+        "no use_count INTERNAL ASSERT: the capture after a release equals eager; two passes of one manager with a "
+        "passed-in backend capture every key",
+        ("release_recapture",),
+    ),
+    Phase(
+        "P6",
+        "the founding bug: a stale query_start_loc tail",
+        25,
+        "raw replay with the stale tail: a device-side assert from repeat_interleave (CPU: an error); through "
+        "execute the batch equals eager; a corrupted tail is refused before upload",
+        ("founding_bug_raw", "founding_bug_execute"),
     ),
     Phase(
         "P2",
         "tiny config, sync_debug: capture, verify, time; lazy capture within a memory budget",
-        60,
+        35,
         "every key captured and verified; replay faster than eager at small sizes; lazy: a step served before "
-        "any capture, the budget reserved in the pool, capture_pending() captures every key inside it",
+        "any capture, the budget reserved in the pool, capture_pending() captures every key inside it (the "
+        "pool's large and small segments do not grow)",
         ("tiny", "lazy_budget"),
+    ),
+    Phase(
+        "P13",
+        "failure paths: real OOM, invalidated capture, sticky assert",
+        40,
+        "the rest of the pass captures after an OOM and after an invalidated capture; a device assert stops "
+        "the pass with one message",
+        ("oom_first_key", "invalidated_capture", "sticky_assert"),
+    ),
+    Phase(
+        "P4",
+        "piecewise capture around eager per-request attention; keys replayed out of capture order",
+        30,
+        "every key captured and verified (pieces on one pool, .item() attention between them, sync-debug off "
+        "inside it); every step up to the max replays a graph and equals eager; piecewise keys replayed out of "
+        "capture order bitwise equal to eager and to their own first replay",
+        ("piecewise", "piecewise_order"),
     ),
     Phase(
         "P3",
         "Llama-3-8B-shaped capture: every key, per-key seconds, graph pool from allocator segments",
-        150,
+        100,
         "103 keys captured and verified; the pool's segments within 0.5-2x of the estimate's graphs (4.6 GiB); "
         "decode replay several times faster",
         ("llama8b",),
         True,
     ),
     Phase(
-        "P4",
-        "piecewise capture around eager per-request attention",
-        45,
-        "every key captured and verified (pieces on one pool, .item() attention between them, sync-debug off "
-        "inside it); every step up to the max replays a graph and equals eager",
-        ("piecewise",),
-    ),
-    Phase(
         "P5",
         "piecewise vs full vs eager at 8B decode shapes",
-        75,
+        45,
         "piecewise keys captured; a piecewise pass leaves < 1/4 of what pinned eager-op tensors took allocated",
         ("llama8b_piecewise",),
         True,
     ),
     Phase(
-        "P6",
-        "the founding bug: a stale query_start_loc tail",
-        40,
-        "raw replay with the stale tail: a device-side assert from repeat_interleave (CPU: an error); through "
-        "execute the batch equals eager; a corrupted tail is refused before upload",
-        ("founding_bug_raw", "founding_bug_execute"),
-    ),
-    Phase(
-        "P7",
-        "release the last graph of a pool, then capture on the same backend",
-        30,
-        "no use_count INTERNAL ASSERT: the capture after a release equals eager; two passes of one manager with a "
-        "passed-in backend capture every key",
-        ("release_recapture",),
-    ),
-    Phase(
-        "P8",
-        "torch.compile through warmup and capture, and a compiled model in full and piecewise",
-        60,
-        "cuda: captures run the compiled code, no warning; emulated: a warning; eager steps run compiled code "
-        "after a full and a piecewise pass",
-        ("compiled", "compiled_model"),
-    ),
-    Phase(
-        "P9",
-        "bf16 verification tolerances",
-        40,
-        "replay vs eager at the same (padded) shape within atol/rtol 0.02 everywhere; norm-relative error "
-        "< 1e-2 also at the real shape (other GEMM kernels)",
-        ("bf16_tolerance",),
-    ),
-    Phase(
-        "P10",
-        "pytest tests/backends/test_cuda.py",
-        90,
-        "all pass",
-        ("cuda_tests",),
+        "P1",
+        "NCCL all-reduce captured in a CUDA graph (one GPU, world size 1)",
+        15,
+        "captured; replay equals eager exactly",
+        ("nccl_graph",),
         True,
-    ),
-    Phase(
-        "P11",
-        "pipelined real batches, no sync between steps",
-        40,
-        "every step equals eager (uploads ordered on the target device's stream)",
-        ("pipelined",),
-    ),
-    Phase(
-        "P12",
-        "cross-graph output probe",
-        30,
-        "a view kept past another graph's replay changes within a pool; another manager's step leaves it intact",
-        ("clobber",),
-    ),
-    Phase(
-        "P13",
-        "failure paths: real OOM, invalidated capture, sticky assert",
-        75,
-        "the rest of the pass captures after an OOM and after an invalidated capture; a device assert stops "
-        "the pass with one message",
-        ("oom_first_key", "invalidated_capture", "sticky_assert"),
     ),
     Phase(
         "P14",
         "preflight table on real CUDA",
-        30,
+        15,
         "every capture-illegal form named; x[mask] = 0.0 not flagged and captured; raw illegal captures "
         "invalidated, and the next capture works",
         ("preflight_table",),
     ),
     Phase(
+        "P12",
+        "cross-graph output probe",
+        10,
+        "a view kept past another graph's replay changes within a pool; another manager's step leaves it intact",
+        ("clobber",),
+    ),
+    Phase(
+        "P8",
+        "torch.compile through warmup and capture, and a compiled model in full and piecewise",
+        45,
+        "cuda: captures run the compiled code, no warning; emulated: a warning; eager steps run compiled code "
+        "after a full and a piecewise pass",
+        ("compiled", "compiled_model"),
+        second=True,
+    ),
+    Phase(
+        "P9",
+        "bf16 verification tolerances",
+        20,
+        "replay vs eager at the same (padded) shape within atol/rtol 0.02 everywhere; norm-relative error "
+        "< 1e-2 also at the real shape (other GEMM kernels)",
+        ("bf16_tolerance",),
+        second=True,
+    ),
+    Phase(
+        "P11",
+        "pipelined real batches, no sync between steps",
+        20,
+        "every step equals eager (uploads ordered on the target device's stream)",
+        ("pipelined",),
+        second=True,
+    ),
+    Phase(
         "P15",
         "data-parallel agreement on one rank",
-        40,
+        15,
         "nccl group: agreement on a gloo group, < 1 ms per step",
         ("agreement",),
+        second=True,
     ),
     Phase(
         "P16",
@@ -190,6 +211,7 @@ PHASES = (
         "the inductor graph replays faster",
         ("compiled_inductor",),
         True,
+        second=True,
     ),
     Phase("P17", "verdict", 5, "-", ()),
 )
@@ -203,7 +225,9 @@ def main() -> int:
     if args.list:
         for phase in PHASES:
             need = " (needs CUDA)" if phase.needs_cuda else ""
-            print(f"{phase.name:<4} {phase.title}{need}, {phase.budget:.0f} s\n     predicted: {phase.prediction}")
+            plan = " [second plan]" if phase.second else ""
+            print(f"{phase.name:<4} {phase.title}{need}, {phase.budget:.0f} s{plan}")
+            print(f"     predicted: {phase.prediction}")
         return 0
     out = Path(args.out) if args.out else _default_out()
     say = Log(out.with_suffix(".log"))
@@ -215,8 +239,11 @@ def main() -> int:
     deadline = time.monotonic() + args.deadline
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "device": device, "quick": args.quick, "phases": {}}
     only = set(args.only.split(",")) if args.only else None
+    plan = args.plan if args.plan != "auto" else ("first" if on_cuda else "all")
     for phase in PHASES:
         if only is not None and phase.name not in only and phase.name not in (FIRST, LAST):
+            continue
+        if only is None and plan == "second" and not phase.second and phase.name not in (FIRST, LAST):
             continue
         started = time.monotonic()
         record = {"status": "running", "observed": ""}
@@ -228,7 +255,9 @@ def main() -> int:
             record = verdict(results["phases"], len(PHASES) - 2)
         elif phase.needs_cuda and not on_cuda:
             record = {"status": "skipped", "observed": "skipped: no CUDA"}
-        elif deadline - started < phase.budget / 2:  # it would most likely be cut short
+        elif only is None and plan == "first" and phase.second:
+            record = {"status": "skipped", "observed": "skipped: in the second plan (--plan second)"}
+        elif deadline - started < phase.budget * (1 if on_cuda else CPU_BUDGET_SCALE) / 2:  # likely cut short
             record = {"status": "skipped", "observed": f"skipped: {deadline - started:.0f} s left of the deadline"}
         else:
 
@@ -236,7 +265,8 @@ def main() -> int:
                 results["phases"][name]["cases"] = cases
                 _write(out, results)
 
-            seconds = min(phase.budget, deadline - started)
+            budget = phase.budget * (1 if on_cuda else CPU_BUDGET_SCALE)
+            seconds = min(budget, deadline - started)
             record = _run_phase(phase, device, args.quick, isolate, seconds, progress)
         record["seconds"] = round(time.monotonic() - started, 2)
         results["phases"][phase.name] = {"title": phase.title, "prediction": phase.prediction, **record}
@@ -262,9 +292,18 @@ def _parse() -> argparse.Namespace:
         help="JSON results, rewritten after every case (default $OUT/gpu_check.json, else gpu_check.json); "
         "the log goes beside it (.log)",
     )
-    parser.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE, help="seconds for the whole run (360)")
+    parser.add_argument(
+        "--deadline", type=float, default=DEFAULT_DEADLINE, help=f"seconds for the whole run ({DEFAULT_DEADLINE:.0f})"
+    )
     parser.add_argument("--quick", action="store_true", help="small schedules and few steps (a smoke run)")
     parser.add_argument("--only", help=f"comma-separated phases to run ({FIRST} and {LAST} always run), e.g. P10,P11")
+    parser.add_argument(
+        "--plan",
+        choices=("auto", "first", "second", "all"),
+        default="auto",
+        help="which phases: first (what fits the deadline, most telling first), second (the rest), all; "
+        "auto: first on CUDA, all on the CPU",
+    )
     parser.add_argument("--isolate", choices=("auto", "always", "never"), default="auto", help="a subprocess per case")
     parser.add_argument("--list", action="store_true", help="print the phases and their predictions, run nothing")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, write its JSON

@@ -10,17 +10,18 @@ backend with `get_backend`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphcap.backends.base import GraphBackend
 from graphcap.backends.emulated import EmulatedBackend, EmulatedGraph
+from graphcap.backends.generators import check_generators
 from graphcap.backends.graph import CapturedGraph, is_sticky_cuda_error
 from graphcap.backends.pool import GraphPool
 from graphcap.backends.preflight import check_capture_safe
 from graphcap.backends.unsafe import UNSAFE_OPS, UnsafeOp
-from graphcap.devices import BACKEND_NAMES  # torch-free: the command line reads it
+from graphcap.devices import BACKEND_NAMES, CAPTURE_ERROR_MODES  # torch-free: the command line reads them
 from graphcap.errors import CaptureError, CaptureUnsafeError, ConfigError, ConfigProblem, StaticInputMovedError
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ __all__ = [
     "GraphPool",
     "StaticInputMovedError",
     "UnsafeOp",
+    "backend_for",
     "check_capture_safe",
     "get_backend",
     "is_sticky_cuda_error",
@@ -52,6 +54,8 @@ def get_backend(
     sync_debug: bool = False,
     share_pool_with: GraphBackend | None = None,
     check_input_liveness: bool = False,
+    capture_error_mode: str = "thread_local",
+    generators: Any = (),
 ) -> GraphBackend:
     """Build the backend called `name` ("auto" | "cuda" | "emulated") for `device`.
 
@@ -63,6 +67,10 @@ def get_backend(
     `torch.cuda.set_sync_debug_mode("error")` (the preflight always does).
     `check_input_liveness` (cuda only, debug, torch 2.13 and later): replays raise if a tensor
     the capture read was freed since; compiled forwards are then captured uncompiled.
+    `capture_error_mode` (cuda only; `thread_local`, `global` or `relaxed`): what
+    `CUDAGraph.capture_begin` is given (`capture.capture_error_mode`). `generators`: the
+    engine's `torch.Generator`s of `device`, registered with every graph before its capture
+    begins (`GraphBackend.add_generators`). Both are checked on every backend, before it is made.
     """
     if name not in BACKEND_NAMES:
         valid = ", ".join(BACKEND_NAMES)
@@ -70,12 +78,43 @@ def get_backend(
     device = torch.device(device)
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() and device.type == "cuda" else "emulated"
+    if capture_error_mode not in CAPTURE_ERROR_MODES:
+        raise ValueError(
+            f"capture_error_mode must be one of {', '.join(CAPTURE_ERROR_MODES)}; got {capture_error_mode!r}"
+        )
+    generators = check_generators(generators, device)
     pool = _shared_pool(share_pool_with, name, device)
     if name == "emulated":
-        return EmulatedBackend(device, pool)
+        backend = EmulatedBackend(device, pool)
+        backend.add_generators(generators)
+        return backend
     from graphcap.backends.cuda import CUDAGraphBackend  # touches torch.cuda only when asked
 
-    return CUDAGraphBackend(device, sync_debug=sync_debug, pool=pool, check_input_liveness=check_input_liveness)
+    return CUDAGraphBackend(
+        device,
+        sync_debug=sync_debug,
+        pool=pool,
+        check_input_liveness=check_input_liveness,
+        capture_error_mode=capture_error_mode,
+        generators=generators,
+    )
+
+
+def backend_for(
+    backend: str | GraphBackend, device: torch.device, config: CaptureConfig, generators: Any = ()
+) -> tuple[GraphBackend, bool]:
+    """A manager's backend and whether the manager owns it (a backend passed in is never reset by it).
+
+    A name builds one with the config's `checks.sync_debug` and `capture.capture_error_mode`;
+    `generators` (checked first: `TypeError`/`ValueError` naming `generators[i]`) are added to
+    either kind (`GraphBackend.add_generators`).
+    """
+    if isinstance(backend, GraphBackend):
+        backend.add_generators(generators)
+        return backend, False
+    generators = check_generators(generators, device)  # a tuple: an iterator is read once
+    options = {"sync_debug": config.checks.sync_debug, "capture_error_mode": config.capture.capture_error_mode}
+    return get_backend(backend, device, generators=generators, **options), True
 
 
 def _shared_pool(other: GraphBackend | None, name: str, device: torch.device) -> GraphPool | None:

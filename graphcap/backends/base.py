@@ -25,9 +25,11 @@ from typing import Any
 import torch
 
 from graphcap.backends.compiled import uncompiled_warning
+from graphcap.backends.generators import check_generators
 from graphcap.backends.graph import CapturedGraph, is_sticky_cuda_error, record_input_ptrs
 from graphcap.backends.pool import GraphPool
-from graphcap.backends.preflight import preflight, sync_debug_errors
+from graphcap.backends.preflight import preflight
+from graphcap.backends.sync_debug import engine_threads_may_run, sync_debug_errors
 from graphcap.errors import CaptureError, CaptureUnsafeError, StaticInputMovedError
 from graphcap.phases import in_phase, recording
 
@@ -67,8 +69,14 @@ class GraphBackend:
         """The memory pool of this backend's graphs (shared with others only on request)."""
         self._graphs: list[CapturedGraph] = []
         self._is_capturing = False
-        self.reserved_bytes: int | None = None
-        """Bytes `reserve` set aside for the graphs (None: nothing reserved since the last `reset`)."""
+        self.generators: tuple[torch.Generator, ...] = ()
+        """Generators registered with every graph before its capture begins (`add_generators`)."""
+
+    @property
+    def reserved_bytes(self) -> int | None:
+        """Bytes `reserve` set aside in this backend's pool (None: nothing reserved; shared with the
+        backends sharing the pool)."""
+        return self.pool.reserved_bytes
 
     @property
     def graphs(self) -> tuple[CapturedGraph, ...]:
@@ -76,20 +84,34 @@ class GraphBackend:
         self._graphs = [g for g in self._graphs if not g.is_released]
         return tuple(self._graphs)
 
+    def add_generators(self, generators: Any) -> None:
+        """Register `generators` (`torch.Generator`s of this backend's device) with every later capture.
+
+        An engine's own generators (a sampler's): the CUDA backend registers each with every graph and
+        piece before its capture begins; the preflight names a random op drawing from any other
+        non-default CUDA generator. All are checked before any is kept (`TypeError`/`ValueError`
+        naming `generators[i]`); one already given is not added twice.
+        """
+        found = check_generators(generators, self.device)
+        self.generators += tuple(g for i, g in enumerate(found) if not _among(g, (*self.generators, *found[:i])))
+
     def warmup(self, fn: Forward, num_warmups: int) -> None:
         """Run the preflight of `fn` once, then call it eagerly `num_warmups` more times.
 
         The preflight runs `fn` under the unsafe-op checker with torch.compile off (and on
-        CUDA under `set_sync_debug_mode("error")`), and names an op a CUDA graph cannot
-        hold as `CaptureUnsafeError` (op, reason, user file:line). The plain warmups then
-        run `fn` as capture will: compiled, lazy libraries initialised. All under
+        CUDA under `set_sync_debug_mode("error")`, which is process-wide: not turned on beside
+        an engine's threads, i.e. in `capture_pending`, unless `sync_debug` asks for it; see
+        `graphcap.backends.sync_debug`), and names an op a CUDA graph cannot hold as
+        `CaptureUnsafeError` (op, reason, user file:line). The plain warmups then run `fn`
+        as capture will: compiled, lazy libraries initialised. All under
         `torch.inference_mode()`, like capture.
         """
         self.check_warmups(num_warmups)
         _check_callable(fn)
         self._check_not_capturing("warmup()")
+        syncs = self._preflight_syncs and (self._sync_debug or not engine_threads_may_run())
         with self._warmup_context(), torch.inference_mode(), in_phase("warmup"):
-            with preflight(self.device, sync_debug=self._preflight_syncs):
+            with preflight(self.device, sync_debug=syncs, generators=self.generators):
                 fn()
             with sync_debug_errors(self._sync_debug):
                 for _ in range(num_warmups):
@@ -162,6 +184,10 @@ class GraphBackend:
         the allocator recording to it: later captures must not go there.
         """
         self._check_not_capturing(what)
+        # As torch.cuda.graph does before every capture: during a capture the allocator cannot free
+        # cached blocks to satisfy an allocation (the capture would fail out of memory while memory is
+        # only cached). It frees no block of a pool that still has live graphs.
+        self.empty_cache()
         self._is_capturing = True
         try:
             with torch.inference_mode(), recording():  # graphcap.is_capturing() is true inside
@@ -196,7 +222,7 @@ class GraphBackend:
         for graph in self._graphs:
             graph.release()
         self._graphs = []
-        self.reserved_bytes = None
+        self.pool.release_reservation()
         self.pool.rotate()
         # After a sticky CUDA error every CUDA call fails with it: the reset must not replace
         # the error that ended the pass with a second copy of it.
@@ -206,17 +232,18 @@ class GraphBackend:
     def reserve(self, num_bytes: int) -> int:
         """Set `num_bytes` aside for later captures into this backend's pool (`capture.memory_budget`).
 
-        Returns the device memory the reservation took. This backend allocates nothing (its graphs own
-        private memory): it records the number, and the manager keeps the budget by graphcap's estimate.
+        Returns the device memory the reservation took (`GraphPool.reserve`: once per pool, held until
+        `reset`, moved with the pool when it rotates). The emulated backend allocates nothing (its graphs
+        own private memory): it records the number, and the manager keeps the budget by graphcap's estimate.
         """
-        self.reserved_bytes = num_bytes
-        return 0
+        self._check_not_capturing("reserve()")
+        return self.pool.reserve(num_bytes)
 
     def synchronize(self) -> None:
         """Wait until the device has finished all queued work."""
 
     def empty_cache(self) -> None:
-        """Return cached, unused device memory (the manager calls it once per capture pass)."""
+        """Return cached, unused device memory (before every capture, and after a release)."""
 
     def memory_in_use(self) -> int:
         raise NotImplementedError
@@ -243,6 +270,10 @@ class GraphBackend:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device}, {len(self.graphs)} graphs)"
+
+
+def _among(generator: torch.Generator, others: tuple) -> bool:
+    return any(generator is other for other in others)
 
 
 def _check_callable(fn: object) -> None:

@@ -17,8 +17,19 @@ capture in (`graphcap.backends.pool.discard_capture`): the allocator stops recor
 pool, the capture's use of it is released once, and later captures go to a fresh pool (a
 failed forward's tensors may still pin the old one).
 
+Captures use `capture_error_mode="thread_local"` by default (`capture.capture_error_mode`):
+capture happens inside a living engine (lazily, beside its other threads), and under
+`"global"` any CUDA work another thread issues during a capture (a `cudaMalloc`, a copy on
+an unrelated stream) invalidates it. `"global"` is the stricter check for an engine that
+captures with no other thread using CUDA; `"relaxed"` lets even the capturing thread make
+unsafe calls (debugging only).
+
+The engine's generators (`add_generators`) are registered with every graph and piece before
+its capture begins (`graphcap.backends.generators`).
+
 Version-dependent: `check_input_liveness` needs a torch whose `CUDAGraph.capture_begin`
 takes it (2.13 and later); asking for it on an older torch is refused when the backend is made.
+`generators` need `CUDAGraph.register_generator_state` (feature-detected the same way).
 
 Not done here: `gc` freezing around the capture pass (the manager does it once for all
 graphs) and deciding what to capture.
@@ -38,12 +49,25 @@ import torch
 from graphcap.backends.base import Forward, GraphBackend
 from graphcap.backends.compiled import eager_only
 from graphcap.backends.cuda_pieces import CUDAPieceSession
+from graphcap.backends.generators import check_generators, register_generators, supports_generator_registration
 from graphcap.backends.graph import CapturedGraph
 from graphcap.backends.pool import GraphPool, discard_capture, unowned_alias
+from graphcap.devices import CAPTURE_ERROR_MODES
 from graphcap.errors import CaptureError
 from graphcap.outputs import flatten_output
 
-__all__ = ["CUDACapturedGraph", "CUDAGraphBackend", "supports_input_liveness"]
+__all__ = [
+    "CAPTURE_ERROR_MODES",
+    "CUDACapturedGraph",
+    "CUDAGraphBackend",
+    "reservation_layout",
+    "supports_input_liveness",
+]
+
+SMALL_REQUEST = 1 << 20
+"""The largest request the caching allocator serves from a pool's small blocks (`kSmallSize`)."""
+SMALL_SEGMENT = 2 << 20
+"""The size of every small-block segment (`kSmallBuffer`): two `SMALL_REQUEST` blocks."""
 
 # Texts of the CUDA errors a capture-illegal call raises (900: unsupported, 901: invalidated).
 _INVALIDATED = ("operation not permitted when stream is capturing", "operation failed due to a previous error")
@@ -76,8 +100,11 @@ class CUDAGraphBackend(GraphBackend):
     `memory_bytes` of a graph is what the capture took from the device: the larger of the
     growth of `torch.cuda.memory_reserved()` and the drop of free device memory (which
     also sees the driver's graph objects; other processes on the GPU add noise to it).
-    The cache is emptied once per pass (`empty_cache`), not per graph: emptying it per graph
-    would return the pool's free blocks that later (smaller) graphs reuse.
+    Inside a memory-budget reservation that is about 0: the pool already held the memory.
+    The cache (device and pinned host) is emptied before every capture, as `torch.cuda.graph`
+    does: the allocator cannot free cached blocks while a capture is under way. Emptying it
+    frees no block of a pool that still has live graphs (only pools whose use count is zero),
+    so later, smaller graphs still reuse the pool's free blocks.
 
     `check_input_liveness=True` (debug; torch 2.13 and later) has torch track every tensor the
     capture reads and raise at replay if one was freed since; it runs a dispatch mode during
@@ -95,7 +122,14 @@ class CUDAGraphBackend(GraphBackend):
         sync_debug: bool = False,
         pool: GraphPool | None = None,
         check_input_liveness: bool = False,
+        capture_error_mode: str = CAPTURE_ERROR_MODES[0],
+        generators: Any = (),
     ) -> None:
+        if capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise ValueError(
+                f"capture_error_mode must be one of {', '.join(CAPTURE_ERROR_MODES)}; got {capture_error_mode!r} "
+                "(thread_local: captures beside an engine's other threads; global: no other thread may use CUDA)"
+            )
         if not torch.cuda.is_available():
             raise CaptureError(
                 "graph backend 'cuda' needs CUDA, but torch.cuda.is_available() is False "
@@ -114,13 +148,22 @@ class CUDAGraphBackend(GraphBackend):
             )
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        generators = _registrable(check_generators(generators, device))
         self._sync_debug = sync_debug
         self.check_input_liveness = check_input_liveness
+        self.capture_error_mode = capture_error_mode
+        """What `capture_begin` is given (`CAPTURE_ERROR_MODES`)."""
         super().__init__(device, pool)
+        self.add_generators(generators)
 
     def _new_pool(self) -> GraphPool:
         stream = torch.cuda.Stream(device=self.device)
-        return GraphPool(self.device, torch.cuda.graph_pool_handle, stream, empty_cache=self.empty_cache)
+        return GraphPool(
+            self.device, torch.cuda.graph_pool_handle, stream, empty_cache=self.empty_cache, reserve=self._reserve_in
+        )
+
+    def add_generators(self, generators: Any) -> None:
+        super().add_generators(_registrable(check_generators(generators, self.device)))
 
     @contextlib.contextmanager
     def _warmup_context(self) -> Iterator[None]:
@@ -184,7 +227,8 @@ class CUDAGraphBackend(GraphBackend):
         stream.wait_stream(caller)
         liveness = {"check_input_liveness": True} if self.check_input_liveness else {}
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool=handle, capture_error_mode="global", **liveness)
+            register_generators(graph, self.generators)  # before capture_begin, or torch ignores them
+            graph.capture_begin(pool=handle, capture_error_mode=self.capture_error_mode, **liveness)
             began[0] = True
             try:
                 output = fn()
@@ -202,38 +246,41 @@ class CUDAGraphBackend(GraphBackend):
         self.synchronize()  # staged uploads and warmups are done; nothing else runs during capture
         return CUDAPieceSession(self, name)
 
-    def reserve(self, num_bytes: int) -> int:
-        """Allocate `num_bytes` inside the graph pool once and free them there: the caching allocator keeps
-        those segments for the pool (an empty graph captured into it holds the pool until `reset`), so
-        later captures, lazy ones late in the engine's life included, take memory the pool already holds.
+    def _reserve_in(self, handle: Any, num_bytes: int) -> tuple[Any, int]:
+        """`GraphPool`'s reserve: allocate `num_bytes` inside pool `handle` once and free them there.
 
-        Returns the growth of `torch.cuda.memory_reserved()` (the bytes the pool took from the device).
+        The caching allocator keeps those segments for the pool (an empty graph captured into it holds
+        the pool's use until the returned call resets it), so later captures, lazy ones late in the
+        engine's life included, take memory the pool already holds. The bytes are split as
+        `reservation_layout` says: most in one large block (what requests over 1 MiB are carved from),
+        the rest as small-block segments (what requests of 1 MiB or less take), all allocated together.
+        Returns (give it back, the growth of `torch.cuda.memory_reserved()`).
         """
-        self._check_not_capturing("reserve()")
         self.synchronize()
         before = torch.cuda.memory_reserved(self.device)
+        large, small_segments = reservation_layout(num_bytes)
         graph = torch.cuda.CUDAGraph()
         stream, caller = self.pool.stream, torch.cuda.current_stream(self.device)
         stream.wait_stream(caller)
-        with torch.cuda.device(self.device), torch.cuda.stream(stream), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "the CUDA graph is empty": it only holds memory
-            graph.capture_begin(pool=self.pool.handle)
-            try:
-                torch.empty(num_bytes, dtype=torch.uint8, device=self.device)  # freed at once, kept by the pool
-            finally:
-                graph.capture_end()
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(stream), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "the CUDA graph is empty": it only holds memory
+                graph.capture_begin(pool=handle, capture_error_mode=self.capture_error_mode)
+                try:
+                    held = [torch.empty(large, dtype=torch.uint8, device=self.device)] if large else []
+                    # Alive together, so each pair of 1 MiB blocks takes a segment of its own.
+                    held += [
+                        torch.empty(SMALL_REQUEST, dtype=torch.uint8, device=self.device)
+                        for _ in range(2 * small_segments)
+                    ]
+                    del held  # freed at once, kept by the pool
+                finally:
+                    graph.capture_end()
+        except BaseException:  # out of memory: the holder's use of the pool goes back now, not at its GC
+            discard_capture(graph, self.device, handle)
+            raise
         caller.wait_stream(stream)
-        self._reservation = (graph, self.pool.hold())  # counted as a live graph: the pool does not rotate away
-        self.reserved_bytes = num_bytes
-        return torch.cuda.memory_reserved(self.device) - before
-
-    def reset(self) -> None:
-        self._check_not_capturing("reset()")
-        reservation, self._reservation = getattr(self, "_reservation", None), None
-        if reservation is not None:
-            reservation[0].reset()
-            self.pool.drop(reservation[1])
-        super().reset()
+        return graph.reset, torch.cuda.memory_reserved(self.device) - before
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -241,6 +288,9 @@ class CUDAGraphBackend(GraphBackend):
     def empty_cache(self) -> None:
         self.synchronize()
         torch.cuda.empty_cache()
+        host_empty = getattr(torch._C, "_host_emptyCache", None)  # pinned host memory (torch.cuda.graph does it)
+        if host_empty is not None:
+            host_empty()
 
     def memory_in_use(self) -> int:
         return torch.cuda.memory_reserved(self.device)
@@ -256,3 +306,26 @@ def supports_input_liveness() -> bool:
     except (TypeError, ValueError):  # a C method without a signature: the older binding
         return False
     return "check_input_liveness" in parameters
+
+
+def reservation_layout(num_bytes: int) -> tuple[int, int]:
+    """How a reservation of `num_bytes` is allocated: (bytes of one large block, small-block segments).
+
+    1/64 of the budget, at least one and at most 32 segments of 2 MiB (within the budget), goes to
+    the pool's small blocks; the rest is one large block. Requests of 1 MiB or less (most tensors
+    of a decode step) are only ever served from small blocks, so without them each capture would
+    still take fresh 2 MiB segments outside the budget.
+    """
+    small = min(max(num_bytes // 64, SMALL_SEGMENT), 32 * SMALL_SEGMENT, num_bytes)
+    segments = small // SMALL_SEGMENT
+    return num_bytes - segments * SMALL_SEGMENT, segments
+
+
+def _registrable(generators: tuple) -> tuple:
+    """`generators`, or `CaptureError` when there are some and this torch cannot register them."""
+    if generators and not supports_generator_registration():
+        raise CaptureError(
+            f"generators= needs CUDAGraph.register_generator_state, which torch {torch.__version__} lacks; "
+            "upgrade torch, or draw random numbers outside the graph"
+        )
+    return generators

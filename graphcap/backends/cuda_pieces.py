@@ -22,11 +22,13 @@ The rules of `graphcap.backends.pieces` hold; what is particular to CUDA:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from graphcap.backends.generators import register_generators
 from graphcap.backends.pieces import EagerCall, PieceSession, PiecewiseGraph
 from graphcap.backends.pool import discard_capture, unowned_alias
 from graphcap.outputs import flatten_output
@@ -54,7 +56,8 @@ class CUDAPieceSession(PieceSession):
         self._stream_context.__enter__()
         graph = torch.cuda.CUDAGraph()
         self._graph, self._began = graph, False
-        graph.capture_begin(pool=self._handle, capture_error_mode="global")
+        register_generators(graph, self.backend.generators)  # before capture_begin, on every piece
+        graph.capture_begin(pool=self._handle, capture_error_mode=self.backend.capture_error_mode)
         self._began = True
 
     def _static_result(self, result: torch.Tensor) -> torch.Tensor:
@@ -136,11 +139,13 @@ class _CUDAPiece:
 def pool_membership(device: torch.device, handle: Any) -> Callable[[torch.Tensor], bool]:
     """A predicate: does a tensor's storage lie in the allocator segments of pool `handle`?
 
-    Read from `torch.cuda.memory_snapshot()` (each segment names its pool). When the snapshot
-    cannot say, every tensor counts as outside the pool, i.e. is kept owned (correct, only larger).
+    Read from `torch.cuda.memory_snapshot()` (each segment names its pool), without the allocation
+    traces where torch can leave them out (an engine recording memory history would otherwise have
+    the whole trace serialised for every key). When the snapshot cannot say, every tensor counts as
+    outside the pool, i.e. is kept owned (correct, only larger).
     """
     try:
-        segments = torch.cuda.memory_snapshot()
+        segments = _segments()
     except Exception:
         return lambda tensor: False
     wanted = tuple(handle) if isinstance(handle, (tuple, list)) else handle
@@ -155,6 +160,16 @@ def pool_membership(device: torch.device, handle: Any) -> Callable[[torch.Tensor
         return any(low <= start < high for low, high in ranges)
 
     return in_pool
+
+
+def _segments() -> list[dict]:
+    """`torch.cuda.memory_snapshot()`, with `include_traces=False` where its signature has it."""
+    snapshot = torch.cuda.memory_snapshot
+    try:
+        takes = "include_traces" in inspect.signature(snapshot).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return snapshot(include_traces=False) if takes else snapshot()
 
 
 def _pool_id(value: Any) -> Any:

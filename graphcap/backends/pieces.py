@@ -27,8 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphcap.backends.compiled import eager_only
 from graphcap.backends.graph import CapturedGraph
+from graphcap.backends.locations import user_location as _user_location
 from graphcap.backends.pool import invalidate
-from graphcap.backends.preflight import _user_location, in_preflight, unsafe_op_checker
+from graphcap.backends.preflight import in_preflight, unsafe_op_checker
 from graphcap.backends.tape import TapeRecorder, compile_tape
 from graphcap.errors import CaptureError
 from graphcap.outputs import flatten_output

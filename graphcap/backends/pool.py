@@ -15,11 +15,17 @@ invalidates the other's output. Replays of one pool are serialized by `lock` and
 run on one stream.
 
 The CUDA allocator counts the graphs of each pool handle (`use_count`) and keeps a handle
-whose count fell to zero until `empty_cache()` frees it; capturing into it again before that
-fails with `use_count > 0` (an INTERNAL ASSERT). So a `GraphPool` counts its live graphs per
-handle too, and moves later captures to a fresh handle when the last graph of the current one
-is released (after a failed verification, a data-parallel peer's failure, a second capture
-pass on one backend).
+whose count fell to zero until `empty_cache()` frees it (the pinned host allocator, which keeps
+graph pools too from torch 2.11, until `torch._C._host_emptyCache()`); capturing into it again
+before that fails with `use_count > 0` (an INTERNAL ASSERT). So a `GraphPool` counts its live
+graphs per handle too, never captures into a handle again once its count fell to zero, and moves
+later captures to a fresh handle when the last graph of the current one is released (after a
+failed verification, a data-parallel peer's failure, a second capture pass on one backend).
+
+The memory budget's reservation (`capture.memory_budget`, `GraphPool.reserve`) belongs to the
+pool, not to a backend: backends sharing a pool reserve once, and the reservation follows the
+pool when it rotates (it is given back in the old handle and taken again in the new one), so it
+always sits where the next capture allocates.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -43,7 +51,24 @@ class _Replayed(Protocol):
     def _invalidate_output(self) -> None: ...
 
 
-__all__ = ["GraphPool", "discard_capture", "invalidate", "unowned_alias"]
+__all__ = ["GraphPool", "Reservation", "discard_capture", "invalidate", "unowned_alias"]
+
+Reserve = Callable[[Any, int], tuple[Callable[[], None], int]]
+"""Sets bytes aside in a pool handle: `(handle, num_bytes) -> (give back, device bytes taken)`."""
+
+
+@dataclass
+class Reservation:
+    """Bytes set aside in one handle of a pool for later captures (`capture.memory_budget`)."""
+
+    num_bytes: int
+    """The bytes asked for (the largest budget of the backends sharing the pool)."""
+    handle: Any
+    """The allocator pool id holding them (None on the emulated backend: accounted, not allocated)."""
+    took: int = 0
+    """Device bytes the reservation took when it was made (growth of the allocator's reserved memory)."""
+    holders: list[Callable[[], None]] = field(default_factory=list)
+    """One call per holder graph, giving its use of `handle` back (none on the emulated backend)."""
 
 
 class GraphPool:
@@ -64,8 +89,12 @@ class GraphPool:
         new_handle: Callable[[], Any] | None = None,
         stream: Any = None,
         empty_cache: Callable[[], None] | None = None,
+        reserve: Reserve | None = None,
     ) -> None:
         self.device = device
+        self._reserve = reserve  # allocates a reservation in a handle (CUDA); None: accounted only
+        self.reservation: Reservation | None = None
+        """What `reserve` set aside, always in the current handle (None: nothing)."""
         self._empty_cache = empty_cache  # returns a rotated-away pool's free memory (CUDA)
         self.stream = stream
         """The side stream every capture into this pool runs on (CUDA), or None."""
@@ -78,11 +107,91 @@ class GraphPool:
         self._last: weakref.ref[_Replayed] | None = None
         self._live: dict[Any, int] = {}  # live graphs per handle (handles are hashable ids)
 
+    @property
+    def reserved_bytes(self) -> int | None:
+        """Bytes the reservation sets aside (None: nothing reserved)."""
+        return None if self.reservation is None else self.reservation.num_bytes
+
+    def reserve(self, num_bytes: int) -> int:
+        """Set `num_bytes` aside in the current handle for later captures; returns the device bytes taken.
+
+        Once per pool: a pool that holds as much already takes nothing (backends sharing a pool reserve
+        once), a larger request adds the difference. Held until `release_reservation` (a backend's
+        `reset`, `CaptureManager.release()`); a `rotate` moves it to the new handle. Exceptions of the
+        allocation (`torch.OutOfMemoryError`) propagate and leave the reservation as it was.
+        """
+        held = self.reservation
+        if held is not None and held.num_bytes >= num_bytes:
+            return 0
+        extra = num_bytes - (held.num_bytes if held is not None else 0)
+        try:
+            holder, took = self._reserve(self.handle, extra) if self._reserve is not None else (None, 0)
+        except BaseException:
+            if self._new_handle is not None and self.num_live() == 0:
+                self.rotate()  # the failed holder may have left the handle's use count at zero
+                self._empty()
+            raise
+        if held is None:
+            held = self.reservation = Reservation(0, self.handle)
+        if holder is not None:
+            self.hold()  # counted as a live graph of the handle: the pool does not rotate away from it
+            held.holders.append(holder)
+        held.num_bytes, held.took = num_bytes, held.took + took
+        return took
+
+    def release_reservation(self) -> None:
+        """Give the reservation back; its memory returns to the device once the handle's graphs are gone."""
+        if self._give_back() and self._new_handle is not None and self.num_live() == 0:
+            self.rotate()  # the handle's use count fell to zero: no capture may go there again
+            self._empty()
+
     def rotate(self) -> None:
-        """Send later captures to a fresh pool; the old one is freed when its graphs are."""
+        """Send later captures to a fresh pool; the old one is freed when its graphs are.
+
+        A reservation follows: given back in the old handle (whose memory returns to the device once
+        its graphs are released), then taken again in the new one. If that fails (out of memory, a
+        sticky CUDA error) the pool warns and holds no reservation; the caller's own error, if any,
+        is not replaced.
+        """
+        held = self.reservation
+        moves = held is not None and bool(held.holders)
+        if moves:
+            self._give_back()
         if self._new_handle is not None:
             self.handle = self._new_handle()
         self.num_rotations += 1
+        if moves:
+            self._empty()
+            try:
+                self.reserve(held.num_bytes)
+            except Exception as exc:  # any failure: the capture's own error must win
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+                warnings.warn(
+                    f"the memory budget's reservation of {held.num_bytes} bytes could not be taken again in the "
+                    f"fresh pool ({first}); later captures allocate as they go",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    def _give_back(self) -> bool:
+        """Release the reservation's holders without rotating; whether there was a reservation."""
+        held, self.reservation = self.reservation, None
+        if held is None:
+            return False
+        for holder in held.holders:
+            with contextlib.suppress(Exception):  # after a sticky CUDA error, reset() raises it again
+                holder()
+            left = self._live.get(held.handle, 0) - 1
+            if left > 0:
+                self._live[held.handle] = left
+            else:
+                self._live.pop(held.handle, None)
+        return True
+
+    def _empty(self) -> None:
+        if self._empty_cache is not None:
+            with contextlib.suppress(Exception):
+                self._empty_cache()
 
     def hold(self) -> Any:
         """Count one more live graph in the current handle; returns the handle to give to `drop`."""
@@ -105,9 +214,7 @@ class GraphPool:
         self._live.pop(handle, None)
         if self._new_handle is not None and handle == self.handle:
             self.rotate()
-            if self._empty_cache is not None:  # the old pool is all free now: give it back at once
-                with contextlib.suppress(Exception):
-                    self._empty_cache()
+            self._empty()  # the old pool is all free now: give it back at once
 
     def num_live(self, handle: Any = None) -> int:
         """Live graphs counted in `handle` (default: the current one)."""
@@ -174,8 +281,14 @@ def discard_capture(graph: torch.cuda.CUDAGraph, device: torch.device, handle: A
       release could free the memory of graphs still alive in the pool, a missing one only keeps
       the (already rotated-away) pool's memory reserved.
 
-    torch has no Python binding for the pinned host allocator's side of the recording; it stops
-    matching allocations once the stream no longer captures.
+    The pinned host allocator (torch 2.11 and later keep graph pools there too) is not undone:
+    torch has no Python binding that ends its side of the recording, and a `capture_end` that
+    raises before its device side ends (2.11) leaves the host side recording too. Its filter
+    then compares the capture id of a graph that no longer exists, which matches no later
+    allocation only as long as that id is not reused; the host entries of released handles are
+    erased by `torch._C._host_emptyCache()` alone (the CUDA backend calls it before each
+    capture). graphcap never captures into a handle again after a failure (it rotates), so the
+    host side's `use_count > 0` assertion is not reached.
     """
     try:
         graph.pool()  # raises unless capture_end completed

@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import sys
 import threading
-from collections.abc import Callable, Iterator
-from types import TracebackType
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphcap.backends import generators as _generators
 from graphcap.backends.compiled import eager_only
+from graphcap.backends.locations import user_location as _user_location
+from graphcap.backends.sync_debug import SYNC_DEBUG_TEXT, sync_debug_errors, sync_debug_off, sync_error
 from graphcap.backends.unsafe import PYTHON_UPLOADS, SYNC_FUNCTIONS, UNSAFE_OPS, UnsafeOp, python_upload_row
 from graphcap.errors import CaptureUnsafeError
 
@@ -44,19 +44,8 @@ __all__ = [
     "sync_debug_errors",
     "unsafe_op_checker",
 ]
+# `sync_debug_errors` lives in graphcap.backends.sync_debug; imported from here by earlier code.
 
-_SYNC_DEBUG_TEXT = "called a synchronizing CUDA operation"
-_SYNC_REASON = (
-    "it synchronizes the host with the GPU (torch.cuda.set_sync_debug_mode('error') caught it), "
-    "which a CUDA graph cannot hold"
-)
-_SYNC_FIX = "Keep the data on the device inside the forward: no .item(), host copies or waits"
-_SKIP_DIRS = (
-    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    # the dispatch mode that watches a capture forward's collectives calls every op of the forward
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed", "ledger.py"),
-)
 # Python methods and functions, looked up by the object torch hands to __torch_function__.
 _FUNCTIONS: dict[Any, UnsafeOp] = {}
 for _name, _row in UNSAFE_OPS.items():
@@ -64,34 +53,6 @@ for _name, _row in UNSAFE_OPS.items():
         _FUNCTIONS[getattr(torch.Tensor, _name.removeprefix("Tensor."))] = _row
     elif _name in ("torch.tensor", "torch.as_tensor", "torch.asarray"):
         _FUNCTIONS[getattr(torch, _name.removeprefix("torch."))] = _row
-
-
-def _shown(path: str, line: int) -> str:
-    path = os.path.abspath(path)
-    cwd = os.getcwd() + os.sep
-    return f"{os.path.relpath(path) if path.startswith(cwd) else path}:{line}"
-
-
-def _is_user(code: Any) -> bool:
-    return not os.path.abspath(code.co_filename).startswith(_SKIP_DIRS)
-
-
-def _user_location() -> str:
-    """file:line of the innermost frame outside torch/ and graphcap/backends/."""
-    frame = sys._getframe(1)
-    while frame is not None and not _is_user(frame.f_code):
-        frame = frame.f_back
-    return "<unknown location>" if frame is None else _shown(frame.f_code.co_filename, frame.f_lineno)
-
-
-def _traceback_location(tb: TracebackType | None) -> str:
-    """file:line of the innermost user frame of a traceback (where the failing call was made)."""
-    found = "<unknown location>"
-    while tb is not None:
-        if _is_user(tb.tb_frame.f_code):
-            found = _shown(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
-        tb = tb.tb_next
-    return found
 
 
 def _raise(row: UnsafeOp, shown_name: str) -> None:
@@ -129,12 +90,10 @@ def check_op(func: Any, args: tuple, kwargs: dict, device: torch.device) -> None
         _raise(row, row.name if overload == "default" else f"{row.name}.{overload}")
 
 
-def _sync_error(op: str, location: str) -> CaptureUnsafeError:
-    return CaptureUnsafeError(op, location, _SYNC_REASON, _SYNC_FIX)
-
-
 class _HostReadMode(TorchFunctionMode):
-    """Catches host reads, host copies and uploads by Python function (invisible as aten ops)."""
+    """Catches host reads, host copies and uploads by Python function (invisible as aten ops), and random
+    draws from a CUDA generator capture would not know (only here is the caller's generator object seen:
+    the dispatcher hands modes a new Python object for it)."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -142,6 +101,8 @@ class _HostReadMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._device.type == "cuda" and _generators.unregistered_generator(kwargs) is not None:
+            raise CaptureUnsafeError(_python_name(func), _user_location(), _generators.REASON, _generators.FIX)
         if func in PYTHON_UPLOADS and self._device.type != "cpu":
             row = python_upload_row(func, args, kwargs, self._device)
             if row is not None:
@@ -152,6 +113,13 @@ class _HostReadMode(TorchFunctionMode):
             if not is_method or (args and isinstance(args[0], torch.Tensor) and _on_device(args[0], self._device.type)):
                 _raise(row, row.name)
         return func(*args, **kwargs)
+
+
+def _python_name(func: Any) -> str:
+    """`Tensor.normal_` for a tensor method, `torch.randn` for a torch function."""
+    name = getattr(func, "__name__", str(func))
+    is_method = getattr(func, "__qualname__", "").split(".")[0] in ("Tensor", "TensorBase")
+    return f"Tensor.{name}" if is_method else f"torch.{name}"
 
 
 class UnsafeOpMode(TorchDispatchMode):
@@ -177,9 +145,9 @@ class UnsafeOpMode(TorchDispatchMode):
         try:
             return self.run_op(func, args, kwargs)
         except RuntimeError as exc:
-            if _SYNC_DEBUG_TEXT not in str(exc) or isinstance(exc, CaptureUnsafeError):
+            if SYNC_DEBUG_TEXT not in str(exc) or isinstance(exc, CaptureUnsafeError):
                 raise
-            raise _sync_error(str(func), _user_location()) from exc
+            raise sync_error(str(func), _user_location()) from exc
 
     def run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         # Under inference mode a composite op (aten.to, narrow.Tensor) reaches the mode whole;
@@ -285,35 +253,24 @@ def unsafe_op_checker(device: torch.device | str, mode: UnsafeOpMode | None = No
 
 
 @contextlib.contextmanager
-def sync_debug_errors(enabled: bool) -> Iterator[None]:
-    """CUDA: run under `set_sync_debug_mode("error")`; a sync becomes `CaptureUnsafeError` naming the line.
-
-    Restores the previous mode on every exit path. A no-op when `enabled` is false.
-    """
-    if not enabled:
-        yield
-        return
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    except RuntimeError as exc:
-        if _SYNC_DEBUG_TEXT not in str(exc) or isinstance(exc, CaptureUnsafeError):
-            raise
-        raise _sync_error("a synchronizing CUDA operation", _traceback_location(exc.__traceback__)) from exc
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-
-
-@contextlib.contextmanager
-def preflight(device: torch.device | str, *, sync_debug: bool = False) -> Iterator[list[str]]:
+def preflight(
+    device: torch.device | str, *, sync_debug: bool = False, generators: Iterable[torch.Generator] = ()
+) -> Iterator[list[str]]:
     """The checked first warmup: torch.compile off, the checker on, and (CUDA) sync-debug errors.
 
-    Yields the compiled functions the forward entered (they ran uncompiled, by design).
+    `sync_debug` turns CUDA's process-wide sync-debug mode on (`graphcap.backends.sync_debug`).
+    `generators`: the generators registered with the graphs at capture (an op drawing from any other
+    non-default CUDA generator is named). Yields the compiled functions the forward entered (they
+    ran uncompiled, by design).
     """
     _preflights.depth = getattr(_preflights, "depth", 0) + 1
     try:
-        with eager_only() as uncompiled, unsafe_op_checker(device), sync_debug_errors(sync_debug):
+        with (
+            eager_only() as uncompiled,
+            _generators.registered(generators),
+            unsafe_op_checker(device),
+            sync_debug_errors(sync_debug),
+        ):
             yield uncompiled
     finally:
         _preflights.depth -= 1
@@ -327,15 +284,20 @@ def in_preflight() -> bool:
     return getattr(_preflights, "depth", 0) > 0
 
 
-def check_capture_safe(fn: Callable[[], Any], device: torch.device | str) -> Any:
+def check_capture_safe(
+    fn: Callable[[], Any], device: torch.device | str, *, generators: Iterable[torch.Generator] = ()
+) -> Any:
     """Run `fn()` once under the preflight; return its result, or raise `CaptureUnsafeError`.
 
     The error names the first op a CUDA graph cannot hold on `device`, why, what to write
     instead, and the line of your code that called it (`.op`, `.location`, `.reason`,
     `.fix`). Engines lint their forward with it. `fn` runs eagerly under
     `torch.inference_mode()` with torch.compile off (the uncompiled Python is what is
-    checked). On a real CUDA device, syncs the table does not know are caught by
-    `torch.cuda.set_sync_debug_mode("error")`. Works on tensors of a CUDA device under
+    checked). A random op drawing from a CUDA generator other than the device's default and
+    those in `generators` (the ones you give the manager) is named too. On a real CUDA device,
+    syncs the table does not know are caught by `torch.cuda.set_sync_debug_mode("error")`,
+    which is process-wide: while `fn` runs, a sync in any other thread of the process raises
+    too. Works on tensors of a CUDA device under
     `torch._subclasses.fake_tensor.FakeTensorMode`, so it runs on machines without a GPU::
 
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -345,8 +307,9 @@ def check_capture_safe(fn: Callable[[], Any], device: torch.device | str) -> Any
     if not callable(fn):
         raise TypeError(f"fn must be a callable taking no arguments; got {type(fn).__name__}")
     device = torch.device(device)
+    registered = _generators.check_generators(generators, device, "check_capture_safe(generators=...)")
     on_gpu = device.type == "cuda" and torch.cuda.is_available()
-    with torch.inference_mode(), preflight(device, sync_debug=on_gpu):
+    with torch.inference_mode(), preflight(device, sync_debug=on_gpu, generators=registered):
         return fn()
 
 
@@ -366,29 +329,9 @@ def outside_checks() -> Iterator[None]:
     while torch._C._len_torch_function_stack() > 0:
         functions.append(torch._C._pop_torch_function_stack())
     try:
-        with torch.utils._python_dispatch._disable_current_modes(), _sync_debug_off():
+        with torch.utils._python_dispatch._disable_current_modes(), sync_debug_off():
             yield
     finally:
         for mode in reversed(functions):
             torch._C._push_on_torch_function_stack(mode)
         local.depth = depth
-
-
-@contextlib.contextmanager
-def _sync_debug_off() -> Iterator[None]:
-    """CUDA's sync-debug mode off (0) for the enclosed code; the previous mode back on every exit path.
-
-    Nothing to do while CUDA is not initialised: then no mode was set.
-    """
-    if not torch.cuda.is_initialized():
-        yield
-        return
-    previous = torch.cuda.get_sync_debug_mode()
-    if previous == 0:
-        yield
-        return
-    torch.cuda.set_sync_debug_mode(0)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)

@@ -3,8 +3,11 @@
 | module | holds |
 |---|---|
 | `driver.py` | `run_pass`: one pass end to end (budget, GC, block tables set aside, reservation, install) |
-| `runner.py` | `CapturePass`: preflight, warmups, record and verify per key; `gc_frozen` around a pass |
-| `verification.py` | the capture-time replay comparisons (dummy and partly filled batches) |
+| `runner.py` | `CapturePass`: preflight, warmups, record and verify per key |
+| `gc_hold.py` | GC held still: `gc_frozen` around an upfront pass, `gc_paused` around a lazy key |
+| `probing.py` | the verification runs of a key: its dummy batch, a probe batch at each fill level |
+| `verification.py` | the capture-time replay comparison (`compare_replay`) and its messages |
+| `carried.py` | naming state a forward carries between runs, when a replay and an eager run differ |
 | `failures.py` | `FailurePolicy`: what a failed key does (`capture.on_error`) |
 | `timing.py` | `time_key`, `replay_speedup`: eager vs replay per key (`capture.min_speedup`) |
 | `lifecycle.py` | `LiveGraphs`: the installed graphs, release, resize, what a re-capture keeps |

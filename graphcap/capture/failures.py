@@ -55,12 +55,16 @@ class FailurePolicy:
     `settle` for every key (failed or not) in the same order: it is a collective with peers.
     """
 
-    def __init__(self, on_error: str, peers: StepAgreement | None = None, context: str = "") -> None:
+    def __init__(
+        self, on_error: str, peers: StepAgreement | None = None, context: str = "", index_hint: str | None = None
+    ) -> None:
         self.on_error = on_error
         self.peers = peers
         self.context = context
         """What the engine runs around a pass ("capture_context", "communicators", both, or ""): named when a
         verification of a forward that holds collectives fails."""
+        self.index_hint = index_hint
+        """Added to a failure that indexed out of range (an embedding given token ids past its vocabulary)."""
 
     def settle(self, what: str, failure: BaseException | None, graph: Any = None) -> str | None:
         """None when `what` (a key, or its verification) succeeded on every rank; else release `graph`
@@ -79,6 +83,8 @@ class FailurePolicy:
         where = PHASES.get(phase_of(failure) or "", (0, ""))[1]
         reason = describe_failure(failure) + (f" (in its {where} on this rank)" if where else "")
         reason += self._collectives_hint(failure, graph)  # before the release
+        if self.index_hint is not None and isinstance(failure, IndexError) and "out of range" in str(failure):
+            reason = f"{reason}; {self.index_hint}"
         if graph is not None:
             graph.release()
         _drop_frames(failure)  # the failed forward's tensors must not outlive this key
@@ -146,8 +152,9 @@ def _drop_frames(exc: BaseException) -> None:
     The failure references its traceback, whose frames reference the failure again (a cycle)
     and every tensor of the failed forward; GC is off for the pass, so without this they would
     pin the pool until the pass ends. Frames keep their file and line for the traceback; only
-    their locals go. `gc.collect()` then frees any other cycle the forward left (cheap: the
-    heap is frozen).
+    their locals go. A collection of the youngest generation then frees any other cycle the
+    forward left: GC is off since the pass (or the lazy key) began, so everything it made is
+    young, and the engine's old heap is not walked.
     """
     pending, seen = [exc], set()
     while pending:
@@ -157,4 +164,4 @@ def _drop_frames(exc: BaseException) -> None:
         seen.add(id(error))
         traceback.clear_frames(error.__traceback__)
         pending += [error.__cause__, error.__context__]
-    gc.collect()
+    gc.collect(0)

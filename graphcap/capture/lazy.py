@@ -10,6 +10,11 @@ the order upfront capture uses (largest first). A key captured, skipped by `capt
 over the memory budget or too slow to pay is no longer pending; `release()`, `resize_kv()` and
 `capture()` make every key pending again.
 
+A call fits an idle gap of milliseconds: its time limit counts from the call's first line, a key is
+started only while time is left (so a call ends at most one key's capture past its limit), and GC is
+only paused around each key (`gc_paused`): the engine's heap is never collected whole on this path.
+A call with nothing pending (and no peers to agree with) returns before any of that.
+
 With data- or tensor-parallel peers a call is a collective: before each key the ranks all-reduce
 (MAX) one pair over each group, "this rank stops" (its time is up, or nothing is pending) and its
 choice encoded as traffic then capture order; every rank takes the key with the most traffic on
@@ -24,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from graphcap.capture.runner import gc_frozen
+from graphcap.capture.gc_hold import gc_paused
 from graphcap.config.byte_counts import format_bytes
 from graphcap.errors import DistributedTimeoutError
 from graphcap.keys import GraphKey, KeyRegistry, StepStats
@@ -48,11 +53,19 @@ class LazyCapture:
     """
 
     def __init__(
-        self, registry: KeyRegistry, stats: StepStats, peers: StepAgreement | None = None, *, is_lazy: bool = True
+        self,
+        registry: KeyRegistry,
+        stats: StepStats,
+        peers: StepAgreement | None = None,
+        *,
+        is_lazy: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._registry, self._stats, self._peers = registry, stats, peers
         self.is_lazy = is_lazy
         """`capture.strategy: lazy`: `capture()` leaves every key pending."""
+        self.clock = clock
+        """Seconds, for `max_seconds` (a test injects a clock that advances only when keys are captured)."""
         self.records: dict[GraphKey, Any] = {}
         """The latest `GraphRecord` of each key `run` took (captured, or skipped and why)."""
 
@@ -70,30 +83,34 @@ class LazyCapture:
         capture_key: Callable[[GraphKey], tuple[list, int]],
         max_seconds: float | None = None,
         max_keys: int | None = None,
-        clock: Callable[[], float] = time.perf_counter,
+        start: float | None = None,
     ) -> int:
         """Capture pending keys until none is left, `max_seconds` have passed or `max_keys` were taken.
 
+        `start`: the `clock()` reading the time limit counts from (the caller's first line; None: now).
         A key is started only while time is left (one key may end past `max_seconds`); returns how
-        many keys got a graph. Collective with a group: every rank takes the same keys in this call.
+        many keys got a graph. GC is paused around each key, never collected whole. Collective with
+        a group: every rank takes the same keys in this call.
         """
-        start, taken, captured, grew = clock(), 0, 0, 0
-        with gc_frozen():  # one collection per call, not per key
-            while True:
-                stop = (max_keys is not None and taken >= max_keys) or (
-                    max_seconds is not None and clock() - start >= max_seconds
-                )
-                key = self._next(stop)
-                if key is None:
-                    break
-                taken += 1
+        clock = self.clock
+        start = clock() if start is None else start
+        taken, captured, grew = 0, 0, 0
+        while True:
+            stop = (max_keys is not None and taken >= max_keys) or (
+                max_seconds is not None and clock() - start >= max_seconds
+            )
+            key = self._next(stop)
+            if key is None:
+                break
+            taken += 1
+            with gc_paused():  # not collected first: a full collection of an engine's heap outlasts the gap
                 records, memory = capture_key(key)
-                grew += memory
-                for record in records:
-                    self.records[record.key] = record
-                    captured += record.status == "captured"
+            grew += memory
+            for record in records:
+                self.records[record.key] = record
+                captured += record.status == "captured"
         if taken:
-            pending = len(self._registry.pending())
+            pending = self._registry.num_pending
             seconds, memory = clock() - start, format_bytes(grew)
             log.info(
                 "capture_pending: %d of %d keys in %.2f s (%s); %d pending", captured, taken, seconds, memory, pending

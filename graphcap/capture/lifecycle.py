@@ -54,8 +54,11 @@ class LiveGraphs:
         self._backend, self._owns_backend, self._registry, self._guard = backend, owns_backend, registry, guard
 
     def reserve(self, budget: MemoryBudget) -> None:
-        """Reserve `budget.limit` in the backend's pool, once (until the graphs are all released)."""
-        if budget.limit is not None and self._backend.reserved_bytes is None:
+        """Reserve `budget.limit` in the backend's pool, once (until the graphs are all released).
+
+        A pool that holds as much already (reserved by another manager sharing it) takes nothing more.
+        """
+        if budget.limit is not None and (self._backend.reserved_bytes or 0) < budget.limit:
             try:
                 self._backend.reserve(budget.limit)
             except torch.OutOfMemoryError as exc:  # now, not in a lazy capture later: the point of reserving
@@ -91,7 +94,8 @@ class LiveGraphs:
         self._guard.disarm()
         if self._owns_backend:
             self._backend.reset()
-        elif not self._backend.graphs:
+        elif not self._backend.graphs:  # no manager's graph is left: the reservation goes back too
+            self._backend.pool.release_reservation()
             self._backend.pool.rotate()
         return count
 

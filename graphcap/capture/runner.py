@@ -3,22 +3,20 @@
 For a key: its dummy batch goes through the manager's one staging path, the forward is warmed
 up, the backend captures (a full graph, or pieces cut at each `eager_op`), and the failure
 policy settles a failure. Verification (after the engine's capture context has exited) replays
-the dummy batch and a partly filled probe batch, each against an eager run of it. The manager
+the dummy batch and probe batches at several fill levels, each against an eager run of it. The manager
 owns the graphs and the registry's capture state; a pass only produces them.
 
-`gc_frozen` holds GC still for a pass: a collection in the middle of a capture could free
-tensors the graph records.
+GC is held still around a pass by its caller (`graphcap.capture.gc_hold`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +29,9 @@ from graphcap.backends.pieces import forbidden_reads
 from graphcap.backends.preflight import outside_checks
 from graphcap.batch import StepBatch, dummy_batch
 from graphcap.capture.failures import FailurePolicy
+from graphcap.capture.probing import verify_dummy, verify_probes
 from graphcap.capture.timing import replay_speedup
-from graphcap.capture.verification import DUMMY_MISMATCH, LastRun, compare_replay, probe_mismatch
+from graphcap.capture.verification import LastRun
 from graphcap.config import CaptureConfig
 from graphcap.config.byte_counts import format_bytes
 from graphcap.errors import CaptureError
@@ -41,11 +40,11 @@ from graphcap.keys import GraphKey, KeyRegistry, Mode
 from graphcap.outputs import OutputRows, cloned
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
-from graphcap.probe import probe_batch
+from graphcap.probe import Fill
 from graphcap.report import GraphRecord
 from graphcap.staging.extras import sampled
 
-__all__ = ["CapturePass", "gc_frozen", "progress_bar", "uncompiled_warnings"]
+__all__ = ["CapturePass", "progress_bar", "uncompiled_warnings"]
 
 
 @dataclass
@@ -180,7 +179,8 @@ class CapturePass:
         return record
 
     def verify(self, record: GraphRecord, graph: CapturedGraph | None, reference: LastRun | None = None) -> GraphRecord:
-        """Replay the key's dummy batch, then a partly filled probe batch, each against an eager run.
+        """Replay the key's dummy batch, then a probe batch at each fill level (`probe_fills`), each against an
+        eager run; the record is `verified` only when every one matched, its `verified_fills` the probes' counts.
 
         Collective with data-parallel ranks (every rank verifies every record, in order). A
         failure is settled by the policy: raised, or the record comes back skipped (the caller
@@ -188,10 +188,12 @@ class CapturePass:
         """
         key = record.key
         failure = None
-        start, eager_seconds, timings = time.perf_counter(), 0.0, {}
+        start, eager_seconds, timings, fills = time.perf_counter(), 0.0, {}, ()
         if graph is not None:
             try:
-                eager_seconds = self._verify_dummy(key, graph, timings, reference) + self._verify_probe(key, graph)
+                eager_seconds = self._verify_dummy(key, graph, timings, reference)
+                probe_seconds, fills = self._verify_probe(key, graph)
+                eager_seconds += probe_seconds
             except (KeyboardInterrupt, SystemExit):
                 raise
             except Exception as exc:
@@ -209,7 +211,12 @@ class CapturePass:
         eager_seconds += record.eager_seconds
         speedup = timings["eager"] / timings["replay"] if timings.get("replay") else None  # one sample each
         return dataclasses.replace(
-            record, verified=True, capture_seconds=seconds, eager_seconds=eager_seconds, speedup=speedup
+            record,
+            verified=True,
+            capture_seconds=seconds,
+            eager_seconds=eager_seconds,
+            speedup=speedup,
+            verified_fills=tuple(tuple(fill) for fill in fills),
         )
 
     def measure(self, record: GraphRecord, graph: CapturedGraph) -> GraphRecord:
@@ -250,6 +257,11 @@ class CapturePass:
         if why is not None:
             raise CaptureError(why)
 
+    def key_run(self, key: GraphKey) -> Callable[[], Any]:
+        """The forward of `key`'s graph on its dummy batch, staged as its warmups stage it (not run here)."""
+        inputs = self.stage(self.capture_batch(key), key, phase="capture", dummy=True)
+        return self._reference_run(inputs, self.registry.mode_of(key))
+
     def capture_batch(self, key: GraphKey) -> StepBatch:
         """The dummy batch that captures (and first verifies) `key`, with sampled engine-buffer rows."""
         shape = self.registry.capture_shape(key)
@@ -258,70 +270,12 @@ class CapturePass:
     def _verify_dummy(
         self, key: GraphKey, graph: CapturedGraph, timings: dict | None = None, reference: LastRun | None = None
     ) -> float:
-        inputs = self.stage(self.capture_batch(key), key, phase="capture", dummy=True)
-        if reference is not None and reference.output is not None:  # the last warmup ran this batch eagerly
-            timings = {} if timings is None else timings
-            tolerance = self.config.checks.tolerance
-            compare_replay(
-                graph,
-                inputs,
-                lambda: reference.output,
-                tolerance=tolerance,
-                backend=self.backend,
-                message=DUMMY_MISMATCH,
-                outputs=self.outputs,
-                timings=timings,
-                precision=self.precision,
-            )
-            timings["eager"] = reference.seconds
-            return 0.0  # counted with the warmups
-        run = self._reference_run(inputs, self.registry.mode_of(key))
-        return compare_replay(
-            graph,
-            inputs,
-            lambda: self.outputs.real(run(), inputs),
-            tolerance=self.config.checks.tolerance,
-            backend=self.backend,
-            message=DUMMY_MISMATCH,
-            outputs=self.outputs,
-            timings=timings,
-            precision=self.precision,
-        )
+        """Replay the key's dummy batch against an eager run of it (`probing.verify_dummy`); eager seconds."""
+        return verify_dummy(self, key, graph, timings, reference)
 
-    def _verify_probe(self, key: GraphKey, graph: CapturedGraph) -> float:
-        kv, shape = self.config.kv_cache, self.registry.capture_shape(key)
-        batch, writes = probe_batch(
-            shape,
-            max_model_len=kv.max_model_len,
-            block_size=kv.block_size,
-            num_blocks=kv.num_blocks,
-            vocab_size=self.config.model.vocab_size,
-            scratch_blocks=self.scratch_blocks,
-            groups=self.kv_groups,
-            group_scratch=self.group_scratch,
-        )
-        batch = self._sampled(batch, 1)
-        inputs = self.stage(batch, key, phase="capture", dummy=True, kv_writes=writes)
-        phase = "eager" if self.registry.mode_of(key) is Mode.PIECEWISE else "full"
-
-        def eager() -> Any:
-            eager_key = self.registry.eager_key(batch.num_tokens, batch.num_reqs)
-            eager_inputs = self.stage(batch, eager_key, phase="eager", dummy=True, kv_writes=writes)
-            with running(eager_inputs, phase):  # the graph's code path: full graphs ran capturable stand-ins
-                return self.outputs.real(self.forward(eager_inputs), eager_inputs)
-
-        message = probe_mismatch(batch.num_tokens, batch.num_reqs, key.num_tokens, shape.num_reqs, writes)
-        tolerance = self.config.checks.tolerance
-        return compare_replay(
-            graph,
-            inputs,
-            eager,
-            tolerance=tolerance,
-            backend=self.backend,
-            message=message,
-            outputs=self.outputs,
-            precision=self.precision,
-        )
+    def _verify_probe(self, key: GraphKey, graph: CapturedGraph) -> tuple[float, tuple[Fill, ...]]:
+        """Verify `key` on a probe batch at each of `probe_fills(key)` (`probing.verify_probes`)."""
+        return verify_probes(self, key, graph)
 
     def _reference_run(self, inputs: ForwardInputs, mode: Mode) -> Callable[[], Any]:
         """The forward a key's graph holds: a full graph runs the eager ops' capturable stand-ins;
@@ -348,8 +302,8 @@ class CapturePass:
         return run
 
     def _sampled(self, batch: StepBatch, seed: int) -> StepBatch:
-        """`batch` with real rows for every engine buffer that has a `sample`."""
-        if not any(spec.sample is not None for spec in self.extras):
+        """`batch` with sampled real rows for every engine buffer that is sampled (`BufferSpec.is_sampled`)."""
+        if not any(spec.is_sampled for spec in self.extras):
             return batch
         rng = np.random.default_rng([seed, batch.num_tokens, batch.num_reqs])
         extras = sampled(self.extras, rng, batch.num_tokens, batch.num_reqs)
@@ -389,31 +343,3 @@ def uncompiled_warnings(graphs: Iterable[CapturedGraph], backend: str) -> list[s
         f"torch.compile was off while the {backend} backend captured: {', '.join(uncompiled)} "
         "ran uncompiled in the graphs (eager steps run them compiled)"
     ]
-
-
-@contextmanager
-def gc_frozen(after: int = 1) -> Iterator[None]:
-    """Collect, freeze and disable GC for the capture pass; restore on every exit path.
-
-    A collection in the middle of a capture can free tensors the graph still records;
-    freezing also keeps the long-lived objects out of later collections' work. The collection
-    after the pass walks generations up to `after`, by default the young ones only: everything
-    the pass made is young (GC was off), and walking the unchanged old heap again costs a third
-    of a re-capture (`tools/bench_capture.py --recapture --gc-full` compares `after=2`).
-    """
-    was_enabled = gc.isenabled()
-    was_frozen = gc.get_freeze_count() > 0
-    if was_frozen and not was_enabled:  # inside another frozen section (the keys of one capture_pending call)
-        yield
-        return
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if not was_frozen:
-            gc.unfreeze()
-        if was_enabled:
-            gc.enable()
-        gc.collect(after)

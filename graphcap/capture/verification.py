@@ -3,9 +3,11 @@
 `compare_replay` is the one check: replay `graph` on the staged `inputs`, run `eager()` (the
 expected real rows), compare with `torch.testing.assert_close` at the configured tolerance, and
 raise `CaptureError(message(difference))` when they differ. A capture pass (`CapturePass`) runs it
-twice per key, after the pass's context has exited: on the capture's own dummy batch, and on
-`probe_batch`, partly filled and unlike the dummy in every value, so padded rows run and a host
-value the graph froze at capture (a Python count, an `.item()`) shows. Where a key is verified
+per key, after the pass's context has exited: on the capture's own dummy batch, and on a
+`probe_batch` at each of `probe_fills(key)` (one real token, about half, all but one; requests
+likewise), each unlike the dummy in every value, so padded rows run in every share and a host value
+the graph froze at capture (a Python count, an `.item()`) shows. A key that admits no smaller batch
+is verified on full batches only, and its record says so. Where a key is verified
 right after its capture (no engine context, no peers), the dummy batch's expected rows are its last
 warmup's output (`LastRun`), which ran that batch eagerly just before: the same reads, one forward fewer.
 """
@@ -25,7 +27,15 @@ from graphcap.inputs import ForwardInputs
 from graphcap.outputs import OutputRows, cloned, flatten_output
 from graphcap.piecewise import running
 
-__all__ = ["DUMMY_MISMATCH", "NORM_TOLERANCE", "LastRun", "assert_close", "compare_replay", "probe_mismatch"]
+__all__ = [
+    "DUMMY_MISMATCH",
+    "NORM_TOLERANCE",
+    "LastRun",
+    "assert_close",
+    "compare_replay",
+    "differs",
+    "probe_mismatch",
+]
 
 DUMMY_MISMATCH = (
     "replay differs from eager on the same inputs ({diff}); the forward depends on something the "
@@ -44,8 +54,10 @@ def probe_mismatch(
         "if the forward reads this step's keys back through slot_mapping, pass capture(scratch_blocks=<free "
         "block ids>) so verification can write them."
     )
+    partly = num_tokens < padded_tokens or num_reqs < padded_reqs
+    what = "a partly filled batch" if partly else "a full batch of other values (no smaller batch fits the key)"
     return lambda diff: (
-        f"replay differs from eager on a partly filled batch ({num_tokens} of {padded_tokens} tokens, "
+        f"replay differs from eager on {what} ({num_tokens} of {padded_tokens} tokens, "
         f"{num_reqs} of {padded_reqs} requests, other token ids, lengths and blocks: {diff}). The graph froze a "
         "host value at capture (a Python number read from inputs.host or inputs.num_tokens / num_reqs, a value "
         "prepare() computed, an .item()), or padded rows leak into real ones. Read per-step values only as "
@@ -65,6 +77,7 @@ def compare_replay(
     outputs: OutputRows,
     timings: dict[str, float] | None = None,
     precision: torch.dtype | None = None,
+    diagnose: Callable[[Any, Any], str | None] | None = None,
 ) -> float:
     """Replay `graph` on the staged `inputs`, then run `eager()` (the expected real rows) and compare.
 
@@ -75,7 +88,9 @@ def compare_replay(
     `outputs` cuts both to their real rows; a replay whose real rows have another shape than the
     eager run's (a wrong cut) raises `CaptureError` naming the output and its declaration.
     `precision`: the model's lowest floating compute dtype; a 16-bit one judges floating outputs of any
-    dtype (a model that computes in bfloat16 and returns float32 logits) as 16-bit ones.
+    dtype (a model that computes in bfloat16 and returns float32 logits) as 16-bit ones. `diagnose(replayed,
+    expected)`, when the rows differ: a message that replaces `message`'s (None: keep it), e.g. naming
+    state the forward carries between runs (`graphcap.capture.carried`).
     """
     backend.synchronize()
     t0 = time.perf_counter()
@@ -98,8 +113,14 @@ def compare_replay(
         raise CaptureError(wrong_cut)
     diff = _difference(replayed, expected, tolerance, precision)
     if diff is not None:
-        raise CaptureError(message.format(diff=diff) if isinstance(message, str) else message(diff))
+        why = diagnose(replayed, expected) if diagnose is not None else None
+        raise CaptureError(why or (message.format(diff=diff) if isinstance(message, str) else message(diff)))
     return seconds
+
+
+def differs(tolerance: Mapping[str, float], precision: torch.dtype | None = None) -> Callable[[Any, Any], bool]:
+    """Whether two real-row results differ as `compare_replay` judges them."""
+    return lambda a, b: _difference(a, b, tolerance, precision) is not None
 
 
 class LastRun:

@@ -152,7 +152,8 @@ def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gr
     """`--max-graphs`/`--memory-budget`: `sizes: [...]`, the table, the comparison, `--out`."""
     from graphcap.config.byte_counts import format_bytes
     from graphcap.report import atomic_write
-    from graphcap.sizing.choice import SizeConstraints, candidate_sizes, choose_sizes
+    from graphcap.sizing.choice import SizeConstraints, candidate_sizes
+    from graphcap.sizing.held_out import choose_held_out, ladder_sizes
 
     if config is None:
         if budget is not None:
@@ -183,8 +184,10 @@ def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gr
     costs, each = None, []
     try:
         if (config is not None and config.model.factory is None) or budget is not None:
-            costs, each = _costs(config, candidate_sizes(histogram, constraints))
-        choice = choose_sizes(histogram, max_graphs, constraints, costs=costs, memory_budget=budget)
+            priced = tuple(sorted({*candidate_sizes(histogram, constraints), *ladder_sizes(constraints)}))
+            costs, each = _costs(config, priced)
+        held = choose_held_out(histogram, max_graphs, constraints, costs=costs, memory_budget=budget)
+        choice = held.choice
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if args.out is not None:
@@ -207,7 +210,15 @@ def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gr
         waste = (padded - real) / padded if padded else 0.0
         print(f"  {size:>6}  {span:>11}  {steps / total:>6.1%}  {pad:>8.2f}  {waste:>6.1%}")
     print()
-    print(f"  expected padded-token waste: {choice.waste:.1%} with {len(choice.sizes)} graphs")
+    print(f"  expected padded-token waste: {choice.waste:.1%} with {len(choice.sizes)} graphs (in sample)")
+    if held.held_out is None:
+        print("  held-out waste: not scored (the histogram's counts are not whole steps, or a half replays none)")
+    else:
+        scores = ", ".join(f"{way} {waste:.1%}" for way, waste in held.held_out.items())
+        print(
+            f"  held-out waste: {held.held_out[held.way]:.1%} (chosen on half the steps, scored on the other, both "
+            f"ways; {scores}: sizes chosen by {held.way})"
+        )
     was = "the config's" if config is not None else "the default schedule's"
     above = sum(w for n, w in histogram.items() if n > current.max_size) / total
     print(f"  {was} {len(current)} sizes: {current.expected_waste(histogram):.1%} (eager {above:.1%} of steps)")

@@ -13,15 +13,15 @@ from typing import Any, ClassVar, Literal
 
 from graphcap.config._schema import Section, problem, spec
 from graphcap.errors import ConfigProblem
-from graphcap.fields import FIELDS
+from graphcap.fields import RESERVED_NAMES
 
 __all__ = ["BUFFER_DTYPES", "BUILTIN_FIELDS", "BufferConfig", "buffer_problems"]
 
 BUFFER_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64", "bool")
 """Dtypes an engine buffer may have (numpy and torch both hold them; numpy has no bfloat16)."""
 
-BUILTIN_FIELDS = FIELDS
-"""Names of the built-in static inputs (`graphcap.fields.FIELD_TABLE`): not free for a buffer."""
+BUILTIN_FIELDS = RESERVED_NAMES
+"""Names of the built-in static inputs (`graphcap.fields.FIELD_TABLE`, the step's counts): not free for a buffer."""
 
 _INT_RANGES = {
     "int8": (-(2**7), 2**7 - 1),

@@ -24,6 +24,7 @@ from graphcap.fields import INT32_MAX, INT32_MIN
 from graphcap.sizing.sizes import CaptureSizes, default_capture_sizes
 
 __all__ = [
+    "DEFAULT_MAX_PADDING_FACTOR",
     "DEFAULT_MAX_SIZE",
     "PAD_SLOT_ID",
     "BatchingConfig",
@@ -39,6 +40,8 @@ PAD_SLOT_ID = -1
 """`slot_mapping` value of a token that must not write the KV cache."""
 
 DEFAULT_MAX_SIZE = 64
+DEFAULT_MAX_PADDING_FACTOR = 4.0
+"""`capture.max_padding_factor` by default (tools/bench_padding_factor.py, docs/BENCHMARKS.md)."""
 """`capture.max_size` when neither it nor an explicit `capture.sizes` list is given."""
 
 
@@ -205,9 +208,23 @@ class CaptureSectionConfig(Section):
     memory_budget: int | str | None = None
     """Bytes the graphs may hold (`4GiB`, `512MiB` or an integer), by graphcap's estimate; a key that would
     cross it is not captured (eager reason `over_budget`). Null: no budget."""
+    capture_error_mode: Literal["thread_local", "global", "relaxed"] = "thread_local"
+    """CUDA: what `CUDAGraph.capture_begin` is given. `thread_local` (default): CUDA work another thread
+    issues during a capture (an engine's output or scheduler thread) does not invalidate it, what capture
+    inside a living engine needs; `global`: it does (the stricter check, for an engine with no other
+    CUDA thread); `relaxed`: even the capturing thread may make unsafe calls (debugging only)."""
     min_speedup: float | None = spec(None, gt=0)
     """Keep a graph only if its replay is at least this many times faster than eager at capture (else it
     is released, eager reason `no_speedup`). Null: keep every graph."""
+    num_threads: int | None = spec(None, min=1, max=1024)
+    """torch CPU threads while the emulated backend captures (set for each pass, restored after it). Null:
+    `EMULATED_CAPTURE_THREADS` (1: measured faster than torch's default on a shared 2-core machine); the
+    cuda backend leaves torch's setting alone."""
+    max_padding_factor: float | None = spec(DEFAULT_MAX_PADDING_FACTOR, min=1)
+    """A step whose graph would compute more than this many times its real tokens runs eagerly instead
+    (eager reason `over_padding`): with sizes [1, 32] a 2-token step would replay 32 tokens. The default
+    never triggers on the default schedule (it pads at most 1.8x; 4x with `uniform_query_len` 4); null:
+    any padding replays."""
 
     def __post_init__(self) -> None:
         if isinstance(self.mode, str) and self.mode.lower() in _MODES:

@@ -8,23 +8,32 @@ the reason `over_budget: ...` and its steps run eagerly (eager reason `over_budg
 lazy. Keys are admitted in the order they are captured (upfront: largest first; lazy: most
 traffic first), so the keys that come first keep the budget.
 
+Whose estimate: graphcap's arithmetic for its built-in `tiny-llama` built from this config; for any
+other model (an object the engine passes, or a `model.factory` model) each key's figures measured
+on that model (`graphcap.memory.measured`: one eager forward of the key's dummy batch before the
+key is admitted, once per key). A factory model and a model object get the same decision.
+
 On CUDA the manager also reserves the budget in the graph pool before the first capture
-(`GraphBackend.reserve`), so a lazy capture later in the engine's life finds its memory held by
-the pool instead of failing for lack of it; the report gives the measured pool beside the
-estimate. The emulated backend reserves nothing: it accounts the same estimate, so the budget
-logic is tested on CPU.
+(`GraphBackend.reserve`, `GraphPool.reserve`), so a lazy capture later in the engine's life finds
+its memory held by the pool instead of failing for lack of it; the report gives the measured pool
+beside the estimate. What the reservation covers (`graphcap.backends.cuda.reservation_layout`):
+one large block (every request over 1 MiB is carved from it) and 1/64 of the budget, one to 32
+segments of 2 MiB, of small blocks (requests of 1 MiB or less are only ever served from those);
+what a capture needs beyond either still takes fresh device memory. The reservation follows the
+pool through rotations (a failed capture), goes back on `release()`, and is taken once per pool.
+The emulated backend reserves nothing: it accounts the same estimate, so the budget logic is
+tested on CPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from graphcap.config import CaptureConfig
 from graphcap.config.byte_counts import format_bytes
-from graphcap.errors import ConfigError, ConfigProblem
 from graphcap.keys import GraphKey, KeyRegistry
-from graphcap.memory.estimate import estimate_memory, graphs_bytes
+from graphcap.memory.estimate import GraphMemory, estimate_memory, graphs_bytes
 from graphcap.report import GraphRecord
 
 __all__ = ["OVER_BUDGET", "MemoryBudget"]
@@ -34,28 +43,23 @@ OVER_BUDGET = "over_budget"
 
 
 class MemoryBudget:
-    """The budget of one manager (`limit` None: every key fits) over `estimate_memory`'s per-key graphs."""
+    """The budget of one manager (`limit` None: every key fits) over `estimate_memory`'s per-key graphs, or
+    over each key measured on the model (`measure`)."""
 
-    def __init__(self, config: CaptureConfig, backend_name: str) -> None:
+    def __init__(
+        self, config: CaptureConfig, backend_name: str, measure: Callable[[GraphKey], GraphMemory] | None = None
+    ) -> None:
         self.limit: int | None = config.capture.memory_budget
         self.kind = "cuda" if backend_name == "cuda" else "emulated"
         """Which estimate applies: `cuda` (one shared pool) or `emulated` (each graph's output)."""
-        if self.limit is not None and config.model.factory is not None:
-            raise ConfigError(
-                [
-                    ConfigProblem(
-                        "capture.memory_budget",
-                        f"model.factory {config.model.factory} has no per-graph memory estimate, so a budget "
-                        "cannot be kept; leave capture.memory_budget null for a factory model",
-                    )
-                ]
-            )
+        self.measure = measure
+        """A key's graph memory measured on the model (None: graphcap's arithmetic of its built-in model)."""
+        self._measured: dict[GraphKey, GraphMemory] = {}
 
     def estimate(self, config: CaptureConfig, keys: Iterable[GraphKey]) -> int:
-        """Estimated bytes the graphs of `keys` hold together (the `graphs` part of `estimate_memory`)."""
-        if config.model.factory is not None:
-            return 0
-        costs = self._costs(config)
+        """Estimated bytes the graphs of `keys` hold together (the `graphs` part of `estimate_memory`, or
+        the measured figures of each key)."""
+        costs = self._costs(config, keys := list(keys))
         return graphs_bytes([costs[key] for key in keys], self.kind)
 
     def split(
@@ -65,10 +69,10 @@ class MemoryBudget:
 
         `held`: the keys whose graphs are live already (they count against the budget).
         """
-        keys = list(keys)
+        keys, held = list(keys), list(held)
         if self.limit is None:
             return keys, []
-        costs = self._costs(config)
+        costs = self._costs(config, [*held, *keys])
         kept = [costs[key] for key in held]
         admitted, declined = [], []
         for key in keys:
@@ -98,6 +102,13 @@ class MemoryBudget:
             "reserved_bytes": backend.reserved_bytes or 0,
         }
 
-    def _costs(self, config: CaptureConfig) -> dict[GraphKey, Any]:
-        keys = KeyRegistry.from_config(config).planned
-        return dict(zip(keys, estimate_memory(config, backend=self.kind).graphs, strict=True))
+    def _costs(self, config: CaptureConfig, keys: list[GraphKey]) -> dict[GraphKey, GraphMemory]:
+        if self.measure is None:
+            if config.model.factory is not None:
+                raise ValueError(f"model.factory {config.model.factory}: graphcap has no arithmetic for it; measure it")
+            planned = KeyRegistry.from_config(config).planned
+            return dict(zip(planned, estimate_memory(config, backend=self.kind).graphs, strict=True))
+        for key in keys:
+            if key not in self._measured:
+                self._measured[key] = self.measure(key)
+        return self._measured

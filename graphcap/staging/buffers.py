@@ -22,7 +22,7 @@ import torch
 from graphcap.batch import StepBatch
 from graphcap.block_table import BlockTable
 from graphcap.config import PadRules
-from graphcap.fields import FIELD_TABLE
+from graphcap.fields import COUNTS_ENTRY, FIELD_TABLE
 from graphcap.inputs import BufferSpec, ForwardInputs, KVGroup, StagingLimits
 from graphcap.keys import GraphKey
 from graphcap.staging.extras import check_extras, full_shape, pad_extra
@@ -94,6 +94,7 @@ class PersistentBuffers:
         entries = [
             Entry(f.name, (counts[f.rows], B) if f.width else (counts[f.rows],), i32, f.rows) for f in FIELD_TABLE
         ]
+        entries[-1:-1] = [Entry(COUNTS_ENTRY, (2,), i32, "none")]  # the step's real counts (COUNT_FIELDS)
         entries[-1:-1] = [Entry(s.name, full_shape(s, T, R), s.np_dtype, s.rows, s.row_dim) for s in extras]
         for g in groups:  # before the built-in block table too: one upload prefix still covers a key's rows
             entries[-1:-1] = [

@@ -17,6 +17,7 @@ from graphcap.inputs import BufferSpec
 __all__ = [
     "check_extras",
     "check_extras_fit",
+    "default_sample",
     "full_shape",
     "merged_specs",
     "pad_extra",
@@ -91,13 +92,17 @@ def check_extras_fit(
 
 
 def sampled(extras: tuple[BufferSpec, ...], rng: np.random.Generator, num_tokens: int, num_reqs: int) -> dict:
-    """Real rows of every buffer with a `sample` for a batch graphcap makes (capture, verification)."""
+    """Real rows of every sampled buffer (`BufferSpec.is_sampled`) for a batch graphcap makes (capture,
+    verification): from its `sample`, or by default from its dtype and pad (`default_sample`)."""
     out = {}
     for spec in extras:
-        if spec.sample is None:
+        if not spec.is_sampled:
             continue
         real = {"tokens": num_tokens, "reqs": num_reqs, "none": 0}[spec.rows]
         expected = real_shape(spec, None if spec.rows == "none" else real)
+        if spec.sample is None:
+            out[spec.name] = default_sample(spec, rng, expected)
+            continue
         try:
             value = np.asarray(spec.sample(rng, real))
         except Exception as exc:
@@ -112,6 +117,16 @@ def sampled(extras: tuple[BufferSpec, ...], rng: np.random.Generator, num_tokens
             )
         out[spec.name] = value
     return out
+
+
+def default_sample(spec: BufferSpec, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Rows of `shape` for a float or bool buffer without a `sample`: `pad * uniform(0.5, 2)` (a pad of 0:
+    `uniform(0.5, 2)`), finite in the buffer's dtype; booleans at random. Unlike the pad and unlike each other."""
+    if spec.np_dtype.kind == "b":
+        return rng.random(shape) < 0.5
+    scale = float(spec.pad) if spec.pad and np.isfinite(float(spec.pad)) else 1.0
+    largest = float(np.finfo(spec.np_dtype).max) / 2
+    return np.clip(scale * rng.uniform(0.5, 2.0, shape), -largest, largest).astype(spec.np_dtype)
 
 
 def stage_extra(host: np.ndarray, spec: BufferSpec, value: np.ndarray | None, T: int, R: int, n: int, r: int) -> None:

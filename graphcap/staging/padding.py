@@ -30,8 +30,8 @@ class PadWriter:
     `tokens`, `reqs`: rows of the token fields and of `seq_lens` at or above these hold their
     pad. `table_rows`, `table_cols`: block-table rows at or above `table_rows` hold the pad
     block in their first `table_cols` columns (the columns a fresh table may have written).
-    `qsl_written`: the decode plan whose `query_start_loc` rows are staged (the decode pass
-    writes them only when another plan wrote last).
+    `qsl_written`: the decode plan whose `query_start_loc` rows and step counts are staged (the
+    decode pass writes them only when another plan wrote last).
     """
 
     def __init__(self, host: Mapping[str, np.ndarray], pad: PadRules, max_num_tokens: int, max_num_reqs: int) -> None:

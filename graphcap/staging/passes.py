@@ -131,8 +131,9 @@ def stage_decode(bufs: Parts, batch: StepBatch, p: Plan) -> ForwardInputs:
             pad.fill(p.T, p.R, r, r, width)
         else:  # nothing padded is dirty: only the bounds move
             pad.clean(r, table_cols=width)
-    if pad.qsl_written is not p:
+    if pad.qsl_written is not p:  # the counts too: whatever wrote other query_start_loc rows wrote them
         p.qsl[...] = p.qsl_content
+        p.counts[...] = p.count_values
         pad.mark_qsl(p)
     if p.upload is not None:
         bufs.upload_or_defer(p.upload)
@@ -211,6 +212,7 @@ def stage_general(bufs: Parts, batch: StepBatch, key: GraphKey, R: int) -> Forwa
     if r < R:
         p.qsl[r + 1 :] = pad.qsl_tail(T, R, n, r)
     pad.fill(T, R, n, r, width)
+    p.counts[...] = p.count_values
     host = bufs.layout.host
     for spec in bufs.extras:
         stage_extra(host[spec.name], spec, batch.extras.get(spec.name), T, R, n, r)

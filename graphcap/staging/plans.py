@@ -16,7 +16,7 @@ import numpy as np
 
 from graphcap._fastnp import filled
 from graphcap.block_table import BlockTable
-from graphcap.fields import FIELDS, INT32_MAX
+from graphcap.fields import COUNTS_ENTRY, FIELDS, INT32_MAX
 from graphcap.inputs import ForwardInputs, HostView, StagingLimits
 from graphcap.keys import GraphKey
 from graphcap.staging.layout import PackedLayout
@@ -34,7 +34,7 @@ class Plan:
         "key", "T", "R", "n", "r", "inputs", "upload", "ok", "ok_r", "pos", "pos_u", "idx", "tmp", "ones", "vocab",
         "ids", "positions", "slots", "seq", "table", "table_cap", "null_cap", "row_offset", "div", "modulus",
         "qsl", "qsl_from_1", "qsl_real", "qsl_content", "counts_padded", "arange", "all_true", "all_true_r",
-        "fresh_width", "fresh_cap", "u", "u_reqs", "row_span", "mod_operand",
+        "fresh_width", "fresh_cap", "u", "u_reqs", "row_span", "mod_operand", "counts", "count_values",
     )  # fmt: skip
 
 
@@ -160,6 +160,7 @@ class PlanCache:
         p.counts_padded = self.table.counts[r:R]
         p.all_true, p.all_true_r = b"\x01" * n, b"\x01" * r
         p.fresh_width, p.fresh_cap = -1, None
+        p.counts, p.count_values = views.host[COUNTS_ENTRY], np.array([n, r], dtype=np.int32)
         return p
 
 
@@ -170,8 +171,11 @@ def _inputs(
     names = [spec.name for spec in limits.extras]
     host_extras = MappingProxyType({name: host[name] for name in names})
     groups, host_groups = group_views(tensors, host) if limits.kv_groups else (MappingProxyType({}),) * 2
+    counts = tensors[COUNTS_ENTRY]
     return ForwardInputs(
         **{name: tensors[name] for name in FIELDS},
+        num_tokens_device=counts[0],
+        num_reqs_device=counts[1],
         num_tokens=n,
         num_reqs=r,
         key=key,

@@ -77,8 +77,12 @@ class FakeCUDAGraph:
         self.invalidated = False  # set by a test: CUDA invalidated the capture under way
         self.replays = 0
 
+    def register_generator_state(self, generator) -> None:
+        self.allocator.calls.append(("register_generator_state", generator))
+
     def capture_begin(self, pool, capture_error_mode: str = "global", fail_after_recording: bool = False) -> None:
         self.handle = pool
+        self.allocator.calls.append(("capture_begin", pool, capture_error_mode))
         self.allocator.begin(0, pool)
         self.began = True
         if fail_after_recording:  # cudaStreamBeginCapture failed after the allocator began recording

@@ -24,6 +24,7 @@ from graphcap.models import build_model
 from graphcap.piecewise import running
 from graphcap.testing import make_config
 from tests.backends.fake_allocator import FakeAllocator, FakeCUDAGraph, InternalAssert
+from tests.backends.simulated_cuda import SimulatedCUDA
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -154,7 +155,9 @@ def _simulated_piece_session(monkeypatch, allocator: FakeAllocator, pool_tensors
     ]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", segments)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: _NullContext())
-    backend = SimpleNamespace(device=CUDA0, pool=pool, synchronize=lambda: None)
+    backend = SimpleNamespace(
+        device=CUDA0, pool=pool, synchronize=lambda: None, generators=(), capture_error_mode="thread_local"
+    )
     return CUDAPieceSession(backend, "piecewise(tokens=4)")
 
 
@@ -254,35 +257,16 @@ def test_a_static_input_without_storage_is_named_with_what_to_register_instead()
 
 
 def test_the_budget_reservation_allocates_in_the_pool_once_and_holds_it_until_reset(monkeypatch):
-    allocator = FakeAllocator().install(monkeypatch)
-    handles = itertools.count(1)
-    pool = GraphPool(CUDA0, lambda: (0, next(handles)), _Stream(), empty_cache=allocator.empty_cache)
-    reserved = {"bytes": 0}
-    allocations = []
-    real_empty = torch.empty
-
-    def empty(num_bytes, dtype=None, device=None):  # what the caching allocator would do during a recording
-        allocations.append((num_bytes, dtype, device, set(allocator.recording)))
-        reserved["bytes"] += num_bytes
-        return real_empty(0)
-
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: FakeCUDAGraph(allocator))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: _NullContext())
-    monkeypatch.setattr(torch.cuda, "device", lambda device: _NullContext())
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved["bytes"])
-    backend = object.__new__(CUDAGraphBackend)  # no CUDA here: the attributes __init__ would set
-    backend.device, backend.pool, backend._graphs, backend._is_capturing = CUDA0, pool, [], False
-    backend.reserved_bytes = None
-    handle = pool.handle
-    with monkeypatch.context() as patch:
-        patch.setattr(torch, "empty", empty)
-        took = backend.reserve(256 << 20)
+    cuda = SimulatedCUDA(monkeypatch)
+    backend = cuda.backend()
+    pool, handle = backend.pool, backend.pool.handle
+    took = backend.reserve(256 << 20)
     assert took == 256 << 20 and backend.reserved_bytes == 256 << 20
-    assert allocations == [(256 << 20, torch.uint8, CUDA0, {handle})]  # allocated while recording to the pool
-    assert allocator.use_count[handle] == 1 and not allocator.recording  # the reservation holds the pool
+    assert {handle} == set.union(*(recording for _, recording in cuda.allocations))  # allocated while recording
+    assert cuda.allocator.use_count[handle] == 1 and not cuda.allocator.recording  # the reservation holds the pool
+    assert backend.reserve(128 << 20) == 0 and len(cuda.graphs) == 1  # held already: nothing more
     pool.drop(pool.hold())  # a graph of the pool captured, then released (a min_speedup or failed key)
     assert pool.handle == handle, "the pool kept its handle: later captures still use the reserved memory"
     backend.reset()
-    assert allocator.use_count.get(handle, 0) == 0 and pool.handle != handle  # given back with the graphs
+    assert handle not in cuda.allocator.use_count and pool.handle != handle  # given back with the graphs, freed
     assert backend.reserved_bytes is None

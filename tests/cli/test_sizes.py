@@ -163,7 +163,11 @@ def test_max_graphs_prints_the_chosen_sizes_first_then_the_table(capsys, tmp_pat
         "      64        21-64    2.0%      0.00    0.0%",
     ]
     # padded 3*70 + 20*28 + 64*2 = 898 tokens for 558 real ones
-    assert "  expected padded-token waste: 37.9% with 3 graphs" in lines
+    assert "  expected padded-token waste: 37.9% with 3 graphs (in sample)" in lines
+    assert (
+        "  held-out waste: 37.5% (chosen on half the steps, scored on the other, both ways; traffic 37.5%, "
+        "ladder 48.1%: sizes chosen by traffic)"
+    ) in lines
     assert "  the config's 11 sizes: 7.0% (eager 0.0% of steps)" in lines
     assert "  steps that run eagerly: none (the largest size holds the largest observed step)" in lines
     assert any(
@@ -213,7 +217,7 @@ def test_max_size_flag_bounds_the_choice_and_uniform_query_len_rounds_it(capsys,
     assert lines[0] == "sizes: [4, 12]"
     assert lines[1].endswith("(at most 2 graphs; --max-size 16)")
     assert "  the default schedule's 3 sizes: 10.3% (eager 0.0% of steps)" in lines
-    assert "  expected padded-token waste: 23.8% with 2 graphs" in lines  # 5, 8 and 12 pad to 12
+    assert "  expected padded-token waste: 23.8% with 2 graphs (in sample)" in lines  # 5, 8 and 12 pad to 12
 
 
 def test_memory_budget_keeps_the_graphs_within_it(capsys, tmp_path):

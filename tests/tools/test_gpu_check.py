@@ -9,8 +9,10 @@ import sys
 
 from tests.tools import TOOLS, run_tool
 
-PHASES = [f"P{i}" for i in range(18)]
-NEEDS_CUDA = ["P1", "P3", "P5", "P10", "P16"]
+PHASES = ["P0", "P10", "P7", "P6", "P2", "P13", "P4", "P3", "P5", "P1", "P14", "P12"]
+PHASES += ["P8", "P9", "P11", "P15", "P16", "P17"]  # the second plan, then the verdict
+NEEDS_CUDA = ["P10", "P3", "P5", "P1", "P16"]
+H200_MINUTES = 8  # what one command may take on an H200
 
 
 def test_gpu_check_quick_on_cpu_runs_every_phase_it_can_and_says_what_did_not_run(tmp_path):
@@ -27,7 +29,7 @@ def test_gpu_check_quick_on_cpu_runs_every_phase_it_can_and_says_what_did_not_ru
     assert result.stdout.count("     predicted: ") == 16 and result.stdout.count("     saw:       ") == 18
     verdict = phases["P17"]["observed"]
     assert "all as predicted" not in verdict and "as predicted where run" in verdict
-    assert "not run: P1 (no CUDA), P3 (no CUDA), P5 (no CUDA), P10 (no CUDA), P16 (no CUDA)" in verdict
+    assert "not run: P10 (no CUDA), P3 (no CUDA), P5 (no CUDA), P1 (no CUDA), P16 (no CUDA)" in verdict
     assert "cases not run: invalidated_capture (no CUDA), sticky_assert (no CUDA)" in verdict
     assert result.stdout.rstrip().endswith(
         "gpu_check: ok where run; 5 phases and 2 cases did not run (see the verdict)"
@@ -51,8 +53,36 @@ def test_list_prints_each_phase_with_its_prediction_and_runs_nothing():
     lines = result.stdout.splitlines()
     assert [line.split()[0] for line in lines[::2]] == PHASES
     assert all(line.startswith("     predicted: ") for line in lines[1::2])
-    assert "P1   NCCL all-reduce captured in a CUDA graph (one GPU, world size 1) (needs CUDA), 45 s" in result.stdout
+    assert "P1   NCCL all-reduce captured in a CUDA graph (one GPU, world size 1) (needs CUDA), 15 s" in result.stdout
+    assert "P8   torch.compile through warmup and capture" in result.stdout and "45 s [second plan]" in result.stdout
     assert "103 keys captured and verified" in result.stdout
+
+
+def test_each_plans_phase_budgets_fit_the_deadline_and_the_deadline_fits_eight_minutes(monkeypatch):
+    gpu_check = _load_gpu_check(monkeypatch)
+    import _gpu_steps
+
+    first = [p for p in gpu_check.PHASES if not p.second]
+    second = [p for p in gpu_check.PHASES if p.second or p.name in (gpu_check.FIRST, gpu_check.LAST)]
+    assert sum(p.budget for p in first) <= gpu_check.DEFAULT_DEADLINE
+    assert sum(p.budget for p in second) <= gpu_check.DEFAULT_DEADLINE
+    assert gpu_check.DEFAULT_DEADLINE + 30 <= H200_MINUTES * 60  # the last case's write and the exit fit too
+    assert [p.name for p in first][:6] == ["P0", "P10", "P7", "P6", "P2", "P13"]  # most telling first
+    (cuda_tests,) = [p for p in gpu_check.PHASES if p.cases == ("cuda_tests",)]
+    assert cuda_tests.budget > _gpu_steps.CUDA_TESTS_SECONDS  # pytest reports what ran before the phase ends
+    assert "tests/backends/test_cuda_engine.py" in _gpu_steps.CUDA_TEST_FILES
+
+
+def test_a_cuda_run_defers_the_second_plan_and_its_verdict_prints_the_rerun(monkeypatch):
+    _load_gpu_check(monkeypatch)  # puts tools/ on the path
+    phases = {"P0": {"status": "ok", "observed": ""}, "P10": {"status": "ok", "observed": "all passed"}}
+    phases["P8"] = {"status": "skipped", "observed": "skipped: in the second plan (--plan second)"}
+    phases["P9"] = {"status": "skipped", "observed": "skipped: in the second plan (--plan second)"}
+    import _gpu_report
+
+    result = _gpu_report.verdict(phases, 3)
+    assert result["rerun"] == "python3 tools/gpu_check.py --only P8,P9"
+    assert "not run: P8 (in the second plan (--plan second)), P9" in result["observed"]
 
 
 def test_cases_run_in_subprocesses_and_the_deadline_skips_what_no_longer_fits(tmp_path):

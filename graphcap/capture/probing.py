@@ -1,0 +1,161 @@
+"""Probing: the verification runs of one captured key, each a replay against an eager run of the same batch.
+
+`verify_dummy` replays the batch the key was captured with; `verify_probes` a `probe_batch` at each
+of `probe_fills(key)` (one real token, about half, all but one; requests likewise), so padded rows
+run at every share of the key. A mismatch raises `CaptureError` (`compare_replay`); where the forward
+carries state between runs, the message names it (`diagnosis`, `graphcap.capture.carried`). The
+`CapturePass` gives what they need: its staging path, forward, outputs, tolerance and scratch blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from graphcap.backends import CapturedGraph
+from graphcap.batch import StepBatch
+from graphcap.capture.carried import carried_state
+from graphcap.capture.verification import DUMMY_MISMATCH, LastRun, compare_replay, differs, probe_mismatch
+from graphcap.inputs import ForwardInputs
+from graphcap.keys import GraphKey, Mode
+from graphcap.outputs import cloned
+from graphcap.piecewise import running
+from graphcap.probe import Fill, probe_batch, probe_fills
+
+if TYPE_CHECKING:
+    from graphcap.capture.runner import CapturePass
+
+__all__ = ["diagnosis", "verify_batch", "verify_dummy", "verify_probes"]
+
+
+def verify_dummy(
+    job: CapturePass, key: GraphKey, graph: CapturedGraph, timings: dict | None = None, reference: LastRun | None = None
+) -> float:
+    """Replay the key's dummy batch against an eager run of it (`reference`: the last warmup's output, which
+    ran it eagerly just before); the seconds of eager work not counted with the warmups."""
+    inputs = job.stage(job.capture_batch(key), key, phase="capture", dummy=True)
+    if reference is not None and reference.output is not None:  # the last warmup ran this batch eagerly
+        timings = {} if timings is None else timings
+        tolerance = job.config.checks.tolerance
+        run = job._reference_run(inputs, job.registry.mode_of(key))
+        compare_replay(
+            graph,
+            inputs,
+            lambda: reference.output,
+            tolerance=tolerance,
+            backend=job.backend,
+            message=DUMMY_MISMATCH,
+            outputs=job.outputs,
+            timings=timings,
+            precision=job.precision,
+            diagnose=diagnosis(job, graph, inputs, lambda: job.outputs.real(run(), inputs), lambda: inputs),
+        )
+        timings["eager"] = reference.seconds
+        return 0.0  # counted with the warmups
+    run = job._reference_run(inputs, job.registry.mode_of(key))
+    eager = lambda: job.outputs.real(run(), inputs)  # noqa: E731
+    return compare_replay(
+        graph,
+        inputs,
+        eager,
+        tolerance=job.config.checks.tolerance,
+        backend=job.backend,
+        message=DUMMY_MISMATCH,
+        outputs=job.outputs,
+        timings=timings,
+        precision=job.precision,
+        diagnose=diagnosis(job, graph, inputs, eager, lambda: inputs),
+    )
+
+
+def verify_probes(job: CapturePass, key: GraphKey, graph: CapturedGraph) -> tuple[float, tuple[Fill, ...]]:
+    """Verify `key` on a probe batch at each of `probe_fills(key)`; the eager seconds and the fills."""
+    kv, shape = job.config.kv_cache, job.registry.capture_shape(key)
+    fills = probe_fills(shape, max_model_len=kv.max_model_len)
+    seconds = 0.0
+    for fill in fills:
+        batch, writes = probe_batch(
+            shape,
+            max_model_len=kv.max_model_len,
+            block_size=kv.block_size,
+            num_blocks=kv.num_blocks,
+            vocab_size=job.config.model.vocab_size,
+            scratch_blocks=job.scratch_blocks,
+            groups=job.kv_groups,
+            group_scratch=job.group_scratch,
+            fill=fill,
+        )
+        seconds += verify_batch(job, key, graph, job._sampled(batch, 1), writes)
+    return seconds, fills
+
+
+def verify_batch(job: CapturePass, key: GraphKey, graph: CapturedGraph, batch: StepBatch, writes: bool) -> float:
+    """Replay `batch` (a probe) on `key`'s graph against an eager run of it at its own counts."""
+    stage = lambda: job.stage(batch, key, phase="capture", dummy=True, kv_writes=writes)  # noqa: E731
+    inputs = stage()
+    phase = "eager" if job.registry.mode_of(key) is Mode.PIECEWISE else "full"
+
+    def eager() -> Any:
+        eager_key = job.registry.eager_key(batch.num_tokens, batch.num_reqs)
+        eager_inputs = job.stage(batch, eager_key, phase="eager", dummy=True, kv_writes=writes)
+        with running(eager_inputs, phase):  # the graph's code path: full graphs ran capturable stand-ins
+            return job.outputs.real(job.forward(eager_inputs), eager_inputs)
+
+    shape = job.registry.capture_shape(key)
+    message = probe_mismatch(batch.num_tokens, batch.num_reqs, key.num_tokens, shape.num_reqs, writes)
+    return compare_replay(
+        graph,
+        inputs,
+        eager,
+        tolerance=job.config.checks.tolerance,
+        backend=job.backend,
+        message=message,
+        outputs=job.outputs,
+        precision=job.precision,
+        diagnose=diagnosis(job, graph, inputs, eager, stage),
+    )
+
+
+def diagnosis(
+    job: CapturePass,
+    graph: CapturedGraph,
+    inputs: ForwardInputs,
+    eager: Callable[[], Any],
+    stage: Callable[[], ForwardInputs],
+) -> Callable[[Any, Any], str | None] | None:
+    """What `compare_replay` asks when a replay of the staged `inputs` and an eager run differ: whether the forward
+    carries state between runs (`carried_state`), and which tensors it changed (not staged, not weights).
+
+    None with data- or tensor-parallel peers: the runs it adds may hold collectives that peers whose
+    comparison passed would not join.
+    """
+    if job.failures.peers is not None:
+        return None
+
+    def replay_again() -> Any:
+        staged = stage()
+        with running(staged):
+            return job.outputs.real(cloned(graph.replay()), staged)
+
+    def diagnose(replayed: Any, expected: Any) -> str | None:
+        staged = set(inputs.tensors())
+        state = {
+            name: tensor
+            for name, tensor in job.static_inputs(inputs).items()
+            if name not in staged and not isinstance(tensor, torch.nn.Parameter)
+        }
+        T, R = inputs.key.num_tokens, inputs.key.num_reqs
+        counts = f"{inputs.num_tokens} of {T} tokens, {inputs.num_reqs} of {R or inputs.num_reqs} requests real"
+        with torch.inference_mode():
+            return carried_state(
+                state,
+                eager_again=eager,
+                replay_again=replay_again,
+                differ=differs(job.config.checks.tolerance, job.precision),
+                first=(replayed, expected),
+                batch=counts,
+            )
+
+    return diagnose
