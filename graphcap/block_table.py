@@ -28,7 +28,7 @@ class BlockTable:
 
     Row `i` holds `num_blocks(i)` blocks in its first columns and the pad block
     (`padding.block_id`) in every other column; a row without blocks is all pad. Writes
-    (`set_row`, `append`, `move`, `swap`, `clear`, `reset`) cost O(blocks written), refuse
+    (`set_row`, `append`, `truncate`, `move`, `swap`, `clear`, `reset`) cost O(blocks written), refuse
     bad rows or block ids with `BatchError` before changing anything, and on CUDA first wait
     for the previous step's upload, which still reads the pinned host rows.
 
@@ -171,6 +171,26 @@ class BlockTable:
             table[j, :width] = saved
         self._set_count(i, nj)
         self._set_count(j, ni)
+
+    def truncate(self, row: int, num_blocks: int) -> None:
+        """Row `row` keeps only its first `num_blocks` blocks (a speculative-decoding rollback, a
+        preempted tail); the dropped columns read the pad block. `num_blocks` is an integer in
+        `0..num_blocks(row)`: a truncation never adds blocks (`append` does)."""
+        i = self._row(row, "truncate")
+        held = int(self.counts[i])
+        if isinstance(num_blocks, (bool, np.bool_)) or not isinstance(num_blocks, (int, np.integer)):
+            raise BatchError(f"block_table.truncate(row {row}): num_blocks must be an integer; got {num_blocks!r}")
+        if not 0 <= num_blocks <= held:
+            raise BatchError(
+                f"block_table.truncate(row {row}): num_blocks {num_blocks} is outside 0..{held} (the blocks the "
+                "row holds); truncate keeps a prefix of them: append adds blocks"
+            )
+        keep = int(num_blocks)
+        if keep == held:
+            return
+        self.before_write()
+        self._rows[i, keep:held] = self._pad
+        self._set_count(i, keep)
 
     def clear(self, row: int) -> None:
         """Row `row` holds no blocks (its request finished or left the batch)."""

@@ -282,7 +282,8 @@ class KeyRegistry:
         step is uniform). A uniform step prefers its uniform key and falls back to the mixed
         (or piecewise) key of its size; a key that was skipped or not captured yet is never
         returned. `count`: a key with no graph yet counts the step in `demand` (False: a look
-        that is not the step's key, such as a data-parallel rank's own before the agreement). A step
+        that is not the step's key, such as a data-parallel rank's own before the agreement, or
+        `CaptureManager.dispatch()`, a query). A step
         its graph would pad past `max_padding_factor` times its tokens runs eagerly (`over_padding`; a
         uniform step whose uniform key is within the factor but not captured: that key's reason).
         """
@@ -378,7 +379,10 @@ class StepStats:
     eager_op_copies: int = 0
     """Of those, calls whose result was copied into its static tensor (ops without `out=`)."""
     captures: int = 0
-    """Capture passes completed (the first, then every re-capture)."""
+    """Capture passes completed: every `capture()` (the first, then every re-capture), and every
+    `capture_pending()` call that captured a key (lazy capture's passes, one per idle-time call)."""
+    graphs_captured: int = 0
+    """Graphs captured and kept, by `capture()` and `capture_pending()` (a re-capture's count again)."""
     releases: int = 0
     """`release()` and `resize_kv()` calls (each frees every graph)."""
     graphs_released: int = 0
@@ -404,6 +408,7 @@ class StepStats:
             "eager_op_calls": self.eager_op_calls,
             "eager_op_copies": self.eager_op_copies,
             "captures": self.captures,
+            "graphs_captured": self.graphs_captured,
             "releases": self.releases,
             "graphs_released": self.graphs_released,
         }

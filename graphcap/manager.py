@@ -24,7 +24,7 @@ from graphcap.block_table import BlockTable
 from graphcap.capture.driver import run_pass
 from graphcap.capture.failures import FailurePolicy
 from graphcap.capture.lazy import LazyCapture, check_time_limits
-from graphcap.capture.lifecycle import LiveGraphs, PassHistory, check_kv_fits, resize_plan
+from graphcap.capture.lifecycle import KeptOutputs, LiveGraphs, PassHistory, check_kv_fits, resize_plan
 from graphcap.capture.runner import CapturePass, uncompiled_warnings
 from graphcap.checks.guard import StaticGuard
 from graphcap.checks.invariants import check_invariants
@@ -127,11 +127,13 @@ class CaptureManager:
         self._lazy = LazyCapture(self.registry, self.stats, self._peers, is_lazy=config.capture.strategy == "lazy")
         self._counting = True
         self._history = PassHistory()
+        self._kept = KeptOutputs()  # the last replay's outputs, kept valid across capture_pending()
         self._scope = StepScope(threading.RLock())
         every = config.checks.sample_every
         self._sampler = StepSampler(every) if every else None  # None: no cost on the replay path
         self.last_key: GraphKey | None = None
-        """The key the last `execute`/`eager` step ran with (captured, or the unpadded eager key)."""
+        """The key the last `execute`/`eager` step ran with: the captured key it replayed, or for an eager step
+        `GraphKey(num_tokens, num_reqs, False)` of its own counts (None before the first step). Public."""
 
     @contextmanager
     def uncounted(self) -> Iterator[None]:
@@ -145,9 +147,9 @@ class CaptureManager:
 
     @property
     def block_table(self) -> BlockTable:
-        """The persistent block table: rows written as they change (`set_row`, `append`, `move`, `swap`, `clear`),
-        named by a step (`StepBatch(q, s, ids, block_table=manager.block_table)`: request i's blocks are row i)
-        instead of a fresh table. With several threads, write rows under `lock`. A capture sets them aside."""
+        """The persistent block table: rows written as they change (`set_row`, `append`, `truncate`, `move`, `swap`,
+        `clear`), named by a step (`StepBatch(q, s, ids, block_table=manager.block_table)`: request i's blocks are
+        row i) instead of a fresh table. With several threads, write rows under `lock`. A capture sets them aside."""
         return self.buffers.block_table
 
     # The step scope holds the lock; a property, so a control experiment can swap in a no-op one.
@@ -186,8 +188,9 @@ class CaptureManager:
         report_path = self.config.report.path
         if report_path:
             check_report_path(report_path)
-        job = self._capture_pass(scratch_blocks, group_scratch_blocks)  # checks the scratch blocks first
         with self._scope("capture"):
+            # Built under the lock: a resize_kv() waiting for it would otherwise leave the pass the old KV bound.
+            job = self._capture_pass(scratch_blocks, group_scratch_blocks)  # checks the scratch blocks first
             self._check_ready()
             replaced = len(self.graphs)
             self._live.release_all("pending" if self._lazy.is_lazy else "not_captured")
@@ -198,6 +201,7 @@ class CaptureManager:
             except BaseException:
                 self._live.release_all()
                 raise
+            overrun = self._budget.overrun(self.config, self.registry.captured)
             report = CaptureReport(
                 records=records,
                 backend=self.backend.name,
@@ -205,7 +209,7 @@ class CaptureManager:
                 total_seconds=time.perf_counter() - start,
                 pool_bytes=pool_bytes,
                 config=self.config.to_dict(),
-                warnings=uncompiled_warnings(self.graphs.values(), self.backend.name),
+                warnings=uncompiled_warnings(self.graphs.values(), self.backend.name) + ([overrun] if overrun else []),
                 recapture=self._history.completed(replaced, self.stats),
                 pending=[str(key) for key in self.registry.pending()] if self._lazy.is_lazy else [],
                 memory_budget=self._budget.to_dict(self.config, self.registry.captured, pool_bytes, self.backend),
@@ -227,6 +231,7 @@ class CaptureManager:
         """Capture keys with no graph yet (`capture.strategy: lazy`), most traffic first, while `max_seconds` (None:
         no limit) have not passed and fewer than `max_keys` were taken; returns how many (0: none pending). Each is
         captured and verified as by `capture()`, within the budget, under `capture.on_error`; collective with peers.
+        The last step's outputs read the same afterwards (copied aside and back: see `KeptOutputs`).
 
         `StaticInputMovedError` (naming it, before anything is captured) while a static input differs from what
         the live graphs captured (an object replaced, a storage swapped, a `register_static` name re-registered):
@@ -239,17 +244,22 @@ class CaptureManager:
         """
         start = self._lazy.clock()
         check_time_limits(max_seconds, max_keys)
-        scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
-        group_scratch = group_scratch_ids(group_scratch_blocks, self.buffers.limits.kv_groups)
-        if self._peers is None and not self.registry.num_pending:  # peers must still agree that every rank stops
-            return 0
         with self._scope("capture_pending"), beside_engine_threads():  # no process-wide sync-debug mode
+            # Under the lock: a resize_kv() waiting for it would otherwise leave the scratch check the old bound.
+            scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
+            group_scratch = group_scratch_ids(group_scratch_blocks, self.buffers.limits.kv_groups)
+            if self._peers is None and not self.registry.num_pending:  # peers must still agree that every rank stops
+                return 0
             # A key captured now must read what the live graphs read: one record checks them all.
             self._guard.check_before_capture("capture_pending()", self.model, self.buffers.storage())
-            self._check_ready()
+            self._check_ready("capture_pending")
             job = self._pass_of(scratch, group_scratch)
             capture_key = lambda key: self._capture_keys(job, [key], False)  # noqa: E731
-            return self._lazy.run(capture_key, max_seconds, max_keys, start=start)
+            with self._kept.protected():  # the last step's outputs stay valid until the next step
+                captured = self._lazy.run(capture_key, max_seconds, max_keys, start=start)
+            if captured:  # an idle-time pass: counted as capture() passes are
+                self.stats.captures += 1
+            return captured
 
     def pending(self) -> list[GraphKey]:
         """The keys `capture_pending()` would capture, in the order it takes them (most traffic first, then
@@ -260,14 +270,19 @@ class CaptureManager:
 
     def _capture_keys(self, job: CapturePass, keys: list[GraphKey], progress: bool | None) -> tuple[list, int]:
         """Capture `keys` into the live graphs within the budget (arming the guard first); records, pool growth."""
-        if keys and not self.graphs:
+        fresh = not self.graphs
+        if keys and fresh:
             self._guard.arm(self.model, self.buffers.storage())
         kwargs = {"set_aside": self.buffers.table_set_aside, "context": self._capture_context, "progress": progress}
         try:
-            return run_pass(job, self._live, keys, budget=self._budget, **kwargs)
+            records, grown = run_pass(job, self._live, keys, budget=self._budget, **kwargs)
         finally:
             if self._peers is not None:  # what decides whether eager steps pad (`Parallel.pad_eager` None)
                 self._peers.learn_collectives(self.graphs.values(), self._communicators)
+        self.stats.graphs_captured += sum(record.key in self.graphs for record in records)
+        if self._budget.observe(grown, fresh=fresh):
+            log.warning("%s", self._budget.overrun(self.config, self.registry.captured))
+        return records, grown
 
     def _capture_pass(self, scratch_blocks: Iterable[int] = (), group_scratch_blocks: Any = None) -> CapturePass:
         scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
@@ -299,24 +314,26 @@ class CaptureManager:
         shape = self.registry.capture_shape(key)
         return measure_graph(key.num_tokens, shape.num_reqs, run, self.backend)
 
-    def _check_ready(self) -> None:
+    def _check_ready(self, call: str = "capture") -> None:
         """`ConfigError`: `num_warmups: 0` where the backend needs warmups (cuda), or a KV cache that shrank
-        without `resize_kv`. With peers, a rank that steps while they capture fails here, out of step."""
+        without `resize_kv`. With peers, a rank that steps while they capture (`call`) fails here, out of step."""
         try:
             self.backend.check_warmups(self.config.capture.num_warmups)
         except ValueError as exc:
             raise ConfigError([ConfigProblem("capture.num_warmups", str(exc))]) from None
         check_kv_fits(self.config, self.model)
         if self._peers is not None:
-            self._peers.begin_capture()
+            self._peers.begin_capture(call)
 
     # -- steps ---------------------------------------------------------------------------
 
     def dispatch(self, batch: StepBatch | None, *, step: int | None = None) -> GraphKey | None:
-        """The captured key `batch` replays with, or None (eager). Collective with peers (`step`: see `execute`)."""
+        """The captured key `batch` would replay with, or None (eager): a query, which runs nothing and counts
+        nothing (neither `stats` nor the traffic lazy capture orders keys by). Collective with peers (`step`: see
+        `execute`)."""
         batch = step_or_idle(batch)
         with self._scope("dispatch"):  # with a group, a step's collective must not interleave
-            mode, key, _ = self._dispatch(batch, step)
+            mode, key, _ = self._dispatch(batch, step, count=False)
             return None if mode is Mode.EAGER else key
 
     def execute(self, batch: StepBatch | None, *, step: int | None = None) -> Any:
@@ -328,9 +345,10 @@ class CaptureManager:
         (`graphcap.outputs`: per token to `[:batch.num_tokens]`, per request to
         `[:batch.num_reqs]`; undeclared, a tensor with a row per padded token is cut to the real
         tokens): views valid until any graph of the backend's pool replays (the next step), so
-        read or clone them first. `None` is an idle data-parallel rank: it joins the agreed key
-        with no real rows (so does a batch refused with peers, then raises). `step`: the engine's
-        step number, which peers must share (default: this manager's count of steps).
+        read or clone them first; `capture_pending()` between steps keeps them (`KeptOutputs`),
+        `capture()`, `release()`, `resize_kv()` and `reset()` free them. `None` is an idle data-parallel
+        rank: it joins the agreed key with no real rows (so does a batch refused with peers, then raises).
+        `step`: the engine's step number, which peers must share (default: this manager's count of steps).
         """
         batch = step_or_idle(batch)
         with self._scope.execute:
@@ -364,10 +382,11 @@ class CaptureManager:
             if mode is Mode.PIECEWISE:
                 stats.eager_op_calls += len(graph.calls)
                 stats.eager_op_copies += graph.copies_per_replay
-        real = self._outputs.real(output, inputs)
+        output = self._outputs.real(output, inputs)
         if expected is not None:
-            self._sampler.compare(key, real, expected, self.config.checks.tolerance, precision_of(self.model))
-        return real
+            self._sampler.compare(key, output, expected, self.config.checks.tolerance, precision_of(self.model))
+        self._kept.hold(graph, output)
+        return output
 
     def _sample_eager(self, batch: StepBatch, key: GraphKey) -> Expected:
         """The eager run of a sampled step (`checks.sample_every`), its KV writes put back (`graphcap.checks.sampling`).
@@ -391,6 +410,7 @@ class CaptureManager:
     def _run_eager(self, batch: StepBatch, key: GraphKey | None = None) -> Any:  # key: unpadded, or pad_eager's
         key = key or self.registry.eager_key(batch.num_tokens, batch.num_reqs)
         self.last_key = key
+        self._kept.drop()  # a step: the last replay's outputs are no longer valid
         with in_phase("eager"):
             inputs = self._stage(batch, key, phase="eager")
             with torch.inference_mode(), running(inputs):
@@ -426,11 +446,12 @@ class CaptureManager:
         buffers.upload()  # the rows just staged and checked
         return inputs
 
-    def _dispatch(self, batch: StepBatch, step: int | None = None) -> Dispatch:
+    def _dispatch(self, batch: StepBatch, step: int | None = None, *, count: bool = True) -> Dispatch:
         if self._peers is not None:
             return self._peers.plan(batch, "dispatch", step).dispatch
         registry = self.registry
-        return registry.dispatch(batch.num_tokens, batch.num_reqs, batch.is_uniform(registry.uniform_query_len))
+        uniform = batch.is_uniform(registry.uniform_query_len)
+        return registry.dispatch(batch.num_tokens, batch.num_reqs, uniform, count=count)
 
     # -- bookkeeping ---------------------------------------------------------------------
 
@@ -473,6 +494,8 @@ class CaptureManager:
         with self._scope("resize_kv"):
             try:
                 config, named = resize_plan(self.config, self.model, num_blocks, tensors, group, block_dim)
+                for name, tensor in named.items():  # what register() would refuse, before anything changes
+                    self._guard.check_registrable(name, tensor)
                 table = self.buffers.block_table if group is None else self.buffers.kv_groups.tables[group]
                 table.check_resize(num_blocks)
             except Exception as exc:
@@ -483,9 +506,10 @@ class CaptureManager:
             self._agree_call("resize_kv", None, f"{group}:{num_blocks}")
             self.buffers.resize_kv(num_blocks, group)
             self.config = config
+            released = self._live.release_all("kv_resized")
             for name, tensor in named.items():
                 self._guard.register(name, tensor)
-            return self._history.freed("resize_kv()", self._live.release_all("kv_resized"), self.stats)
+            return self._history.freed("resize_kv()", released, self.stats)
 
     def _agree_call(self, kind: str, refused: BaseException | None = None, detail: str = "") -> None:
         """With peers: agree `kind` (release, resize_kv, reset) before it changes any graph (`agree_call`)."""

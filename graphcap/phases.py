@@ -9,8 +9,8 @@ test `graphcap.is_capturing()`.
 The phases (`phase()`):
 
 - `"warmup"`: the eager warmups of a key before its capture (graphcap's dummy batch);
-- `"capture"`: a capture pass: staging a key's dummy batch, and its recording, the only time
-  `is_capturing()` is true (graphcap's dummy batch);
+- `"capture"`: a capture pass (`capture()`, `capture_pending()`): staging a key's dummy batch, and
+  its recording, the only time `is_capturing()` is true (graphcap's dummy batch);
 - `"verify"`: verification after the capture context exits, its replays and their eager
   references (graphcap's dummy and probe batches);
 - `"replay"`: `execute` (and `dispatch`) of a step that replays a graph: staging, the replay,
@@ -48,7 +48,13 @@ Phase = Literal["warmup", "capture", "verify", "replay", "eager", "outside"]
 DUMMY_PHASES = frozenset({"warmup", "capture", "verify"})
 """Phases whose batches graphcap made (dummy and probe batches), not the engine."""
 
-STEP_PHASES: dict[str, Phase] = {"capture": "capture", "execute": "replay", "dispatch": "replay", "eager": "eager"}
+STEP_PHASES: dict[str, Phase] = {
+    "capture": "capture",
+    "capture_pending": "capture",
+    "execute": "replay",
+    "dispatch": "replay",
+    "eager": "eager",
+}
 """A `CaptureManager` call -> its phase (an `execute` that runs eagerly narrows to `eager`)."""
 
 _STATE: ContextVar[tuple[Phase, bool]] = ContextVar("graphcap_phase_state", default=("outside", False))

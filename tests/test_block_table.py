@@ -51,6 +51,36 @@ def test_set_append_move_swap_clear_keep_each_row_its_blocks_then_the_pad_block(
         table.row(0)[0] = 1
 
 
+def test_truncate_keeps_a_prefix_of_a_row_and_pads_the_rest():
+    buffers = make_buffers(PAD_RULES["odd"])  # pad block 3
+    table = buffers.block_table
+    table.set_row(0, [5, 6, 7, 8])
+    table.set_row(2, [9, 10])
+    table.truncate(0, 2)  # a speculative step rolled back: its last two blocks are free again
+    assert table.row(0).tolist() == [5, 6] and table.num_blocks(0) == 2
+    assert rows_of(buffers, 1) == [[5, 6, 3, 3, 3, 3]]
+    table.truncate(0, 2)  # the blocks it holds: nothing to do
+    table.truncate(2, 0)  # to nothing: the row is empty, as after clear
+    assert table.num_blocks(2) == 0 and table.top == 1 and rows_of(buffers, 3)[2] == [3] * 6
+    table.append(0, [11])  # and the row grows again from where it was cut
+    assert table.row(0).tolist() == [5, 6, 11]
+
+
+def test_a_truncated_row_serves_steps_within_its_blocks_and_refuses_longer_ones():
+    config = make_config()
+    manager = CaptureManager(build_model(config), config, backend="emulated", progress=False)
+    manager.capture()
+    table = manager.block_table
+    table.set_row(0, [1, 2, 3])  # block_size 4: room for 12 tokens
+    table.truncate(0, 2)  # 8 tokens
+    step = StepBatch(np.array([1], np.int32), np.array([8], np.int32), np.array([7], np.int32), table)
+    expected = manager.eager(step).clone()
+    torch.testing.assert_close(manager.execute(step), expected)
+    longer = StepBatch(np.array([1], np.int32), np.array([9], np.int32), np.array([7], np.int32), table)
+    with pytest.raises(BatchError, match=r"request 0 has seq_len 9, which needs 3 blocks of 4, but row 0 .* holds 2"):
+        manager.execute(longer)
+
+
 def test_a_write_changes_only_the_blocks_it_writes():
     buffers = make_buffers()
     table = buffers.block_table
@@ -80,6 +110,11 @@ def test_a_write_changes_only_the_blocks_it_writes():
         (lambda t: t.set_row(0, [1] * (MAX_BLOCKS + 1)), rf"would hold {MAX_BLOCKS + 1} blocks; a row holds at most {MAX_BLOCKS}"),
         (lambda t: t.append(1, [1] * MAX_BLOCKS), rf"would hold {MAX_BLOCKS + 2} blocks"),
         (lambda t: t.move(1, MAX_REQS), rf"move: row {MAX_REQS} is outside"),
+        (lambda t: t.truncate(MAX_REQS, 0), rf"truncate: row {MAX_REQS} is outside"),
+        (lambda t: t.truncate(1, 3), r"truncate\(row 1\): num_blocks 3 is outside 0\.\.2 \(the blocks the row holds\); truncate keeps a prefix"),
+        (lambda t: t.truncate(1, -1), r"truncate\(row 1\): num_blocks -1 is outside 0\.\.2"),
+        (lambda t: t.truncate(1, 1.0), r"truncate\(row 1\): num_blocks must be an integer; got 1\.0"),
+        (lambda t: t.truncate(1, True), r"truncate\(row 1\): num_blocks must be an integer; got True"),
     ],
 )  # fmt: skip
 def test_bad_writes_are_refused_before_anything_changes(write, match):

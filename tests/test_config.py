@@ -448,3 +448,10 @@ def test_a_device_index_torch_would_wrap_or_refuse_is_a_config_error(device, mes
     with pytest.raises(ConfigError, match=rf"device: {message}"):
         load_config(overrides={"device": device})
     assert load_config(overrides={"device": "cuda:127"}).device == "cuda:127"
+
+
+def test_a_bad_memory_budget_is_named_beside_another_fields_mistake():
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides={"capture.memory_budget": "lots", "capture.mode": "bogus"})
+    keys = {problem.key for problem in info.value.problems}
+    assert {"capture.memory_budget", "capture.mode"} <= keys, keys

@@ -68,6 +68,8 @@ def test_groups_load_validate_and_round_trip():
          r"slots cannot hold one request's max_model_len tokens plus the null block 0: raise it to 17"),
         ([{**WINDOW, "blocks": 3}], r"kv_cache\.groups\[0\]\.blocks: unknown key \(did you mean num_blocks\?\)"),
         ([{"block_size": 2}], r"kv_cache\.groups\[0\]\.name: is required: it names ForwardInputs\.kv_groups\[name\]"),
+        ([{"name": "window", "block_size": 2}], r"kv_cache\.groups\[0\]\.num_blocks: is required for group 'window': "
+         r"the blocks of its own cache, null block 0 included \(it is not kv_cache\.num_blocks"),
         ("window", r"kv_cache\.groups: must be a list of group mappings"),
     ],
 )  # fmt: skip
@@ -290,3 +292,10 @@ def test_resize_kv_of_a_group_moves_its_bound():
     )
     with pytest.raises(ConfigError, match=r"kv_cache\.groups\[0\]\.num_blocks: must be >= 2; got 1"):
         manager.resize_kv(1, group="window")
+
+
+def test_a_group_given_in_code_without_num_blocks_is_refused_too():
+    from graphcap.config.sections import KVGroupConfig
+
+    with pytest.raises(ConfigError, match=r"kv_cache\.groups\[\]\.num_blocks: is required for group 'window'"):
+        KVGroupConfig(name="window", block_size=2)

@@ -7,6 +7,8 @@ batch reads live blocks and writes only blocks the engine names as scratch (or n
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -373,3 +375,75 @@ def test_release_on_cuda_gives_the_pool_back_and_capture_after_it_works():
     manager.capture()
     batch = StepBatch([1, 1], [3, 4], [5, 6], [[1], [2]])
     torch.testing.assert_close(manager.execute(batch).clone(), manager.eager(batch))
+
+
+@pytest.mark.parametrize(
+    ("tensors", "block_dim", "error", "match"),
+    [
+        ({"": torch.zeros(60, 4)}, 0, TypeError, r"tensors must be named by non-empty strings .*; got ''"),
+        ({"cache": torch.zeros(60, 4).to_sparse()}, 0, CaptureError, r"'static\.cache' is a Tensor without storage"),
+        ({"cache": torch.zeros(60, 4)}, 2, ValueError, r"block_dim 2 is not a dim of tensors\['cache'\]"),
+    ],
+    ids=["empty_name", "sparse", "bad_block_dim"],
+)
+def test_a_refused_resize_kv_changes_nothing_and_the_graphs_keep_serving(tensors, block_dim, error, match):
+    manager = make_manager(make_config())
+    manager.capture()
+    graphs = dict(manager.graphs)
+    with pytest.raises(error, match=match):
+        manager.resize_kv(60, tensors, block_dim=block_dim)
+    assert manager.config.kv_cache.num_blocks == 72 and manager.buffers.limits.num_blocks == 72
+    assert manager.graphs == graphs and manager.stats.releases == 0
+    manager.block_table.set_row(0, [1, 65, 2])  # block 65: past the refused bound of 60
+    batch = _decode(manager, [9])
+    expected = manager.eager(batch).clone()
+    torch.testing.assert_close(manager.execute(batch), expected)
+    assert manager.last_key in graphs and manager.stats.graph_hits[manager.last_key] == 1
+
+
+class _WatchedLock:
+    """A manager's lock that tells its owner's thread when another thread starts waiting for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._owner = threading.get_ident()
+        self.other_waits = threading.Event()
+
+    def __enter__(self) -> None:
+        if threading.get_ident() != self._owner:
+            self.other_waits.set()
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+@pytest.mark.parametrize("call", ["capture", "capture_pending"])
+def test_a_capture_waiting_for_the_lock_while_resize_kv_grows_the_cache_uses_the_new_bound(call):
+    # The engine grows its cache to 120 blocks while another thread's capture names scratch blocks
+    # 100-109: the pass must be built under the lock, after resize_kv, or it refuses them by the old bound.
+    strategy = "lazy" if call == "capture_pending" else "upfront"
+    manager = make_manager(make_config(capture__strategy=strategy))
+    manager.model.resize_kv_cache(120)
+    lock = _WatchedLock()
+    manager._lock = lock
+    outcome: dict[str, object] = {}
+
+    def capture() -> None:
+        try:
+            outcome["result"] = getattr(manager, call)(scratch_blocks=range(100, 110))
+        except Exception as exc:  # reported to the main thread
+            outcome["error"] = exc
+        finally:
+            lock.other_waits.set()  # a capture that failed before the lock never waits for it
+
+    with lock:
+        thread = threading.Thread(target=capture)
+        thread.start()
+        assert lock.other_waits.wait(timeout=120), "the capture thread neither waited for the lock nor ended"
+        manager.resize_kv(120)
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    assert "error" not in outcome, outcome.get("error")
+    assert len(manager.graphs) == len(manager.registry.planned)
+    assert manager.config.kv_cache.num_blocks == 120

@@ -7,11 +7,14 @@ On CPU the emulated backend accounts the estimate; on CUDA the budget is also re
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 
 from graphcap import ConfigError, StepBatch
+from graphcap.config.byte_counts import format_bytes
 from graphcap.memory.budget import MemoryBudget
 from graphcap.memory.estimate import estimate_memory
 from graphcap.testing import make_config, make_manager
@@ -122,3 +125,39 @@ def test_a_budget_the_device_cannot_hold_is_refused_at_capture_naming_the_key(st
     with pytest.raises(ConfigError, match=r"capture.memory_budget: 68719476736 bytes could not be reserved on cpu"):
         manager.capture()
     assert not manager.graphs and manager.backend.reserved_bytes is None
+
+
+@pytest.mark.parametrize("strategy", ["upfront", "lazy"])
+def test_a_measured_pool_past_a_budget_the_estimate_meets_is_a_warning_naming_both_figures(strategy, caplog):
+    # On the emulated backend a graph's measured memory (its tape's peak and output) is about 10x the
+    # estimate's graphs part: a budget of half the measured pool admits every key by the estimate.
+    measured = make_manager(make_config()).capture().pool_bytes
+    budget = measured // 2
+    manager = make_manager(make_config(capture__memory_budget=budget, capture__strategy=strategy))
+    with caplog.at_level("WARNING", logger="graphcap"):
+        report = manager.capture()
+        if strategy == "lazy":
+            assert manager.capture_pending() == len(manager.registry.planned)
+    assert len(manager.graphs) == len(manager.registry.planned)  # the estimate met the budget for every key
+    estimate = _budget_of(manager.config, manager.graphs)
+    assert estimate <= budget < measured
+    (warning,) = [r.getMessage() for r in caplog.records if "capture.memory_budget" in r.getMessage()]
+    words = (
+        rf"capture\.memory_budget {re.escape(format_bytes(budget))} holds to graphcap's estimate of the graphs "
+        r"\((.+) for the (\d+) live graphs\), not to measured memory: their captures grew the pool by (.+), "
+        r"(\d+\.\d)x the budget\. To keep device memory within it, lower capture\.memory_budget by that ratio"
+    )
+    shown_estimate, live, grown, ratio = re.fullmatch(words + ".*", warning).groups()
+    if strategy == "upfront":  # one call: the whole pool
+        assert (shown_estimate, live, grown, ratio) == (format_bytes(estimate), "6", format_bytes(measured), "2.0")
+        assert report.warnings == [warning] and report.memory_budget["pool_bytes"] == measured
+        assert f"warning: {warning}" in report.summary()
+    else:  # logged once, by the capture_pending key that crossed it
+        assert int(live) < 6 and float(ratio) > 1.0
+
+
+def test_a_measured_pool_within_the_budget_warns_nothing(caplog):
+    measured = make_manager(make_config()).capture().pool_bytes
+    with caplog.at_level("WARNING", logger="graphcap"):
+        report = make_manager(make_config(capture__memory_budget=measured)).capture()
+    assert report.warnings == [] and not [r for r in caplog.records if "memory_budget" in r.getMessage()]

@@ -61,11 +61,24 @@ def test_non_editable_install_finds_the_embedded_default_and_carries_license_and
 
 
 def _tracked_files() -> list[str]:
+    """Tracked files and links (a link to a directory, as `capture_configs`, is one entry)."""
     try:
         listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout: nothing to compare the archives with")
-    return [name for name in listed.stdout.splitlines() if (ROOT / name).is_file()]
+    return [name for name in listed.stdout.splitlines() if (ROOT / name).is_file() or (ROOT / name).is_symlink()]
+
+
+def _files_of(tracked: list[str]) -> set[str]:
+    """The files a checkout of `tracked` holds: a link to a directory stands for the files under it."""
+    files = set()
+    for name in tracked:
+        path = ROOT / name
+        if path.is_dir():
+            files |= {f"{name}/{p.relative_to(path).as_posix()}" for p in path.rglob("*") if p.is_file()}
+        else:
+            files.add(name)
+    return files
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +89,10 @@ def built(tmp_path_factory):
     source = tmp_path_factory.mktemp("source")
     for name in tracked:
         (source / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, source / name)
+        if (ROOT / name).is_symlink():  # kept a link, as a checkout has it
+            os.symlink(os.readlink(ROOT / name), source / name)
+        else:
+            shutil.copy2(ROOT / name, source / name)
     build = (
         "import sys; from setuptools import build_meta as b; out = sys.argv[1]; "  # build_meta rewrites sys.argv
         "names = b.build_sdist(out), b.build_wheel(out); print('built', *names)"
@@ -98,10 +114,12 @@ def built(tmp_path_factory):
 
 def test_the_sdist_holds_every_tracked_file(built):
     tracked, in_sdist, _ = built
-    missing = sorted(set(tracked) - in_sdist - {".gitignore"})
+    missing = sorted(_files_of(tracked) - in_sdist - {".gitignore"})
     assert missing == [], f"the sdist lacks {missing[:10]} (MANIFEST.in)"
     for needed in ("CHANGELOG.md", "docs/BENCHMARKS.md", "tools/reliability.py", "tests/assets/bad_yaml_syntax.yaml"):
         assert needed in in_sdist
+    # The tests name bundled configs through the capture_configs link: an unpacked sdist must hold them there.
+    assert {f"capture_configs/{name}.yaml" for name in bundled_configs()} <= in_sdist
 
 
 def test_the_wheel_holds_the_package_and_every_bundled_config_and_no_tests(built):

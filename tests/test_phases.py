@@ -147,3 +147,12 @@ def test_a_custom_all_reduce_that_cannot_tell_a_warmup_from_a_recording_fails_ve
     ):
         manager.capture()
     assert manager.graphs == {}
+
+
+def test_capture_pending_stages_its_dummy_batches_in_the_capture_phase():
+    model = PhaseModel()
+    config = make_config(capture__strategy="lazy")
+    manager = CaptureManager(model, config, backend="emulated", progress=False)
+    assert manager.capture_pending(max_keys=2) == 2
+    assert {outer for _, outer in model.prepares} == {"capture", "verify"} <= DUMMY_PHASES  # never "outside"
+    assert graphcap.phase() == "outside"

@@ -10,7 +10,8 @@ that is not the manager's own state:
 - `resized_config`: the config with a KV-cache group's new block count, validated like any config;
 - `check_kv_fits`: a config that names more blocks than a KV cache graphcap can see holds is a
   `ConfigError` naming `kv_cache.num_blocks` and the real count (the built-in model's cache, and
-  tensors given to `resize_kv`), not an out-of-bounds index deep inside a forward.
+  tensors given to `resize_kv`), not an out-of-bounds index deep inside a forward;
+- `KeptOutputs`: the last replay's outputs, kept valid across a `capture_pending()` between steps.
 
 A model shows graphcap its cache through `kv_cache_num_blocks` (an int attribute or property on
 the model or any of its submodules: the blocks its cache holds, the null block included), as
@@ -20,7 +21,8 @@ the built-in `TinyLlama` does.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -31,9 +33,19 @@ from graphcap.config import CaptureConfig
 from graphcap.errors import ConfigError, ConfigProblem
 from graphcap.keys import EAGER_REASONS, GraphKey, KeyRegistry, StepStats
 from graphcap.memory.budget import MemoryBudget
+from graphcap.outputs import flatten_output
 from graphcap.report import GraphRecord
 
-__all__ = ["REUSED", "LiveGraphs", "PassHistory", "check_kv_fits", "kv_tensors", "resize_plan", "resized_config"]
+__all__ = [
+    "REUSED",
+    "KeptOutputs",
+    "LiveGraphs",
+    "PassHistory",
+    "check_kv_fits",
+    "kv_tensors",
+    "resize_plan",
+    "resized_config",
+]
 
 REUSED = ("key schedule", "persistent buffers", "block table rows", "registered statics")
 """What a re-capture keeps from the passes before it (built once per manager, never rebuilt)."""
@@ -98,6 +110,56 @@ class LiveGraphs:
             self._backend.pool.release_reservation()
             self._backend.pool.rotate()
         return count
+
+
+class KeptOutputs:
+    """What the last replay returned (views of its graph's static output), kept valid across idle-time capture.
+
+    `execute`'s outputs are valid until the manager's next step. A `capture_pending()` between two
+    steps is no step, yet its captures and verification replays may reuse the pool memory those
+    views read (on CUDA the new graphs' intermediates land there; the emulated backend NaN-fills
+    them). `protected()` copies the views' values aside before and writes back, after, each one
+    whose bytes changed: a tensor the captures left alone (a view of a buffer the engine owns, which
+    capture writes only in the null and scratch blocks) is never written. Costs one copy of the real
+    rows of the last step's outputs per `capture_pending()` call; nothing when the last step ran eagerly.
+    Graphs freed (`capture()`, `release()`, `resize_kv()`, `reset()`) take their outputs with them.
+    """
+
+    def __init__(self) -> None:
+        self._graph: Any = None
+        self._output: Any = None
+
+    def hold(self, graph: Any, output: Any) -> None:
+        """`output` is what a replay of `graph` returned (called on every replayed step)."""
+        self._graph, self._output = graph, output
+
+    def drop(self) -> None:
+        """No replay's output is valid any more (an eager step, or the graphs were freed)."""
+        self._graph = self._output = None
+
+    @contextmanager
+    def protected(self) -> Iterator[None]:
+        """Inside, anything may replay or capture; on exit the held outputs read what they read on entry."""
+        graph, output = self._graph, self._output
+        if graph is None or graph.is_released:
+            yield
+            return
+        leaves = [t for t in flatten_output(output, "the last step")[0] if t.numel()]
+        with torch.inference_mode():
+            saved = [t.clone() for t in leaves]
+        try:
+            yield
+        finally:
+            if not graph.is_released:  # released inside: the views read freed memory, as the contract says
+                with torch.inference_mode():
+                    for leaf, value in zip(leaves, saved):
+                        if not _same_bytes(leaf, value):
+                            leaf.copy_(value)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN equals the same NaN): whether `a` still holds the bytes `b` copied."""
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 class PassHistory:
@@ -180,6 +242,8 @@ def kv_tensors(tensors: Any) -> dict[str, torch.Tensor]:
     else:
         raise TypeError(f"tensors must be a tensor, a list of tensors or a mapping of names to them; got {tensors!r}")
     for name, tensor in named.items():
+        if not name:
+            raise TypeError(f"tensors must be named by non-empty strings (registered as static.NAME); got {name!r}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensors[{name!r}] must be a torch.Tensor; got {type(tensor).__name__}")
     return named

@@ -83,15 +83,24 @@ class StaticGuard:
 
         `CaptureError` when the tensor has no storage of its own (a wrapper: register its inner tensors).
         """
+        self.check_registrable(name, tensor)
+        self.registered[name] = tensor
+        if self._armed and f"static.{name}" not in self._names:
+            # Registered after capture: checked from now on as it is now.
+            self._add(self._before, Reached(f"static.{name}", tensor, self.registered, name, "static input"))
+
+    @staticmethod
+    def check_registrable(name: str, tensor: torch.Tensor) -> None:
+        """What `register` refuses, refused without registering (`resize_kv` checks every tensor before any change).
+
+        `TypeError` for a name that is not a non-empty string or a value that is not a tensor; `CaptureError`
+        for a tensor without storage of its own (a sparse tensor, a wrapper: register its inner tensors).
+        """
         if not isinstance(name, str) or not name:
             raise TypeError(f"register_static: name must be a non-empty string; got {name!r}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"register_static({name!r}, ...): expected a torch.Tensor; got {type(tensor).__name__}")
         storage_ptr(tensor, f"static.{name}")
-        self.registered[name] = tensor
-        if self._armed and f"static.{name}" not in self._names:
-            # Registered after capture: checked from now on as it is now.
-            self._add(self._before, Reached(f"static.{name}", tensor, self.registered, name, "static input"))
 
     def collect(self, model: Any, staging: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every static tensor by name: staging, the registered, what the model reaches (`graphcap.checks.statics`)."""

@@ -25,7 +25,8 @@ A histogram file holds one observed token count per line, or `TOKENS COUNT` pair
 --max-graphs N chooses at most N sizes (within capture.max_size) that pad the fewest tokens
 over the histogram: the first line is `sizes: [...]`, then a table. --memory-budget keeps the
 graphs within graphcap's memory estimate. --out writes a config fragment (capture.sizes and
-capture.max_size) to merge into the config.
+capture.max_size) to merge into the config, creating missing directories as capture --report does
+(checked before any work: a path under a file or in a directory without write permission is refused).
 """
 
 
@@ -171,8 +172,9 @@ def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gr
         if constraints.max_size < config.capture.max_size:  # full_decode_only: the largest uniform key
             q = config.capture.uniform_query_len
             limit = f"batching.max_num_seqs {config.batching.max_num_seqs} x uniform_query_len {q}"
+    created = None
     if args.out is not None:
-        _check_out(args.out, (args.config, args.histogram))
+        created = _check_out(args.out, (args.config, args.histogram))
     histogram = read_histogram(args.histogram)
     largest = max((n for n, steps in histogram.items() if steps > 0), default=0)
     if config is not None and largest > config.batching.max_num_tokens:
@@ -181,10 +183,17 @@ def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gr
             f"{config.batching.max_num_tokens}, which no step of this config exceeds; is the histogram from "
             "another engine config? (raise batching.max_num_tokens to match it)"
         )
+    candidates = candidate_sizes(histogram, constraints)
+    if not candidates:
+        smallest = min(n for n, steps in histogram.items() if steps > 0)
+        raise UserError(
+            f"--histogram {args.histogram}: no observed step can replay: the smallest token count {smallest} is "
+            f"above {limit}, so no size can be chosen; raise that limit or give a histogram of this config's traffic"
+        )
     costs, each = None, []
     try:
         if (config is not None and config.model.factory is None) or budget is not None:
-            priced = tuple(sorted({*candidate_sizes(histogram, constraints), *ladder_sizes(constraints)}))
+            priced = tuple(sorted({*candidates, *ladder_sizes(constraints)}))
             costs, each = _costs(config, priced)
         held = choose_held_out(histogram, max_graphs, constraints, costs=costs, memory_budget=budget)
         choice = held.choice
@@ -236,7 +245,8 @@ def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gr
         shown = ", ".join(f"{c.backend} {format_bytes(c.bytes_of(choice.sizes))}" for c in each)
         print(f"  graph memory estimate: {shown}" + (f" (budget {format_bytes(budget)})" if budget else ""))
     if args.out is not None:
-        print(f"  wrote capture.sizes and capture.max_size to {args.out}")
+        made = f" (created {created})" if created else ""
+        print(f"  wrote capture.sizes and capture.max_size to {args.out}{made}")
     return 0
 
 
@@ -268,13 +278,22 @@ def _fragment(choice: Any, args: argparse.Namespace) -> str:
     )
 
 
-def _check_out(path: str, inputs: tuple[str | None, ...]) -> None:
-    """Refuse an `--out` that is a directory or one of the command's own input files."""
+def _check_out(path: str, inputs: tuple[str | None, ...]) -> str | None:
+    """Refuse an `--out` that is a directory, one of the command's own input files, or a path whose
+    missing directories cannot be created (`capture --report`'s rules); the first directory to create."""
     if os.path.isdir(path):
         raise UserError(f"--out {path}: is a directory; give a file name, e.g. {os.path.join(path, 'sizes.yaml')}")
     for given in inputs:
         if given and os.path.exists(path) and os.path.exists(given) and os.path.samefile(path, given):
             raise UserError(f"--out {path}: is the input file {given}; writing there would destroy it")
+    parent, missing = os.path.dirname(os.path.abspath(path)), None
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:  # the directories the write creates
+        parent, missing = os.path.dirname(parent), parent
+    if not os.path.isdir(parent):
+        raise UserError(f"--out {path}: cannot be created: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"--out {path}: cannot be written: no write permission in {parent}")
+    return missing
 
 
 def _span(counts: list[int]) -> str:
@@ -284,7 +303,10 @@ def _span(counts: list[int]) -> str:
 
 
 def _count(total: float) -> str:
-    return f"{total:.0f}" if total == int(total) else f"{total:.3g}"
+    """A step count as a reader takes it in: whole counts up to 10**12 in full, others in 4 digits (`1.235e+300`)."""
+    if total == int(total) and total < 1e12:
+        return f"{int(total)}"
+    return f"{total:.4g}"
 
 
 def _parse_max_graphs(text: str | None) -> int:

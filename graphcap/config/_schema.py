@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import field, fields
 from typing import Any, ClassVar, Literal
 
@@ -26,8 +26,17 @@ def problem(key: str, message: str, *, involves: tuple[str, ...] = ()) -> Config
     return ConfigProblem(key, message, involves=involves)
 
 
-def spec(default: Any, *, min: float | None = None, max: float | None = None, gt: float | None = None):
-    return field(default=default, metadata={"min": min, "max": max, "gt": gt})
+def spec(
+    default: Any,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    gt: float | None = None,
+    check: Callable[[Any], str] | None = None,
+):
+    """A field with its range, and `check(value) -> message` ("" when fine) for a rule of its own; both run
+    with the type checks, so a field's problem is named beside every other field's."""
+    return field(default=default, metadata={"min": min, "max": max, "gt": gt, "check": check})
 
 
 class Section:
@@ -52,6 +61,8 @@ class Section:
             if converted is not value:
                 object.__setattr__(self, f.name, converted)
             message = _range_problem(converted, f.metadata)
+            if not message and f.metadata and f.metadata.get("check") is not None:
+                message = f.metadata["check"](converted)
             if message:
                 problems.append(ConfigProblem(key, message))
         if not problems:

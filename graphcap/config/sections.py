@@ -81,8 +81,10 @@ class KVGroupConfig(Section):
     """Names `ForwardInputs.kv_groups[name]` and `StepBatch(kv_groups={name: ...})`; a Python identifier."""
     block_size: int = spec(16, min=1, max=1 << 16)
     """Token slots per block of this group (at most 65536)."""
-    num_blocks: int = spec(256, min=2, max=INT32_MAX)
-    """Blocks of this group's cache, its null block 0 included."""
+    num_blocks: int | None = spec(None, min=2, max=INT32_MAX)
+    """Blocks of this group's cache, its null block 0 included. Required: a group's cache is its own,
+    sized apart from `kv_cache.num_blocks` (no default could be right; give the built-in group's
+    count explicitly when the caches match)."""
     sliding_window: int | None = spec(None, min=1, max=1 << 24)
     """Tokens a layer of this group attends back, null for all: a note the model reads
     (`inputs.kv_groups[name].sliding_window`). The engine frees blocks that fall out of the window
@@ -94,7 +96,15 @@ class KVGroupConfig(Section):
             out.append(
                 problem("name", f"must be a Python identifier (it names inputs.kv_groups[...]); got {self.name!r}")
             )
-        if self.num_blocks * self.block_size > INT32_MAX:
+        if self.num_blocks is None:
+            out.append(
+                problem(
+                    "num_blocks",
+                    f"is required for group {self.name!r}: the blocks of its own cache, null block 0 included (it "
+                    "is not kv_cache.num_blocks; write that count here when both caches hold as many blocks)",
+                )
+            )
+        elif self.num_blocks * self.block_size > INT32_MAX:
             out.append(problem("num_blocks", f"{self.num_blocks} blocks x block_size {self.block_size} exceed the "
                                f"int32 range of slot_mapping ({INT32_MAX})"))  # fmt: skip
         return out
@@ -205,7 +215,7 @@ class CaptureSectionConfig(Section):
     strategy: Literal["upfront", "lazy"] = "upfront"
     """`upfront`: `capture()` captures every key before the first step; `lazy`: the manager serves at once
     (uncaptured keys run eagerly, reason `pending`) and `capture_pending()` captures keys in idle time."""
-    memory_budget: int | str | None = None
+    memory_budget: int | str | None = spec(None, check=lambda budget: _budget_problem(budget))
     """Bytes the graphs may hold (`4GiB`, `512MiB` or an integer), by graphcap's estimate; a key that would
     cross it is not captured (eager reason `over_budget`). Null: no budget."""
     capture_error_mode: Literal["thread_local", "global", "relaxed"] = "thread_local"
@@ -238,10 +248,6 @@ class CaptureSectionConfig(Section):
             object.__setattr__(self, "max_size", resolved)
 
     def _check(self) -> list[ConfigProblem]:
-        budget = self.memory_budget
-        if isinstance(budget, str) or (budget is not None and not 1 <= budget < MAX_BYTES):
-            shown = repr(budget) if isinstance(budget, str) else str(budget)
-            return [problem("memory_budget", f"expected bytes >= 1 or a size such as 4GiB or 512MiB; got {shown}")]
         if self.sizes == "auto":
             try:
                 default_capture_sizes(
@@ -279,6 +285,14 @@ class CaptureSectionConfig(Section):
                 )
             ]
         return []
+
+
+def _budget_problem(budget: int | str | None) -> str:
+    """`capture.memory_budget`'s own rule: bytes in [1, MAX_BYTES) once a size word was parsed."""
+    if isinstance(budget, str) or (budget is not None and not 1 <= budget < MAX_BYTES):
+        shown = repr(budget) if isinstance(budget, str) else str(budget)
+        return f"expected bytes >= 1 or a size such as 4GiB or 512MiB; got {shown}"
+    return ""
 
 
 _MODES = typing.get_args(typing.get_type_hints(CaptureSectionConfig)["mode"])

@@ -167,11 +167,12 @@ class StepAgreement:
                 "every rank keeps its graphs, so the ranks stay in step"
             )
 
-    def begin_capture(self) -> None:
-        """Before a capture pass runs anything: ranks capturing while a peer steps fail here, out of step."""
+    def begin_capture(self, call: str = "capture") -> None:
+        """Before a capture pass (`call`: "capture" or "capture_pending") runs anything: ranks capturing while a
+        peer steps (or makes the other call) fail here, out of step, each rank's call named."""
         self.current = None
         for sync in self.syncs:
-            sync.agree(self.steps, "capture")
+            sync.agree(self.steps, call)
 
     def first_failed(self, failed: bool, kind: str, what: str) -> int | None:
         """The lowest world rank that failed `what` (DP, then TP: every rank of a TP x DP grid learns it)."""
@@ -242,7 +243,7 @@ class StepAgreement:
         dispatch, counts, padded = own, (batch.num_tokens,), None
         if self.dp is not None:
             dispatch, counts, padded = self._agree_dp(number, call, batch, uniform, own)
-        elif own.mode is Mode.EAGER:  # the step's key is its own: counted once, as without peers
+        elif own.mode is Mode.EAGER and call == "execute":  # the step's key: counted once, as without peers
             self.registry.dispatch(batch.num_tokens, batch.num_reqs, uniform)
         step = AgreedStep(number, dispatch, batch, counts, padded, refused)
         if call == "execute":
@@ -323,7 +324,8 @@ class StepAgreement:
         counts = tuple(agreement.values)
         padded = (num_tokens, num_reqs) if self.pads_eager() else None
         eager = Dispatch(Mode.EAGER, _eager_key(batch, padded), own.reason if own.mode is Mode.EAGER else "peer")
-        agreed = registry.dispatch(num_tokens, num_reqs, not any_mixed)  # counts the agreed key's demand, once
+        # Counts the agreed key's demand, once, for a step; a dispatch() is a query and counts nothing.
+        agreed = registry.dispatch(num_tokens, num_reqs, not any_mixed, count=call == "execute")
         if any_cannot or agreed.mode is Mode.EAGER:
             return eager, counts, padded
         return agreed, counts, padded

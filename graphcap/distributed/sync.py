@@ -43,6 +43,7 @@ KINDS = {
     "release": (8, "release()"),
     "resize_kv": (9, "resize_kv()"),
     "reset": (10, "reset()"),
+    "capture_pending": (11, "capture_pending() starting"),
 }
 """Kind of call -> (its number in the call slot, its name in "ranks out of step" messages)."""
 _NAMES = {number: name for number, name in KINDS.values()}
@@ -157,7 +158,8 @@ class GroupSync:
         return DistributedTimeoutError(
             f"{what}: ranks out of step: the {self.role} ranks made different calls ({described}); every rank "
             "must call execute/dispatch "
-            "once per step (an idle rank passes None) and capture() at the same point, with the same config. "
+            "once per step (an idle rank passes None), and the same calls between steps (capture(), "
+            "capture_pending(), release(), resize_kv(), reset()) at the same point, with the same config. "
             "No rank ran the step"
         )
 
@@ -203,6 +205,6 @@ def _describe(call: int) -> str:
     name = _NAMES.get(kind, "an unknown call")
     if kind in (3, 4):
         return f"{name} a key (tag {call & 0xFFFF}) after step {step}"
-    if kind in (1, 2, 8, 9, 10):  # between steps: the number is the steps executed before it
+    if kind in (1, 2, 8, 9, 10, 11):  # between steps: the number is the steps executed before it
         return f"{name} after step {step}"
     return f"{name} of step {step}"

@@ -23,6 +23,12 @@ what a capture needs beyond either still takes fresh device memory. The reservat
 pool through rotations (a failed capture), goes back on `release()`, and is taken once per pool.
 The emulated backend reserves nothing: it accounts the same estimate, so the budget logic is
 tested on CPU.
+
+The budget holds to graphcap's estimate, not to the memory the captures measure: the estimate
+decides before a key is captured, the measure comes after. When the pool the live graphs'
+captures measured grows past the budget although the estimate meets it (the model allocates more
+than the estimate knows of), `overrun` words a warning naming both figures: `capture()` puts it
+in the report's warnings and logs it, `capture_pending()` logs it when its captures cross.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ class MemoryBudget:
         self, config: CaptureConfig, backend_name: str, measure: Callable[[GraphKey], GraphMemory] | None = None
     ) -> None:
         self.limit: int | None = config.capture.memory_budget
+        self.pool_growth = 0
+        """Device memory the captures of the live graphs added, as the pool measured it (`observe`)."""
         self.kind = "cuda" if backend_name == "cuda" else "emulated"
         """Which estimate applies: `cuda` (one shared pool) or `emulated` (each graph's output)."""
         self.measure = measure
@@ -87,6 +95,26 @@ class MemoryBudget:
             )
             declined.append(GraphRecord(key, "skipped", 0.0, 0, False, reason))
         return admitted, declined
+
+    def observe(self, grown: int, *, fresh: bool) -> bool:
+        """The captures of one call added `grown` bytes (`fresh`: no graph was live before them); whether the
+        measured total crossed the budget with them (it was within before)."""
+        before = 0 if fresh else self.pool_growth
+        self.pool_growth = before + grown
+        return self.limit is not None and before <= self.limit < self.pool_growth
+
+    def overrun(self, config: CaptureConfig, held: Iterable[GraphKey]) -> str | None:
+        """A warning when the measured memory of the live graphs `held` is past the budget (None: within it)."""
+        if self.limit is None or self.pool_growth <= self.limit:
+            return None
+        held = list(held)
+        estimate, measured, limit = self.estimate(config, held), self.pool_growth, self.limit
+        return (
+            f"capture.memory_budget {format_bytes(limit)} holds to graphcap's estimate of the graphs "
+            f"({format_bytes(estimate)} for the {len(held)} live graphs), not to measured memory: their captures "
+            f"grew the pool by {format_bytes(measured)}, {measured / limit:.1f}x the budget. To keep device memory "
+            "within it, lower capture.memory_budget by that ratio or capture fewer sizes"
+        )
 
     def to_dict(
         self, config: CaptureConfig, held: Iterable[GraphKey], pool_bytes: int, backend: Any

@@ -4,6 +4,14 @@ A model is anything with `forward(inputs: ForwardInputs) -> logits [T, vocab]`. 
 `tiny-llama` (`TinyLlama`, a Llama-style decoder over a paged KV cache). Your own model
 comes from `model.factory: "pkg.module:function"`, called with the `CaptureConfig`.
 
+To wrap the built-in model (add a head, a LoRA, an adapter), a factory calls `build_model(config)`
+with the config it was given: while a factory runs, `build_model` of a config naming that same
+factory builds the built-in `tiny-llama` from the config's `model` shape keys and `kv_cache` (checked
+by the built-in model's shape rules), instead of calling the factory again:
+
+    def make_wrapped(config):
+        return WithAdapter(build_model(config))  # the built-in model inside
+
 Trust: a config that names a factory runs that code, as a Python script would; load configs
 only from people you would take a script from. The factory's module is found on `sys.path`,
 then in the directory of the config file that names it, then in the current directory (both
@@ -14,18 +22,20 @@ for the `graphcap` console script, `python -m graphcap` and a library call.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from types import MappingProxyType
 
 import torch
 from torch import nn
 
 from graphcap.backends import resolve_device
-from graphcap.config import CaptureConfig
+from graphcap.config import BUILTIN_MODELS, CaptureConfig
 from graphcap.errors import ConfigError, ConfigProblem
 from graphcap.models.llama import TinyLlama
 from graphcap.models.reference import dense_reference
@@ -45,6 +55,9 @@ __all__ = [
 MODELS: Mapping[str, Callable[[CaptureConfig, torch.device], nn.Module]] = MappingProxyType({"tiny-llama": TinyLlama})
 """Built-in models: `model.name` -> builder(config, device). Must match `config.BUILTIN_MODELS`."""
 
+_RUNNING: ContextVar[frozenset[str]] = ContextVar("graphcap_factories_running", default=frozenset())
+"""The factories (`model.factory` specs) `build_model` is inside of, on this thread."""
+
 
 def build_model(config: CaptureConfig, device: torch.device | str | None = None) -> nn.Module:
     """The model `config.model` names, on `device` (None: `resolve_device(config)`).
@@ -57,9 +70,14 @@ def build_model(config: CaptureConfig, device: torch.device | str | None = None)
     Raises `ConfigError` (key `model.factory`) when the factory cannot be imported, is not
     callable, or returns something without a callable `forward`.
     Exceptions raised inside the factory itself propagate unchanged.
+
+    Called from inside the factory a config names (the factory wraps the built-in model), it
+    builds the built-in model from that config's shape keys instead (see the module doc).
     """
     device = resolve_device(config) if device is None else torch.device(device)
     spec = config.model.factory
+    if spec is not None and spec in _RUNNING.get():
+        config, spec = _builtin_of(config), None
     if spec is None:
         builder = MODELS.get(config.model.name)
         if builder is None:
@@ -67,8 +85,12 @@ def build_model(config: CaptureConfig, device: torch.device | str | None = None)
         return builder(config, device)
     factory = load_factory(spec, beside=config.source)
     kwargs = {"device": device} if _takes_device(factory) else {}
-    with _searched_last(_search_dirs(config.source)):  # the factory may import its siblings as it runs
-        model = factory(config, **kwargs)
+    running = _RUNNING.set(_RUNNING.get() | {spec})  # its own build_model(config) builds the built-in model
+    try:
+        with _searched_last(_search_dirs(config.source)):  # the factory may import its siblings as it runs
+            model = factory(config, **kwargs)
+    finally:
+        _RUNNING.reset(running)
     if not callable(getattr(model, "forward", None)):
         raise _error(
             "model.factory",
@@ -78,6 +100,21 @@ def build_model(config: CaptureConfig, device: torch.device | str | None = None)
     if isinstance(model, nn.Module):
         model = model.to(device)
     return model
+
+
+def _builtin_of(config: CaptureConfig) -> CaptureConfig:
+    """`config` naming the built-in model instead of its factory; `ConfigError` (keys `model.*`) when its
+    shape keys break the built-in model's rules (a factory model is not held to them)."""
+    try:
+        model = dataclasses.replace(config.model, factory=None, name=BUILTIN_MODELS[0])
+    except ConfigError as exc:
+        shown = "; ".join(f"{p.key}: {p.message}" for p in exc.problems)
+        raise _error(
+            "model.factory",
+            f"{config.model.factory} asked build_model(config) for the built-in {BUILTIN_MODELS[0]} model it wraps, "
+            f"but the config's model keys do not describe one ({shown}); fix them, or build the inner model yourself",
+        ) from None
+    return dataclasses.replace(config, model=model)
 
 
 def _takes_device(factory: Callable) -> bool:

@@ -357,3 +357,49 @@ def test_under_full_decode_only_the_largest_uniform_key_bounds_the_choice(capsys
         "  steps that run eagerly: 11.1% (token count 40: above batching.max_num_seqs 16 x uniform_query_len 1)"
         in lines
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "limit"),
+    [((), "capture.max_size 64"), (("--max-size", "16"), "--max-size 16")],
+)
+def test_a_histogram_whose_every_step_is_above_the_largest_size_exits_2_naming_the_limit(capsys, tmp_path, argv, limit):
+    path = histogram_file(tmp_path, "100 5\n120 3\n")
+    code, out, err = run(capsys, "--histogram", str(path), "--max-graphs", "3", *argv)
+    assert (code, out) == (2, "")
+    assert err == (
+        f"graphcap sizes: error: --histogram {path}: no observed step can replay: the smallest token count 100 is "
+        f"above {limit}, so no size can be chosen; raise that limit or give a histogram of this config's traffic\n"
+    )
+
+
+def test_out_creates_missing_directories_as_capture_report_does_and_says_so(capsys, tmp_path):
+    path = histogram_file(tmp_path)
+    out_file = tmp_path / "new" / "deeper" / "sizes.yaml"
+    code, out, _ = run(capsys, "--histogram", str(path), "--max-graphs", "3", "--out", str(out_file))
+    assert code == 0 and out_file.is_file()
+    assert out.splitlines()[-1] == (
+        f"  wrote capture.sizes and capture.max_size to {out_file} (created {tmp_path / 'new'})"
+    )
+    code, out, _ = run(capsys, "--histogram", str(path), "--max-graphs", "3", "--out", str(out_file))
+    assert code == 0 and out.splitlines()[-1] == f"  wrote capture.sizes and capture.max_size to {out_file}"
+
+
+def test_out_under_a_file_is_refused_before_any_work_naming_the_file(capsys, tmp_path):
+    path = histogram_file(tmp_path)
+    code, out, err = run(capsys, "--histogram", str(path), "--max-graphs", "3", "--out", str(path / "x" / "s.yaml"))
+    assert (code, out) == (2, "")
+    assert (
+        err == f"graphcap sizes: error: --out {path / 'x' / 's.yaml'}: cannot be created: {path} is not a directory\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("counts", "shown"),
+    [("1 1e300\n2 5\n", "1e+300"), ("1 123456789012345\n", "1.235e+14"), ("1 2.5\n2 1\n", "3.5"), ("1 70\n", "70")],
+)
+def test_the_step_count_a_choice_is_made_for_is_printed_in_a_few_digits(capsys, tmp_path, counts, shown):
+    path = histogram_file(tmp_path, counts)
+    code, out, _ = run(capsys, "--histogram", str(path), "--max-graphs", "3")
+    assert code == 0
+    assert out.splitlines()[1].startswith(f"chosen for {shown} steps in {path} (")

@@ -79,6 +79,16 @@ def test_a_rank_capturing_while_its_peer_steps_fails_on_both_ranks_and_keeps_its
         assert (result["after_mismatch"]["match"], result["after_mismatch"]["key"]) == ("ok", uniform(8))
 
 
+def test_a_rank_capturing_pending_keys_while_its_peer_steps_is_named_as_calling_capture_pending(ranks):
+    for result in ranks:
+        mismatch = result["pending_mismatch"]
+        assert mismatch["error"] == "DistributedTimeoutError", mismatch
+        assert "rank 0: capture_pending() starting after step 13; rank 1: execute() of step 14" in mismatch["message"]
+        assert (
+            "(capture(), capture_pending(), release(), resize_kv(), reset()) at the same point" in mismatch["message"]
+        )
+
+
 def test_a_collective_error_inside_a_step_names_the_step_and_the_key(tmp_path):
     # Rank 1 dies after the agreement of step 2, before the graph's all-gather: rank 0's replay fails
     # inside the collective (gloo: connection closed) and says which step and key, instead of a raw

@@ -51,6 +51,7 @@ def test_an_agreement_carries_at_most_eight_payload_values(sync):
 def test_a_call_is_described_by_its_step_and_kind_in_out_of_step_messages():
     assert _describe((3 << 24) | (6 << 16)) == "execute() of step 3"
     assert _describe((2 << 24) | (2 << 16)) == "capture() starting after step 2"
+    assert _describe((2 << 24) | (11 << 16)) == "capture_pending() starting after step 2"
     assert _describe((2 << 24) | (3 << 16) | 77) == "capturing a key (tag 77) after step 2"
 
 

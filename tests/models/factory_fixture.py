@@ -53,3 +53,20 @@ class Configured(nn.Module):
 
 def make_configured(config, *, device) -> Configured:
     return Configured(config, device)
+
+
+class WithScale(nn.Module):
+    """A factory model that wraps the built-in model: its logits times `model.options["scale"]`."""
+
+    def __init__(self, inner: nn.Module, scale: float) -> None:
+        super().__init__()
+        self.inner, self.scale = inner, scale
+
+    def forward(self, inputs) -> torch.Tensor:
+        return self.inner(inputs) * self.scale
+
+
+def make_wrapped(config) -> WithScale:
+    from graphcap.models import build_model
+
+    return WithScale(build_model(config), float(config.model.options.get("scale", 2.0)))

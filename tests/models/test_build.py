@@ -122,3 +122,31 @@ def test_a_factory_model_is_not_held_to_the_builtin_models_shape_rules():
 def test_model_options_must_be_a_mapping_with_string_keys(options, match):
     with pytest.raises(ConfigError, match=match):
         _config(**{"model.options": options})
+
+
+def test_a_factory_that_calls_build_model_wraps_the_builtin_model_built_from_its_config():
+    from graphcap import CaptureManager
+
+    config = _config(**{"model.name": None, "model.factory": f"{FIXTURE}:make_wrapped", "model.options": {"scale": 3}})
+    model = build_model(config)
+    assert isinstance(model, factory_fixture.WithScale) and isinstance(model.inner, TinyLlama)
+    assert model.inner.kv_cache_num_blocks == config.kv_cache.num_blocks
+    plain = build_model(_config())  # the same shape keys and seed: the same weights
+    torch.testing.assert_close(model.inner.embed, plain.embed)
+    manager = CaptureManager(model, config, progress=False)
+    assert all(record.verified for record in manager.capture().records)
+    batch = StepBatch([1, 1], [3, 5], [7, 9], [[1], [2]])
+    replayed = manager.execute(batch).clone()
+    assert manager.last_key in manager.graphs
+    torch.testing.assert_close(replayed, 3 * manager.model.inner(manager.buffers.stage(batch, manager.last_key))[:2])
+
+
+def test_a_factory_wrapping_the_builtin_model_with_shape_keys_it_refuses_is_told_which():
+    config = _config(**{"model.name": None, "model.factory": f"{FIXTURE}:make_wrapped", "model.num_heads": 3})
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.factory: .*:make_wrapped asked build_model\(config\) for the built-in tiny-llama model it wraps, "
+        r"but the config's model keys do not describe one \(model\.num_heads: hidden_size 256 is not divisible by "
+        r"num_heads 3; model\.num_kv_heads: num_heads 3 is not divisible by num_kv_heads 2\); fix them",
+    ):
+        build_model(config)

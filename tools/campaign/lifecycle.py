@@ -5,8 +5,9 @@ release/capture cycles and resize_kv cycles.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from graphcap import BatchError, StepBatch
+from graphcap import BatchError, CaptureError, ConfigError, StepBatch
 from graphcap.capture.verification import assert_close
 from graphcap.testing import make_config, make_manager
 
@@ -62,6 +63,7 @@ def lifecycle_rows(scale: Scale) -> list[Row]:
             else:
                 raise AssertionError("shrank past a live block")
             manager.block_table.clear(0)
+    refused, kept = _refused_resize_trials(), _kept_output_trials(scale.lifecycle_cycles)
     return [
         engine.row(
             "lifecycle",
@@ -79,4 +81,77 @@ def lifecycle_rows(scale: Scale) -> list[Row]:
             "resize_kv cycles: the cache grown, steps on the new blocks, captured again, a shrink past a live block",
             "graph == eager on the new blocks; the shrink refused naming the block, nothing changed",
         ),
+        refused.row(
+            "lifecycle",
+            "refused resize_kv: an unnamed or sparse tensor, a block_dim it lacks, a count the config refuses, "
+            "a cache smaller than the count, an unknown group",
+            "refused naming what is wrong; config, bound and graphs unchanged, a step on a block past the refused "
+            "bound replays == eager",
+        ),
+        kept.row(
+            "lifecycle",
+            "lazy capture_pending() between two steps, the last step's replayed output kept (not cloned)",
+            "the kept output == eager after the capture, and the next step replays == eager",
+        ),
     ]
+
+
+_REFUSED_RESIZES = [  # (num_blocks, tensors, keyword arguments, error, words of its message)
+    (60, {"": torch.zeros(60, 4)}, {}, TypeError, "non-empty strings"),
+    (60, {"cache": torch.zeros(60, 4).to_sparse()}, {}, CaptureError, "without storage of its own"),
+    (60, {"cache": torch.zeros(60, 4)}, {"block_dim": 2}, ValueError, "block_dim 2 is not a dim"),
+    (1, None, {}, ConfigError, "kv_cache.num_blocks: must be >= 2"),
+    (True, None, {}, ConfigError, "must be an integer"),
+    (60, {"cache": torch.zeros(50, 4)}, {}, ConfigError, "cache holds 50"),
+    (80, None, {"group": "window"}, ConfigError, "no group named 'window'"),
+]
+
+
+def _refused_resize_trials() -> Tally:
+    """Each refused `resize_kv` leaves the config, the bound and the graphs as they were."""
+    tally = Tally()
+    manager = make_manager(make_config())
+    manager.capture()
+    manager.block_table.set_row(0, [1, 65, 2])  # block 65: past the bound of 60 the refusals would set
+    step = StepBatch([1], [9], [3], manager.block_table)
+    expected = manager.eager(step).clone()
+    for num_blocks, tensors, kwargs, error, words in _REFUSED_RESIZES:
+        with tally.trial(f"resize_kv({num_blocks!r}, {tensors and list(tensors)}, {kwargs})"):
+            graphs = dict(manager.graphs)
+            try:
+                manager.resize_kv(num_blocks, tensors, **kwargs)
+            except error as exc:
+                if words not in str(exc):
+                    raise AssertionError(f"refused without naming it: {exc}") from None
+            else:
+                raise AssertionError("accepted")
+            if (manager.config.kv_cache.num_blocks, manager.buffers.limits.num_blocks) != (72, 72):
+                raise AssertionError("the bound changed")
+            if manager.graphs != graphs:
+                raise AssertionError("the graphs changed")
+            assert_close(manager.execute(step).clone(), expected)
+            if manager.last_key not in graphs:
+                raise AssertionError(f"ran eagerly as {manager.last_key}")
+    return tally
+
+
+def _kept_output_trials(cycles: int) -> Tally:
+    """A lazy manager's last replayed output, kept across `capture_pending()`, still reads eager's values."""
+    tally = Tally()
+    rng = np.random.default_rng(0)
+    manager = make_manager(make_config(capture__strategy="lazy"))
+    for cycle in range(cycles):
+        with tally.trial(f"cycle {cycle}"):
+            manager.release()
+            manager.capture_pending(max_keys=1)  # the busiest key: the 8-token decode of the steps below
+            num_reqs = int(rng.integers(5, 9))
+            table = np.arange(1, 1 + num_reqs * 4, dtype=np.int32).reshape(num_reqs, 4)
+            step = StepBatch(np.ones(num_reqs, np.int32), rng.integers(2, 16, num_reqs), np.arange(num_reqs), table)
+            expected = manager.eager(step).clone()
+            output = manager.execute(step)
+            if manager.last_key not in manager.graphs:
+                raise AssertionError(f"the step ran eagerly as {manager.last_key}")
+            manager.capture_pending(max_keys=2)
+            assert_close(output, expected)
+            assert_close(manager.execute(step).clone(), expected)
+    return tally
