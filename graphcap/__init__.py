@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
         CaptureUnsafeError,
         ConfigError,
         InvariantViolation,
+        ReplayMismatchError,
         StaticInputMovedError,
     )
     from graphcap.inputs import BufferSpec, ForwardInputs
@@ -61,6 +62,7 @@ _EXPORTS = {
     "CaptureUnsafeError": "graphcap.errors",
     "ConfigError": "graphcap.errors",
     "InvariantViolation": "graphcap.errors",
+    "ReplayMismatchError": "graphcap.errors",
     "StaticInputMovedError": "graphcap.errors",
     "BufferSpec": "graphcap.inputs",
     "ForwardInputs": "graphcap.inputs",
@@ -95,6 +97,7 @@ __all__ = [  # the same names as _EXPORTS (tests/test_packaging.py holds them eq
     "CaptureUnsafeError",
     "ConfigError",
     "InvariantViolation",
+    "ReplayMismatchError",
     "StaticInputMovedError",
     # What models and communicators call while a step or a capture runs.
     "Communicator",

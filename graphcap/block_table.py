@@ -97,6 +97,24 @@ class BlockTable:
         view.flags.writeable = False
         return view
 
+    def holding(self, block_ids) -> tuple[int, int] | None:
+        """`(row, block)` of the first row holding one of `block_ids` among its blocks; None when no row does.
+
+        O(blocks held): what an engine's scratch blocks are checked against (a live row's block is not free).
+        """
+        top = self.top
+        if not top:
+            return None
+        wanted = np.asarray(list(block_ids), dtype=np.int64)
+        if not wanted.size:
+            return None
+        held = self._columns < self.counts[:top, None]  # [top, width]: the columns each row holds
+        hit = np.argwhere(held & np.isin(self._rows[:top], wanted))
+        if not hit.size:
+            return None
+        i, j = (int(v) for v in hit[0])
+        return i, int(self._rows[i, j])
+
     # -- writes ------------------------------------------------------------------------------
 
     def set_row(self, row: int, block_ids) -> None:

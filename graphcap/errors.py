@@ -10,6 +10,7 @@
 | `CaptureUnsafeError` | `CaptureError` | an op a CUDA graph cannot hold; `.op`, `.location`, `.reason` |
 | `StaticInputMovedError` | `CaptureError` | a tensor a graph reads moved or was replaced after capture |
 | `DistributedTimeoutError` | `CaptureError` | an agreement with peers or a step's collective failed, or out of step |
+| `ReplayMismatchError` | `CaptureError` | a sampled step (`checks.sample_every`) replayed other values than eager |
 
 Import them from here (or from `graphcap`, the package face).
 """
@@ -27,6 +28,7 @@ __all__ = [
     "ConfigProblem",
     "DistributedTimeoutError",
     "InvariantViolation",
+    "ReplayMismatchError",
     "StaticInputMovedError",
 ]
 
@@ -130,6 +132,22 @@ class StaticInputMovedError(CaptureError):
         self.input_name = input_name
         self.recorded_ptr = recorded_ptr
         self.current_ptr = current_ptr
+
+
+class ReplayMismatchError(CaptureError):
+    """A live step sampled by `checks.sample_every` replayed other outputs or KV-slot values than an eager run
+    of the same batch: the graph of `key` no longer computes what the model does (a kernel reading a wrong
+    slice at replay shapes, a host plan gone stale, memory an eager op read reused by a later capture).
+
+    Attributes: `key` (the `GraphKey` replayed), `step` (the manager's replayed-step count, from 1), `what`
+    (the output or KV cache that differs).
+    """
+
+    def __init__(self, message: str, key: Any, step: int, what: str) -> None:
+        super().__init__(message)
+        self.key = key
+        self.step = step
+        self.what = what
 
 
 class DistributedTimeoutError(CaptureError):

@@ -28,6 +28,7 @@ from graphcap.capture.lifecycle import KeptOutputs, LiveGraphs, PassHistory, che
 from graphcap.capture.runner import CapturePass, uncompiled_warnings
 from graphcap.checks.guard import StaticGuard
 from graphcap.checks.invariants import check_invariants
+from graphcap.checks.sampling import Expected, StepSampler, locate
 from graphcap.communicators import Communicator, communicators_of, key_captured_hook, pass_context
 from graphcap.config import CaptureConfig
 from graphcap.config.byte_counts import format_bytes
@@ -44,7 +45,7 @@ from graphcap.model_facts import VOCAB_HINT, is_built_in, precision_of, with_mod
 from graphcap.outputs import OutputRows
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
-from graphcap.probe import group_scratch_ids, scratch_block_ids
+from graphcap.probe import check_scratch_free, group_scratch_ids, scratch_block_ids
 from graphcap.report import CaptureReport, check_report_path, write_report
 from graphcap.staging import PersistentBuffers
 from graphcap.staging.extras import merged_specs
@@ -128,6 +129,8 @@ class CaptureManager:
         self._history = PassHistory()
         self._kept = KeptOutputs()  # the last replay's outputs, kept valid across capture_pending()
         self._scope = StepScope(threading.RLock())
+        every = config.checks.sample_every
+        self._sampler = StepSampler(every) if every else None  # None: no cost on the replay path
         self.last_key: GraphKey | None = None
         """The key the last `execute`/`eager` step ran with: the captured key it replayed, or for an eager step
         `GraphKey(num_tokens, num_reqs, False)` of its own counts (None before the first step). Public."""
@@ -230,6 +233,11 @@ class CaptureManager:
         captured and verified as by `capture()`, within the budget, under `capture.on_error`; collective with peers.
         The last step's outputs read the same afterwards (copied aside and back: see `KeptOutputs`).
 
+        `StaticInputMovedError` (naming it, before anything is captured) while a static input differs from what
+        the live graphs captured (an object replaced, a storage swapped, a `register_static` name re-registered):
+        put back what was captured (or `copy_` new values into it), or `capture()` again to capture every key
+        anew. Tensors the model reaches that appeared since are recorded and checked from then on.
+
         Fits an engine's idle gap: `max_seconds` counts from this call's first line, a key starts only while time
         is left (the call ends at most one key's capture past it), GC is paused around each key and never
         collected whole; with nothing pending and no peers the call returns at once (`pending()` asks first).
@@ -242,6 +250,8 @@ class CaptureManager:
             group_scratch = group_scratch_ids(group_scratch_blocks, self.buffers.limits.kv_groups)
             if self._peers is None and not self.registry.num_pending:  # peers must still agree that every rank stops
                 return 0
+            # A key captured now must read what the live graphs read: one record checks them all.
+            self._guard.check_before_capture("capture_pending()", self.model, self.buffers.storage())
             self._check_ready("capture_pending")
             job = self._pass_of(scratch, group_scratch)
             capture_key = lambda key: self._capture_keys(job, [key], False)  # noqa: E731
@@ -280,6 +290,7 @@ class CaptureManager:
         return self._pass_of(scratch, group_scratch)
 
     def _pass_of(self, scratch: tuple[int, ...], group_scratch: Any) -> CapturePass:
+        check_scratch_free(scratch, group_scratch, self.block_table, self.kv_group_tables)  # before any write
         return CapturePass(
             backend=self.backend,
             registry=self.registry,
@@ -352,6 +363,8 @@ class CaptureManager:
                 self.stats.eager[reason] += 1
             return output
         self.last_key = key
+        sampled = self._sampler is not None and self._sampler.due()
+        expected = self._sample_eager(batch, key) if sampled else None  # before the replay: it puts back its writes
         inputs = self._stage(batch, key, phase="replay")
         graph = self.graphs[key]
         self._guard.check_before_replay()  # what the graph writes: before the launch
@@ -370,8 +383,23 @@ class CaptureManager:
                 stats.eager_op_calls += len(graph.calls)
                 stats.eager_op_copies += graph.copies_per_replay
         output = self._outputs.real(output, inputs)
+        if expected is not None:
+            self._sampler.compare(key, output, expected, self.config.checks.tolerance, precision_of(self.model))
         self._kept.hold(graph, output)
         return output
+
+    def _sample_eager(self, batch: StepBatch, key: GraphKey) -> Expected:
+        """The eager run of a sampled step (`checks.sample_every`), its KV writes put back (`graphcap.checks.sampling`).
+
+        Unpadded as `eager()` runs; with peers at the replayed key's shape (every rank runs it in the same step)."""
+        eager_key = key if self._peers is not None else self.registry.eager_key(batch.num_tokens, batch.num_reqs)
+        kv = self.config.kv_cache
+        caches = [(None, kv.block_size, kv.num_blocks)]
+        caches += [(g.name, g.block_size, g.num_blocks) for g in self.buffers.limits.kv_groups]
+        with in_phase("eager"):
+            inputs = self._stage(batch, eager_key, phase="eager")
+            found = locate(self._guard.collect(self.model, {}), caches)
+            return self._sampler.eager(inputs, self._forward, lambda out: self._outputs.real(out, inputs), found)
 
     def eager(self, batch: StepBatch) -> Any:
         """The reference: the model on the same staging path, unpadded, with no graph."""

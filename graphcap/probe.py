@@ -21,7 +21,16 @@ from graphcap.batch import StepBatch
 from graphcap.inputs import KVGroup
 from graphcap.keys import GraphKey
 
-__all__ = ["Fill", "Probe", "distinct_blocks", "group_scratch_ids", "probe_batch", "probe_fills", "scratch_block_ids"]
+__all__ = [
+    "Fill",
+    "Probe",
+    "check_scratch_free",
+    "distinct_blocks",
+    "group_scratch_ids",
+    "probe_batch",
+    "probe_fills",
+    "scratch_block_ids",
+]
 
 
 class Probe(NamedTuple):
@@ -176,6 +185,31 @@ def group_scratch_ids(blocks: Any, groups: Sequence[KVGroup]) -> dict[str, tuple
             raise ValueError(f"group_scratch_blocks names group {name!r}; groups (kv_cache.groups): {known}")
         out[name] = scratch_block_ids(ids, by_name[name].num_blocks, f"group_scratch_blocks[{name!r}]")
     return out
+
+
+def check_scratch_free(
+    scratch: Sequence[int], group_scratch: Mapping[str, Sequence[int]], table: Any, group_tables: Mapping[str, Any]
+) -> None:
+    """`ValueError` naming the row when a scratch block is held by a row of a persistent block table.
+
+    `table`: the manager's `BlockTable` (`manager.block_table`); `group_tables`: each KV-cache group's. A
+    block a live row holds is not free: verification would overwrite that request's keys and values.
+    Checked before a capture pass writes anything.
+    """
+    cases = [("scratch_blocks", "the persistent block table (manager.block_table)", scratch, table)]
+    cases += [
+        (f"group_scratch_blocks[{name!r}]", f"KV-cache group {name!r}'s block table (manager.kv_group_tables"
+         f"[{name!r}])", blocks, group_tables[name])
+        for name, blocks in group_scratch.items()
+    ]  # fmt: skip
+    for what, where, blocks, rows in cases:
+        held = rows.holding(blocks) if blocks else None
+        if held is not None:
+            row, block = held
+            raise ValueError(
+                f"{what} holds block {block}, which row {row} of {where} holds: a live request's KV blocks are "
+                "not scratch (verification would overwrite them); pass only free block ids, or clear the row first"
+            )
 
 
 def distinct_blocks(seq_lens: np.ndarray, block_size: int, num_blocks: int, rng: np.random.Generator) -> np.ndarray:

@@ -109,6 +109,12 @@ def _lazy_example(namespace: dict, out: str) -> None:
     assert manager.last_key.num_tokens == 4 and manager.registry.pending() == []
 
 
+def _sampling_example(namespace: dict, out: str) -> None:
+    manager = namespace["manager"]
+    assert manager._sampler.checked == 1 and sum(manager.stats.graph_hits.values()) == 2
+    torch.testing.assert_close(namespace["logits"].clone(), manager.eager(namespace["batch"]))
+
+
 def _first_model_example(namespace: dict, out: str) -> None:
     report, manager, batch = namespace["report"], namespace["manager"], namespace["batch"]
     assert report.records and all(r.verified for r in report.records)
@@ -126,6 +132,7 @@ def _output_rows_example(namespace: dict, out: str) -> None:
 
 
 CHECKS = {
+    '"checks.sample_every": 2': _sampling_example,
     "class FirstModel(": _first_model_example,
     "choose_sizes(counts, 30": _size_choice_example,
     'output_rows = {"hidden": "tokens"': _output_rows_example,

@@ -17,11 +17,17 @@ interleaved in one process (rounds of each case, the order rotating), what one r
 
     python tools/bench_guard.py            # 20 rounds x 2000 calls
     python tools/bench_guard.py --quick    # a few rounds, to see that it runs
+    python tools/bench_guard.py --baseline ../other/graphcap/checks/guard.py   # beside another guard.py
+
+`--baseline` loads another version of `graphcap/checks/guard.py` (another checkout's) and times its three
+checks in the same rounds, on the same model, armed the same way: a change measured before and after in one
+process. `check_before_capture()` is what `capture_pending` pays once per call (not per replay).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import platform
 
 import numpy as np
@@ -78,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 rounds of 100 calls (seconds, for tests)")
     parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds per case")
     parser.add_argument("--calls", type=int, default=2000, help="timed calls per case and round")
+    parser.add_argument("--baseline", help="another guard.py, timed beside this one (a before/after comparison)")
     args = parser.parse_args(argv)
     rounds, calls = (3, 100) if args.quick else (args.rounds, args.calls)
     torch.set_num_threads(1)
@@ -87,6 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     statics = guard.collect(model, staging)
     guard.arm(model, staging)
     timed = cases(model, guard, statics)
+    timed["check_before_capture() (per capture_pending)"] = lambda: guard.check_before_capture("bench", model, staging)
+    baseline = None
+    if args.baseline:
+        baseline = _load_guard(args.baseline).StaticGuard()
+        baseline.arm(model, staging)
+        timed["baseline check_before_replay()"] = baseline.check_before_replay
+        timed["baseline check_after_replay()"] = baseline.check_after_replay
+        timed["baseline check() (both)"] = baseline.check
     names = list(timed)
     samples: dict[str, list[np.ndarray]] = {name: [] for name in names}
     for round_ in range(rounds):
@@ -98,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         f"# {len(statics)} static tensors ({sum(1 for _ in model.parameters())} parameters); "
         f"{rounds} interleaved rounds x {calls} calls per case"
     )
-    header = f"{'per replay':<40} {'median':>9} {'p10':>8} {'p90':>8} {'round medians min-max':>23}"
+    header = f"{'per replay':<46} {'median':>9} {'p10':>8} {'p90':>8} {'round medians min-max':>23}"
     print(header)
     print("-" * len(header))
     for name, parts in samples.items():
         joined = np.concatenate(parts)
         per_round = [np.median(p) for p in parts]
         print(
-            f"{name:<40} {np.median(joined):>7.2f}us {np.percentile(joined, 10):>6.2f}us "
+            f"{name:<46} {np.median(joined):>7.2f}us {np.percentile(joined, 10):>6.2f}us "
             f"{np.percentile(joined, 90):>6.2f}us {min(per_round):>10.2f}-{max(per_round):.2f}us"
         )
     before = np.median(np.concatenate(samples["check_before_replay()"]))
@@ -116,8 +131,23 @@ def main(argv: list[str] | None = None) -> int:
         f"check_before_replay() {before:.2f} us; the whole check is {whole / sweep:.2f}x the bare data_ptr sweep "
         "(it runs after the launch, overlapping the graph on CUDA)"
     )
+    if baseline is not None:
+        for name in ("check_before_replay()", "check_after_replay()", "check() (both)"):
+            now, then = (np.median(np.concatenate(samples[n])) for n in (name, f"baseline {name}"))
+            print(f"vs baseline: {name} {now:.2f} us here, {then:.2f} us baseline ({now / then:.2f}x)")
+        baseline.disarm()
     guard.disarm()
     return 0
+
+
+def _load_guard(path: str):
+    """Another version of `graphcap/checks/guard.py`, as its own module (it imports the installed graphcap)."""
+    spec = importlib.util.spec_from_file_location("baseline_guard", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--baseline {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from campaign.capture_faults import fault_rows
+from campaign.checks import checks_rows
 from campaign.command_line import cli_rows
 from campaign.configs import config_rows, dp_config_rows
 from campaign.lifecycle import lifecycle_rows
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             ("command line", lambda: cli_rows(scale, Path(workdir))),
             ("outputs and engine buffers", lambda: shape_rows(scale, rng)),
             ("lifecycle", lambda: lifecycle_rows(scale)),
+            ("checks", lambda: checks_rows(scale)),
         ]
         for name, run in sections:
             t0 = time.perf_counter()

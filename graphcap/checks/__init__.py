@@ -7,6 +7,7 @@
 | `kv_writes.py` | where real tokens write each KV-cache group |
 | `statics.py` | `reach`: the tensors a model reaches, each with its slot |
 | `guard.py` | `StaticGuard`: static inputs recorded at capture and checked around every replay |
+| `sampling.py` | `StepSampler`: every Nth replayed step compared with an eager run (`checks.sample_every`) |
 """
 
 from graphcap.checks.guard import StaticGuard

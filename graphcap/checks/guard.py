@@ -45,7 +45,10 @@ from graphcap.errors import StaticInputMovedError
 
 __all__ = ["StaticGuard"]
 
-_FIX = "write new values into the captured tensor in place (copy_), or call capture() again"
+_FIX = (
+    "write new values into the captured tensor in place (copy_), or call capture() again (under capture.strategy: "
+    "lazy, capture() releases the graphs and capture_pending() then captures each key against the new tensors)"
+)
 _data_ptr = torch.Tensor.data_ptr
 _version = operator.attrgetter("_version")
 _getitem, _is = operator.getitem, operator.is_
@@ -121,13 +124,51 @@ class StaticGuard:
         self._names, self._armed = {e.name for e in entries}, True
         self._paths = reached_modules(model, found)
         if self._paths:
-            me = weakref.ref(self)
-            self._handles = [
-                _module.register_module_parameter_registration_hook(_hook(me, "_parameters")),
-                _module.register_module_buffer_registration_hook(_hook(me, "_buffers")),
-                _module.register_module_module_registration_hook(_hook(me, "_modules")),
-            ]
-            self._finalizer = weakref.finalize(self, _remove, list(self._handles))
+            self._watch()
+
+    def _watch(self) -> None:
+        """Install the registration hooks (removed by `disarm`, or when the guard is garbage-collected)."""
+        me = weakref.ref(self)
+        self._handles = [
+            _module.register_module_parameter_registration_hook(_hook(me, "_parameters")),
+            _module.register_module_buffer_registration_hook(_hook(me, "_buffers")),
+            _module.register_module_module_registration_hook(_hook(me, "_modules")),
+        ]
+        self._finalizer = weakref.finalize(self, _remove, list(self._handles))
+
+    def check_before_capture(self, what: str, model: Any, staging: Mapping[str, torch.Tensor]) -> None:
+        """Before more graphs join the live ones (`capture_pending`): every recorded tensor as the live graphs read it.
+
+        `StaticInputMovedError` naming the first that differs (a graph captured now would read another
+        tensor than the graphs before it, and no single record could then check them all). Then records
+        what `model` reaches that is not recorded yet (a tensor added since), so every live graph's static
+        inputs are the one record this guard checks. Nothing to do while disarmed (no live graph).
+        """
+        if not self._armed:
+            return
+        try:
+            self.check()
+        except StaticInputMovedError as exc:
+            raise StaticInputMovedError(
+                f"{what}: refused to capture: {exc}. The live graphs read what they captured: a graph captured "
+                "now would read another tensor beside them (wrong output once the captured one is put back)",
+                exc.input_name,
+                exc.recorded_ptr,
+                exc.current_ptr,
+            ) from None
+        found = [r for r in reach(model, self.registered, staging) if r.name not in self._names]
+        if not found:
+            return
+        for r in found:  # parameters and objects on the way: after the launch; what the graph may write: before it
+            written = isinstance(r.value, torch.Tensor) and not isinstance(r.value, nn.Parameter)
+            (self._before if written else self._after).entries.append(_Entry(r))
+            self._names.add(r.name)
+        self._before.index()
+        self._after.index()
+        for key, value in reached_modules(model, found).items():
+            self._paths.setdefault(key, value)
+        if self._paths and not self._handles:
+            self._watch()
 
     def disarm(self) -> None:
         """Forget the recorded tensors and stop watching (before a new capture, on reset)."""
@@ -249,7 +290,9 @@ class _Entry:
                 f"static input {self.name!r} was registered again with a tensor at another address or shape "
                 f"(data_ptr {self.ptr:#x}, shape {list(self.shape)} at capture; "
                 + (f"{ptr:#x}, {list(current.shape)} now" if ptr is not None else f"a {type(current).__name__} now")
-                + "); the graphs still read the old one: call capture() again"
+                + "); the graphs still read the old one: register the captured tensor again, or call capture() again "
+                "(under capture.strategy: lazy, capture() releases the graphs and capture_pending() then captures "
+                "each key against the new tensor)"
             )
         else:
             message = (

@@ -340,6 +340,10 @@ class ChecksConfig(Section):
     """Debug: fill the persistent buffers with sentinel garbage before every staging."""
     sync_debug: bool = False
     """CUDA: run warmups under `torch.cuda.set_sync_debug_mode("error")` to name host syncs."""
+    sample_every: int = spec(0, min=0, max=INT32_MAX)
+    """Every Nth replayed step also runs eagerly on the same batch and is compared (outputs and the KV slots
+    it writes; `ReplayMismatchError` naming the key and the step); the eager run's KV writes are undone
+    before the replay. 0 (the default): off."""
 
     def _check(self) -> list[ConfigProblem]:
         if (self.atol is None) != (self.rtol is None):

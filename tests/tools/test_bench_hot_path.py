@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
+import graphcap.checks.guard
 from tests.tools import run_tool
 
 
@@ -16,6 +20,26 @@ def test_bench_guard_prints_the_checks_before_and_after_the_launch():
     assert rows(result.stdout, names)[:3] == list(names[:3])
     assert "302 static tensors (300 parameters)" in result.stdout
     assert "goal: what a replay waits for before its launch <= 5 us: check_before_replay() " in result.stdout
+
+
+def test_bench_guard_times_another_guard_beside_this_one(tmp_path):
+    baseline = tmp_path / "guard.py"
+    baseline.write_text(Path(graphcap.checks.guard.__file__).read_text())
+    result = run_tool("bench_guard.py", "--quick", "--baseline", str(baseline), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert rows(result.stdout, ("baseline",)) == [
+        f"baseline {n}" for n in ("check_before_replay()", "check_after_replay()", "check() (both)")
+    ]
+    assert "vs baseline: check() (both) " in result.stdout
+
+
+def test_bench_sampling_prints_each_setting_and_the_overhead_beside_its_goal():
+    result = run_tool("bench_sampling.py", "--quick", timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert rows(result.stdout, ("sample_every",)) == ["sample_every 0", "sample_every 1000", "sample_every 1"]
+    assert re.search(
+        r"overhead at sample_every 1000: [\d.]+ us per step = [\d.-]+% of a step \(goal: <= 1%", result.stdout
+    )
 
 
 def test_bench_execute_prints_each_part_and_the_overhead_over_the_replay():

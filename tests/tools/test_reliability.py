@@ -29,6 +29,9 @@ def test_quick_campaign_writes_a_complete_table(tmp_path):
         "outputs",
         "engine buffers",
         "lifecycle",
+        "lazy capture",
+        "scratch blocks",
+        "sampled steps",
     }
     for row in rows:
         passed, total = map(int, re.search(r": (\d+)/(\d+)", row).groups())

@@ -14,6 +14,8 @@ campaign's cases and experiments, one room per area, each returning rows of the 
 | `streams.py` | poisoned random streams and threads on one manager (with the lock removed as control) |
 | `command_line.py` | the hostile command cases by area, and Ctrl-C at each stage of `graphcap verify` |
 | `lifecycle.py` | the mini engine's lifecycle run, release/capture and resize_kv cycles |
+| `checks.py` | lazy capture across a changed static input, scratch blocks a live row holds, sampled live steps |
+| `live_faults.py` | models that pass capture verification, then go wrong (also `tests/test_sampling.py`) |
 | `record.py` | the machine and the document |
 | `cli_cases.py` | hostile and careless uses of the `graphcap` command, as data (also `tests/cli/`) |
 | `cli_setups.py` | the files, factories, faults and checks those cases use |
