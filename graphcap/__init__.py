@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
         StaticInputMovedError,
     )
     from graphcap.inputs import BufferSpec, ForwardInputs
-    from graphcap.keys import GraphKey
+    from graphcap.keys.key import GraphKey
     from graphcap.manager import CaptureManager
     from graphcap.phases import is_capturing, phase
     from graphcap.piecewise import current_inputs, eager_op
@@ -67,7 +67,7 @@ _EXPORTS = {
     "BufferSpec": "graphcap.inputs",
     "ForwardInputs": "graphcap.inputs",
     "check_invariants": "graphcap.checks.invariants",
-    "GraphKey": "graphcap.keys",
+    "GraphKey": "graphcap.keys.key",
     "CaptureManager": "graphcap.manager",
     "is_capturing": "graphcap.phases",
     "phase": "graphcap.phases",

@@ -2,6 +2,7 @@
 
 | module | holds |
 |---|---|
+| `calls.py` | `CaptureCalls`: the manager's `capture()`, `capture_pending()`, `pending()` |
 | `driver.py` | `run_pass`: one pass end to end (budget, GC, block tables set aside, reservation, install) |
 | `runner.py` | `CapturePass`: preflight, warmups, record and verify per key |
 | `gc_hold.py` | GC held still: `gc_frozen` around an upfront pass, `gc_paused` around a lazy key |
