@@ -14,9 +14,6 @@ import errno
 import json
 import os
 import platform
-import re
-import secrets
-import stat
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,26 +23,21 @@ import yaml
 
 from graphcap.config.byte_counts import format_bytes
 from graphcap.config.fingerprint import config_fingerprint
-from graphcap.errors import CaptureError, ConfigError, ConfigProblem
+from graphcap.errors import CaptureError
 from graphcap.keys import GraphKey
+from graphcap.report_files import REPORT_MARKER, atomic_write, may_overwrite
 from graphcap.version import version
 
 __all__ = [
     "MEMORY_MEANING",
     "CaptureReport",
-    "REPORT_MARKER",
     "GraphRecord",
-    "atomic_write",
-    "check_report_path",
     "environment",
-    "may_overwrite",
     "write_report",
 ]
 
-REPORT_MARKER = "graphcap_report"
-"""The first key of every report graphcap writes (its value is the report format's version,
-`REPORT_FORMAT`). graphcap replaces an existing file only when it starts with this key."""
 REPORT_FORMAT = 1
+"""The value of a report's first key, `REPORT_MARKER` (`graphcap.report_files`): the format's version."""
 
 MEMORY_MEANING = {
     "cuda": {
@@ -314,95 +306,3 @@ def _cpu_name() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
-
-
-def check_report_path(path: str | os.PathLike, *, not_same_as: tuple[str | os.PathLike, ...] = ()) -> None:
-    """Refuse, before any work, a report path that cannot be written or must not be.
-
-    Raises `ConfigError` (key `report.path`) when `path` is a directory, lies under a file, is
-    in a directory without write permission, cannot be used at all (a name too long, a loop of
-    links), is the same file as one of `not_same_as` (the config the report describes), or is
-    an existing file that graphcap did not write (see `may_overwrite`).
-    """
-    target = Path(path)
-    try:
-        problem = _path_problem(path, target, not_same_as)
-    except OSError as exc:  # ENAMETOOLONG, ELOOP, EACCES on a parent, ...
-        problem = f"{path} cannot be used: {_os_reason(exc)}"
-    if problem:
-        raise ConfigError([ConfigProblem("report.path", problem)])
-
-
-def _path_problem(path: str | os.PathLike, target: Path, not_same_as: tuple[str | os.PathLike, ...]) -> str | None:
-    if target.is_dir():
-        return f"{path} is a directory; give a file name ending in .json, .yaml or .yml"
-    if target.exists() and any(Path(o).exists() and os.path.samefile(target, o) for o in not_same_as):
-        return f"{path} is the config file itself; writing the report there would overwrite it: pick another path"
-    if (target.exists() or target.is_symlink()) and not may_overwrite(target):
-        return (
-            f"{path} exists and is not a graphcap report (graphcap overwrites only files that start with its "
-            f"{REPORT_MARKER!r} key, or empty ones): remove it or pick another path"
-        )
-    parent = target.parent
-    while not parent.exists() and parent != parent.parent:  # the directories write() would create
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"{path} cannot be created: {parent} is not a directory"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"{path} cannot be written: no write permission in {parent}"
-    return None
-
-
-def may_overwrite(path: str | os.PathLike) -> bool:
-    """Whether graphcap may replace the file at `path`: it does not exist, is empty, or is a report
-    graphcap wrote (a regular file whose first key is `REPORT_MARKER`). Anything else, a link, a
-    device or a file some other program wrote, is left alone."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return True
-    if not stat.S_ISREG(info.st_mode):
-        return False
-    if info.st_size == 0:
-        return True
-    with open(path, "rb") as handle:
-        head = handle.read(256)
-    return _MARKED.match(head) is not None
-
-
-_MARKED = re.compile(rb'\s*(\{\s*"' + REPORT_MARKER.encode() + rb'"\s*:|' + REPORT_MARKER.encode() + rb"\s*:)")
-
-
-def _os_reason(exc: OSError) -> str:
-    name = errno.errorcode.get(exc.errno or 0)
-    reason = exc.strerror or str(exc)
-    return f"{reason} ({name})" if name else reason
-
-
-def atomic_write(path: Path | str, data: str | bytes) -> None:
-    """Write `data` to `path` via a temporary file and `os.replace`: never half-written.
-
-    The file keeps the mode of the file it replaces; a new file gets 0666 under the umask
-    (usually 0644), like any file an editor writes. On any failure (also `KeyboardInterrupt`)
-    the temporary file is removed and the old file is untouched.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        mode = os.stat(path).st_mode & 0o7777
-    except FileNotFoundError:
-        mode = None
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    # O_EXCL: never follow a planted link or reuse a file; 0o666 lets the kernel apply the umask.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            if mode is not None:
-                os.fchmod(handle.fileno(), mode)
-            handle.write(data.encode("utf-8") if isinstance(data, str) else data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -15,7 +15,8 @@ import yaml
 from graphcap import ConfigError, __version__
 from graphcap.config.byte_counts import format_bytes
 from graphcap.config.fingerprint import config_fingerprint
-from graphcap.report import MEMORY_MEANING, REPORT_MARKER, atomic_write, check_report_path, may_overwrite
+from graphcap.report import MEMORY_MEANING
+from graphcap.report_files import REPORT_MARKER, atomic_write, check_report_path, may_overwrite
 from graphcap.testing import make_config, make_manager
 
 

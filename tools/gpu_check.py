@@ -425,7 +425,7 @@ def _print(say: Log, phase: Phase, record: dict) -> None:
 
 
 def _write(path: Path, results: dict) -> None:
-    from graphcap.report import atomic_write
+    from graphcap.report_files import atomic_write
 
     atomic_write(path, json.dumps(results, indent=2, default=str) + "\n")
 

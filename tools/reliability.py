@@ -37,7 +37,7 @@ from campaign.steps import shape_rows, step_rows
 from campaign.streams import stress_rows, thread_rows
 from campaign.trials import FULL, QUICK, Row, log
 
-from graphcap.report import atomic_write
+from graphcap.report_files import atomic_write
 
 REPO = Path(__file__).resolve().parents[1]
 

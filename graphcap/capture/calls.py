@@ -26,7 +26,8 @@ from graphcap.memory.estimate import GraphMemory
 from graphcap.memory.measured import measure_graph
 from graphcap.model_facts import precision_of
 from graphcap.probe import check_scratch_free, group_scratch_ids, scratch_block_ids
-from graphcap.report import CaptureReport, check_report_path, write_report
+from graphcap.report import CaptureReport, write_report
+from graphcap.report_files import check_report_path
 
 __all__ = ["CaptureCalls"]
 

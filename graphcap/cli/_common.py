@@ -146,7 +146,7 @@ def add_report(parser: argparse.ArgumentParser) -> None:
 
 def report_target(args: argparse.Namespace, config: CaptureConfig) -> str | None:
     """Where the report goes (`--report`, else `report.path`), checked before any work is done."""
-    from graphcap.report import check_report_path
+    from graphcap.report_files import check_report_path
 
     path = config.report.path
     if path:

@@ -180,7 +180,7 @@ def _check_plot_path(path: str) -> None:
 def _write_plot(report, timings, path: str) -> None:
     from pathlib import Path
 
-    from graphcap.report import atomic_write
+    from graphcap.report_files import atomic_write
 
     data = plot_capture(report, timings, Path(path).suffix.lower().lstrip("."))
     try:

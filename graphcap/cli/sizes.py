@@ -159,7 +159,7 @@ def _check_schedule_flags(max_size: int, uniform_query_len: int) -> None:
 def _choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_graphs: int, budget: int | None) -> int:
     """`--max-graphs`/`--memory-budget`: `sizes: [...]`, the table, the comparison, `--out`."""
     from graphcap.config.byte_counts import format_bytes
-    from graphcap.report import atomic_write
+    from graphcap.report_files import atomic_write
     from graphcap.sizing.choice import SizeConstraints, candidate_sizes
     from graphcap.sizing.held_out import choose_held_out, ladder_sizes
 

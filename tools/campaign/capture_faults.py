@@ -12,7 +12,7 @@ import yaml
 
 from graphcap import CaptureError, StepBatch
 from graphcap.capture.verification import assert_close
-from graphcap.report import atomic_write
+from graphcap.report_files import atomic_write
 from graphcap.testing import FAULT_SIZES, FAULTS, assert_nothing_left, leftover_temp_files, make_config, make_manager
 
 from .trials import Row, Scale, Tally
