@@ -18,16 +18,15 @@ from __future__ import annotations
 
 from graphcap.config._load import DEFAULT_CONFIG, MAX_CONFIG_BYTES, bundled_configs, config_from_text, load_config
 from graphcap.config._yaml import YamlSyntaxError, parse_scalar
+from graphcap.config.checks import ChecksConfig, ReportConfig
 from graphcap.config.model import BUILTIN_MODELS, ModelConfig
 from graphcap.config.root import SECTIONS, CaptureConfig
 from graphcap.config.sections import (
     PAD_SLOT_ID,
     BatchingConfig,
     CaptureSectionConfig,
-    ChecksConfig,
     KVCacheConfig,
     PadRules,
-    ReportConfig,
 )
 from graphcap.errors import ConfigError, ConfigProblem  # DESIGN places ConfigError with the config
 

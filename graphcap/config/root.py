@@ -1,6 +1,6 @@
 """`CaptureConfig`: the root of the config tree, and the rules that span its sections.
 
-Each section checks itself (`sections.py`, `model.py`, `buffers.py`); the root checks what
+Each section checks itself (`sections.py`, `checks.py`, `model.py`, `buffers.py`); the root checks what
 spans sections (`capture.max_size <= batching.max_num_tokens`, ...) and builds the capture
 schedule once. `load_config` (in `_load.py`) collects the problems of all sections into one
 `ConfigError` and adds `file:line` from the YAML.
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+import graphcap.config.checks as check_sections
 import graphcap.config.sections as sections
 from graphcap.config._schema import Section, problem
 from graphcap.config.buffers import BufferConfig
@@ -27,8 +28,8 @@ SECTIONS: dict[str, type[Section]] = {
     "batching": sections.BatchingConfig,
     "kv_cache": sections.KVCacheConfig,
     "capture": sections.CaptureSectionConfig,
-    "checks": sections.ChecksConfig,
-    "report": sections.ReportConfig,
+    "checks": check_sections.ChecksConfig,
+    "report": check_sections.ReportConfig,
     "padding": sections.PadRules,
 }
 """The sections of a config file, by key."""
@@ -52,9 +53,9 @@ class CaptureConfig(Section):
     """The paged KV cache."""
     capture: sections.CaptureSectionConfig = field(default_factory=sections.CaptureSectionConfig)
     """What to capture."""
-    checks: sections.ChecksConfig = field(default_factory=sections.ChecksConfig)
+    checks: check_sections.ChecksConfig = field(default_factory=check_sections.ChecksConfig)
     """Safety checks."""
-    report: sections.ReportConfig = field(default_factory=sections.ReportConfig)
+    report: check_sections.ReportConfig = field(default_factory=check_sections.ReportConfig)
     """Capture report output."""
     padding: sections.PadRules = field(default_factory=sections.PadRules)
     """Pad rules of the persistent buffers."""
