@@ -263,7 +263,7 @@ class CaptureManager(CaptureCalls):
         """
         buffers = self.buffers
         inputs = buffers.stage(batch, key, upload=False)
-        if phase == "capture":  # an earlier forward may have resized a staged view: put it back first
+        if dummy:  # a batch graphcap made (capture, verification): an earlier forward may have broken a view
             buffers.layout.restore_views((key.num_tokens, batch.num_reqs if key.num_reqs is None else key.num_reqs))
         if not kv_writes:
             buffers.silence_kv_writes(inputs)

@@ -57,8 +57,8 @@ class KeyTimes:
         original_preflight = base.preflight
 
         @contextlib.contextmanager
-        def preflight(device, *, sync_debug=False):
-            with self._timed("preflight"), original_preflight(device, sync_debug=sync_debug) as uncompiled:
+        def preflight(device, **options):
+            with self._timed("preflight"), original_preflight(device, **options) as uncompiled:
                 yield uncompiled
 
         # Private methods of the capture pass, wrapped only where they exist (a renamed one loses its
