@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap import CaptureError, GraphKey
-from graphcap.capture import probing as capture_module
+from graphcap.capture import runner as capture_module
 from graphcap.capture import verification
 from graphcap.capture.runner import CapturePass
 from graphcap.models import build_model

@@ -15,7 +15,6 @@ from typing import Any
 
 from graphcap.backends import CapturedGraph
 from graphcap.batch import dummy_batch
-from graphcap.capture.verification import compare_replay
 from graphcap.keys import GraphKey, KeyRegistry, Mode
 from graphcap.piecewise import running
 
@@ -40,15 +39,11 @@ def verify_axes(job: Any, key: GraphKey, graph: CapturedGraph) -> float:
         with running(eager_inputs, phase):  # the graph's code path: full graphs ran capturable stand-ins
             return job.outputs.real(job.forward(eager_inputs), eager_inputs)
 
-    return compare_replay(
+    return job.compare(
         graph,
         inputs,
         eager,
-        tolerance=job.config.checks.tolerance,
-        backend=job.backend,
         message=axes_mismatch(key, axes),
-        outputs=job.outputs,
-        precision=job.precision,
     )
 
 

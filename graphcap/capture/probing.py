@@ -17,7 +17,7 @@ import torch
 from graphcap.backends import CapturedGraph
 from graphcap.batch import StepBatch
 from graphcap.capture.carried import carried_state
-from graphcap.capture.verification import DUMMY_MISMATCH, LastRun, compare_replay, differs, probe_mismatch
+from graphcap.capture.verification import DUMMY_MISMATCH, LastRun, differs, probe_mismatch
 from graphcap.inputs import ForwardInputs
 from graphcap.keys import GraphKey, Mode
 from graphcap.outputs import cloned
@@ -38,34 +38,25 @@ def verify_dummy(
     inputs = job.stage(job.capture_batch(key), key, phase="capture", dummy=True)
     if reference is not None and reference.output is not None:  # the last warmup ran this batch eagerly
         timings = {} if timings is None else timings
-        tolerance = job.config.checks.tolerance
         run = job._reference_run(inputs, job.registry.mode_of(key))
-        compare_replay(
+        job.compare(
             graph,
             inputs,
             lambda: reference.output,
-            tolerance=tolerance,
-            backend=job.backend,
             message=DUMMY_MISMATCH,
-            outputs=job.outputs,
             timings=timings,
-            precision=job.precision,
             diagnose=diagnosis(job, graph, inputs, lambda: job.outputs.real(run(), inputs), lambda: inputs),
         )
         timings["eager"] = reference.seconds
         return 0.0  # counted with the warmups
     run = job._reference_run(inputs, job.registry.mode_of(key))
     eager = lambda: job.outputs.real(run(), inputs)  # noqa: E731
-    return compare_replay(
+    return job.compare(
         graph,
         inputs,
         eager,
-        tolerance=job.config.checks.tolerance,
-        backend=job.backend,
         message=DUMMY_MISMATCH,
-        outputs=job.outputs,
         timings=timings,
-        precision=job.precision,
         diagnose=diagnosis(job, graph, inputs, eager, lambda: inputs),
     )
 
@@ -106,15 +97,11 @@ def verify_batch(job: CapturePass, key: GraphKey, graph: CapturedGraph, batch: S
 
     shape = job.registry.capture_shape(key)
     message = probe_mismatch(batch.num_tokens, batch.num_reqs, key.num_tokens, shape.num_reqs, writes)
-    return compare_replay(
+    return job.compare(
         graph,
         inputs,
         eager,
-        tolerance=job.config.checks.tolerance,
-        backend=job.backend,
         message=message,
-        outputs=job.outputs,
-        precision=job.precision,
         diagnose=diagnosis(job, graph, inputs, eager, stage),
     )
 

@@ -32,7 +32,7 @@ from graphcap.capture.axes import verify_axes
 from graphcap.capture.failures import FailurePolicy
 from graphcap.capture.probing import verify_dummy, verify_probes
 from graphcap.capture.timing import replay_speedup
-from graphcap.capture.verification import LastRun
+from graphcap.capture.verification import LastRun, compare_replay
 from graphcap.config import CaptureConfig
 from graphcap.config.byte_counts import format_bytes
 from graphcap.errors import CaptureError
@@ -258,6 +258,20 @@ class CapturePass:
         why = None if self.config.checks.verify_replay else self.outputs.ambiguity(graph.output, key)
         if why is not None:
             raise CaptureError(why)
+
+    def compare(self, graph: CapturedGraph, inputs: ForwardInputs, eager: Callable[[], Any], **options: Any) -> float:
+        """`compare_replay` at this pass's tolerance, backend, output rows and precision; `options`: its
+        `message`, `timings` and `diagnose`."""
+        return compare_replay(
+            graph,
+            inputs,
+            eager,
+            tolerance=self.config.checks.tolerance,
+            backend=self.backend,
+            outputs=self.outputs,
+            precision=self.precision,
+            **options,
+        )
 
     def key_run(self, key: GraphKey) -> Callable[[], Any]:
         """The forward of `key`'s graph on its dummy batch, staged as its warmups stage it (not run here)."""
