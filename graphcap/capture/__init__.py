@@ -9,6 +9,7 @@
 | `probing.py` | the verification runs of a key: its dummy batch, a probe batch at each fill level |
 | `verification.py` | the capture-time replay comparison (`compare_replay`) and its messages |
 | `carried.py` | naming state a forward carries between runs, when a replay and an eager run differ |
+| `axes.py` | verification of each key at a lower key-axis value (padded axis slots must be neutral) |
 | `failures.py` | `FailurePolicy`: what a failed key does (`capture.on_error`) |
 | `timing.py` | `time_key`, `replay_speedup`: eager vs replay per key (`capture.min_speedup`) |
 | `lifecycle.py` | `LiveGraphs`: the installed graphs, release, resize, what a re-capture keeps |
