@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["native_binding"]
+__all__ = ["native_binding", "signature"]
 
 # Where torch keeps its native (C++) Python bindings. `TensorBase` holds only C methods,
 # so Python-level wrappers in torch/_tensor.py (Tensor.split, ...) are never picked.
@@ -52,42 +52,56 @@ def native_binding(func: Any, args: tuple, kwargs: dict) -> Callable | None:
     A candidate is called under `_Probe`, which stops it at the dispatcher: no kernel runs
     and no in-place write happens twice. It is kept only if the dispatcher saw the same
     overload with the same arguments; otherwise the step calls the (slower, boxed)
-    `OpOverload`.
+    `OpOverload`. The answer is kept per overload and argument signature (`signature`), so a tape
+    compiled for another key, or again in a later pass, probes no op it has seen.
     """
-    namespace, _, name = func._schema.name.partition("::")
-    if namespace != "aten":
-        return None
     try:
-        shape = (func, _signature(args), tuple((k, _signature(v)) for k, v in kwargs.items()))
-        known = _found.get(shape, _UNKNOWN)
+        shape = signature(func, args, kwargs)
     except TypeError:  # an unhashable constant: probe without the cache
-        shape, known = None, _UNKNOWN
-    if known is not _UNKNOWN:
-        return known
-    found = _probe_bindings(func, name, args, kwargs)
+        shape = None
     if shape is not None:
-        _found[shape] = found
+        known = _found.get(shape, _UNKNOWN)
+        if known is not _UNKNOWN and known[0] is func:
+            return known[1]
+    namespace, _, name = func._schema.name.partition("::")
+    found = _probe_bindings(func, name, args, kwargs) if namespace == "aten" else None
+    if shape is not None:
+        _found[shape] = (func, found)
     return found
 
 
+def signature(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """The cache key of `native_binding`: the overload (by identity) and what the argument parser sees of each
+    argument (`_signature`). `TypeError` for an unhashable constant."""
+    sig = (id(func), tuple([_signature(v) for v in args]))
+    if kwargs:
+        sig += tuple([(k, _signature(v)) for k, v in kwargs.items()])
+    hash(sig)  # TypeError for an unhashable constant, before the key is used
+    return sig
+
+
 _UNKNOWN = object()
-_found: dict[Any, Callable | None] = {}
-"""The binding found for an overload and the types of its arguments: the Python argument parser picks the
+_found: dict[tuple, tuple[Any, Callable | None]] = {}
+"""(overload, binding) found for an overload and the types of its arguments: the Python argument parser picks the
 overload from the types alone (a zero-dimensional tensor may stand for a number, so that is part of the
-type), so one probe answers every later call with the same types."""
+type), so one probe answers every later call with the same types. Keyed by the overload's `id` (an
+`OpOverload` hashes in Python, on every op); the overload kept beside the binding is compared by identity,
+so an id reused by another object never answers for it."""
+
+_NUMBERS = frozenset({bool, int, float, complex})
 
 
 def _signature(value: Any) -> Any:
     """What the argument parser sees of `value`: a tensor's type and whether it has no dimensions, a number's
     type, a sequence's element signatures; any other constant (dtype, device, str, None) itself."""
+    kind = type(value)
+    if kind in _NUMBERS:
+        return kind
     if isinstance(value, torch.Tensor):
-        return (type(value), value.dim() == 0)
-    if isinstance(value, (bool, int, float, complex)):
-        return type(value)
-    if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_signature(v) for v in value))
-    hash(value)  # TypeError for an unhashable constant
-    return (type(value), value)
+        return (kind, value.dim() == 0)
+    if kind is list or kind is tuple or isinstance(value, (list, tuple)):
+        return (kind, tuple([_signature(v) for v in value]))
+    return (kind, value)
 
 
 def _probe_bindings(func: Any, name: str, args: tuple, kwargs: dict) -> Callable | None:

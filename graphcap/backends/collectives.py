@@ -64,4 +64,7 @@ def _holds(kind: type, values: Any) -> bool:
         values = values.values()
     elif not isinstance(values, (list, tuple)):
         return False
-    return any(_holds(kind, value) for value in values)
+    for value in values:  # a loop, not any(generator): every recorded op asks
+        if isinstance(value, kind) or (not isinstance(value, torch.Tensor) and _holds(kind, value)):
+            return True
+    return False

@@ -59,9 +59,18 @@ def _raise(row: UnsafeOp, shown_name: str) -> None:
     raise CaptureUnsafeError(shown_name, _user_location(), row.reason, row.fix)
 
 
-@functools.cache
 def _row_for(func: Any) -> UnsafeOp | None:
-    return UNSAFE_OPS.get(str(func._overloadpacket))
+    known = _ROWS.get(id(func))
+    if known is not None and known[0] is func:
+        return known[1]
+    row = UNSAFE_OPS.get(str(func._overloadpacket))
+    _ROWS[id(func)] = (func, row)
+    return row
+
+
+_ROWS: dict[int, tuple[Any, UnsafeOp | None]] = {}
+"""The table's row per aten overload, keyed by `id` (every op of a checked forward asks, and an `OpOverload`
+hashes in Python); the overload is kept and compared by identity, so a reused id never answers for another."""
 
 
 def _on_device(value: Any, device_type: str) -> bool:
@@ -155,8 +164,13 @@ class UnsafeOpMode(TorchDispatchMode):
         # out of sight): decompose it here, with the checker on, so every part is checked.
         decompose = _composite_kernel(func)
         if decompose is not None:
-            with self:
+            # The mode back on torch's stack for the parts: `with self` would also set the flags its outer
+            # entry already set (this handler runs inside it), at several times the cost, on every composite op.
+            torch._C._push_on_torch_dispatch_stack(self)
+            try:
                 result = decompose(*args, **kwargs)
+            finally:
+                torch._C._pop_torch_dispatch_stack(None)
             if result is not NotImplemented:
                 return result
         return func(*args, **kwargs)
@@ -165,8 +179,20 @@ class UnsafeOpMode(TorchDispatchMode):
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 
 
-@functools.cache
 def _composite_kernel(func: Any) -> Callable | None:
+    """`_composite_parts(func)`, looked up once per overload (by identity, as `_row_for`)."""
+    known = _KERNELS.get(id(func))
+    if known is not None and known[0] is func:
+        return known[1]
+    kernel = _composite_parts(func)
+    _KERNELS[id(func)] = (func, kernel)
+    return kernel
+
+
+_KERNELS: dict[int, tuple[Any, Callable | None]] = {}
+
+
+def _composite_parts(func: Any) -> Callable | None:
     """What runs an aten composite op as its parts (each reaching the mode again), or None for an op with no parts.
 
     The C++ composite kernel where torch has one (what eager runs, and far cheaper than the Python

@@ -124,10 +124,13 @@ class _Compiler:
         raw = []
         for step, (func, args, kwargs, out) in enumerate(records):
             args_t, fills, nested = self._template(func, args, step)
-            kwargs_t, kw_fills, kw_nested = self._template(func, kwargs, step)
+            if kwargs:
+                kwargs_t, kw_fills, kw_nested = self._template(func, kwargs, step)
+                kwargs_t = dict(zip(kwargs, kwargs_t))
+            else:  # most ops: nothing to template
+                kwargs_t, kw_fills, kw_nested = {}, [], []
             made = self._outputs(func, out, step)
             call = native_binding(func, args, kwargs) or func
-            kwargs_t = dict(zip(kwargs, kwargs_t))
             raw.append(_Raw(call, args_t, kwargs_t, fills, nested, kw_fills, kw_nested, made))
         result_slots = []
         for output in outputs:
@@ -173,12 +176,13 @@ class _Compiler:
         template, fills, nested = [], [], []
         for key in keys:
             value = values[key]
-            slot = self._use(func, value, step)
-            if slot is not None:
-                fills.append((key, slot))
-                value = None
-            elif isinstance(value, torch.Tensor):
-                value = self._alias(value)
+            if isinstance(value, torch.Tensor):
+                slot = self._use(func, value, step)
+                if slot is not None:
+                    fills.append((key, slot))
+                    value = None
+                else:
+                    value = self._alias(value)
             elif isinstance(value, (list, tuple)):
                 slots = [(j, self._use(func, v, step)) for j, v in enumerate(value)]
                 inner = [(j, s) for j, s in slots if s is not None]
@@ -217,24 +221,26 @@ class _Compiler:
         else:
             return []  # None or a Python scalar (a frozen metadata query)
         made = []
+        slot_of, external_ids = self.slot_of, self.external_ids
         for index, value in leaves:
-            if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-                raise CaptureError(
-                    f"{func} returns tensors nested in a {type(value).__name__}; the emulated "
-                    "backend cannot replay that op; keep it out of the captured forward"
-                )
-            is_new = isinstance(value, torch.Tensor) and (
-                id(value) not in self.slot_of and id(value) not in self.external_ids
-            )
-            if is_new:
-                self.slot_of[id(value)] = len(self.slot_tensors)
-                self.slot_tensors.append(value)
-                self.made_at.append(step)
-                self.last_use.append(step)
-                made.append((index, len(self.slot_tensors) - 1))
-                storage = value.untyped_storage()
-                if storage.nbytes() and storage.data_ptr() not in self.external_storages:
-                    self.slot_storages.add(storage.data_ptr())
+            if not isinstance(value, torch.Tensor):
+                if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+                    raise CaptureError(
+                        f"{func} returns tensors nested in a {type(value).__name__}; the emulated "
+                        "backend cannot replay that op; keep it out of the captured forward"
+                    )
+                continue
+            identity = id(value)
+            if identity in slot_of or identity in external_ids:
+                continue
+            slot = slot_of[identity] = len(self.slot_tensors)
+            self.slot_tensors.append(value)
+            self.made_at.append(step)
+            self.last_use.append(step)
+            made.append((index, slot))
+            storage = value.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in self.external_storages:
+                self.slot_storages.add(storage.data_ptr())
         return made
 
     def _step(self, step: int, frees: list[int], raw: _Raw) -> _Step:
