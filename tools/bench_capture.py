@@ -3,7 +3,9 @@
 Table 1, per graph: the capture wall time (staging, invariants, warmups, capture,
 verification) over the time of the forwards it had to run anyway
 (`1 preflight + num_warmups + 1 capture + 1 verify`, each at the median eager step time). A ratio near
-1 means graphcap adds little beyond the forwards themselves.
+1 means graphcap adds little beyond the forwards themselves. Below it, re-capture passes timed per part, over
+the four forwards per key, and over the forwards a pass must run with its fill-level probes (the four, and a
+replay and an eager run per probe batch: `graphcap.probe.probe_fills`).
 
 Table 2: median ms per step of `CaptureManager.execute` (graph replay) and `.eager` at
 sizes 1, 8 and 64, through the full step path (staging and invariants included).
@@ -30,6 +32,7 @@ side by side, rounds interleaved; a first warm-up round is dropped (the process'
     python tools/bench_capture.py --recapture --gc-full   # ... and re-captures with a full collection after
     python tools/bench_capture.py --lazy [--rounds N] [--config PATH] [--quick]
     python tools/bench_capture.py --fills [--rounds N] [--config PATH] [--quick]
+    python tools/bench_capture.py --apart [--rounds N] [--config PATH] [--quick]   # tools/_capture_passes.py
 
 `--fills` times re-captures (after a weight swap) whose verification replays a probe batch at every
 fill level of each key (`graphcap.probe.probe_fills`: one real token, about half, all but one)
@@ -56,6 +59,7 @@ import torch
 import graphcap.capture.driver as driver_module
 from graphcap import CaptureManager, load_config
 from graphcap.models import build_model
+from graphcap.probe import probe_fills
 from graphcap.sizing.choice import SizeConstraints, choose_sizes
 from graphcap.sizing.sizes import CaptureSizes
 from graphcap.testing import time_key
@@ -79,7 +83,12 @@ def main() -> int:
     parser.add_argument("--gc-full", action="store_true", help="with --recapture: also a full collection after")
     parser.add_argument("--lazy", action="store_true", help="time to the first served step, lazy vs upfront")
     parser.add_argument("--fills", action="store_true", help="verification at every fill level vs one, then exit")
+    parser.add_argument("--apart", action="store_true", help="checks in the recording vs a preflight apart")
     args = parser.parse_args()
+    if args.apart:
+        from _capture_passes import checks_apart
+
+        return checks_apart(args.config, 2 if args.quick else args.rounds, args.quick, args.threads)
     if args.fills:
         return fill_levels(args.config, 2 if args.quick else args.rounds, args.quick, args.threads)
     if args.padding:
@@ -130,7 +139,13 @@ def main() -> int:
     )
     print()
     eager_ms = sum(timing.eager_ms for timing in timings.values() if timing is not None)
-    where_a_pass_goes(manager, eager_ms, 2 if args.quick else args.rounds)
+    max_model_len = config.kv_cache.max_model_len
+    probe_ms = sum(  # one eager step of each probe batch's key, per fill level
+        len(probe_fills(manager.registry.capture_shape(key), max_model_len=max_model_len)) * timing.eager_ms
+        for key, timing in timings.items()
+        if timing is not None
+    )
+    where_a_pass_goes(manager, eager_ms, 2 if args.quick else args.rounds, probe_ms)
     print()
     print("per step, median ms (staging + invariants + forward or replay)")
     print(f"{'size':>5} {'key':<8} {'execute ms':>10} {'eager ms':>9} {'speedup':>8}")
@@ -146,9 +161,11 @@ CAPTURE_GOAL = 1.5
 """The goal: a capture pass within 1.5x the four eager forwards per key it must run anyway."""
 
 
-def where_a_pass_goes(manager: CaptureManager, eager_ms: float, rounds: int) -> None:
+def where_a_pass_goes(manager: CaptureManager, eager_ms: float, rounds: int, probe_ms: float) -> None:
     """Re-capture passes timed whole and per step (preflight, plain warmups, capture, verification), in units of
-    one eager step of every key (`eager_ms`, the sum of the keys' medians), beside the goal."""
+    one eager step of every key (`eager_ms`, the sum of the keys' medians), beside the goal; and over the forwards
+    the pass must run with its fill-level probes (the four, and a replay and an eager run per probe batch:
+    `probe_ms`, the keys' eager steps weighted by their number of fill levels)."""
     import statistics
     import time
 
@@ -169,7 +186,8 @@ def where_a_pass_goes(manager: CaptureManager, eager_ms: float, rounds: int) -> 
             steps.setdefault(step, []).append(seconds)
     unit = eager_ms / 1e3
     wall = statistics.median(walls)
-    parts = {step: statistics.median(values) for step, values in steps.items()}
+    order = ("preflight", "warmups", "capture", "verification")  # a step that never ran shows 0
+    parts = {step: statistics.median(steps.get(step, [0.0])) for step in (*order, *steps.keys() - set(order))}
     parts["outside the keys (GC, report, set-up)"] = wall - sum(parts.values())
     print(f"where a re-capture pass goes ({rounds} passes; unit: one eager step of every key = {eager_ms:.1f} ms)")
     print(f"{'part':<40} {'seconds':>8} {'units':>6}")
@@ -178,9 +196,16 @@ def where_a_pass_goes(manager: CaptureManager, eager_ms: float, rounds: int) -> 
     print(
         f"{'whole pass (median; min-max)':<40} {wall:>8.3f} {wall / unit:>6.2f}   {min(walls):.3f}-{max(walls):.3f} s"
     )
+    if "preflight" not in steps:
+        print(f"preflight: in the {manager.backend.name} backend's recording (its checks run in capture)")
     print(
         f"capture pass / 4 eager forwards per key: {wall / unit / 4:.2f}x (goal <= {CAPTURE_GOAL}x); the four: the "
         "checked preflight, a warmup, the recorded capture, the verification's eager run"
+    )
+    must = 4 + 2 * probe_ms / eager_ms
+    print(
+        f"capture pass / the forwards it must run with its probes ({must:.2f} units: the four, and a replay and an "
+        f"eager run per fill level): {wall / unit / must:.2f}x"
     )
 
 

@@ -60,6 +60,10 @@ class GraphBackend:
     device: torch.device
     min_warmups = 0
     """Plain warmups `warmup` requires before a capture (cuda: 1)."""
+    checks_in_capture = False
+    """Whether `capture` runs its forward under every check of the preflight, raising the same errors (the emulated
+    backend records the forward under the unsafe-op checker, torch.compile off, its generators registered): a
+    capture pass then warms a full graph's key up with `warmup(..., checked=False)`, one checked forward, not two."""
     _preflight_syncs = False  # run the preflight under set_sync_debug_mode("error") (cuda)
     _sync_debug = False  # run the plain warmups under it too (cuda, `sync_debug=True`)
 
@@ -95,7 +99,7 @@ class GraphBackend:
         found = check_generators(generators, self.device)
         self.generators += tuple(g for i, g in enumerate(found) if not _among(g, (*self.generators, *found[:i])))
 
-    def warmup(self, fn: Forward, num_warmups: int) -> None:
+    def warmup(self, fn: Forward, num_warmups: int, *, checked: bool = True) -> None:
         """Run the preflight of `fn` once, then call it eagerly `num_warmups` more times.
 
         The preflight runs `fn` under the unsafe-op checker with torch.compile off (and on
@@ -105,14 +109,23 @@ class GraphBackend:
         `CaptureUnsafeError` (op, reason, user file:line). The plain warmups then run `fn`
         as capture will: compiled, lazy libraries initialised. All under
         `torch.inference_mode()`, like capture.
+
+        `checked=False`: no preflight, the plain warmups alone; only on a backend whose `capture` runs the
+        preflight's checks itself (`checks_in_capture`), for a forward it captures next (`ValueError` elsewhere).
         """
         self.check_warmups(num_warmups)
         _check_callable(fn)
         self._check_not_capturing("warmup()")
+        if not checked and not self.checks_in_capture:
+            raise ValueError(
+                f"warmup(checked=False) on the {self.name} backend: its capture does not run the preflight's checks, "
+                "so the preflight must run here; drop checked=False"
+            )
         syncs = self._preflight_syncs and (self._sync_debug or not engine_threads_may_run())
         with self._warmup_context(), torch.inference_mode(), in_phase("warmup"):
-            with preflight(self.device, sync_debug=syncs, generators=self.generators):
-                fn()
+            if checked:
+                with preflight(self.device, sync_debug=syncs, generators=self.generators):
+                    fn()
             with sync_debug_errors(self._sync_debug):
                 for _ in range(num_warmups):
                     fn()

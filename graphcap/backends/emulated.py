@@ -42,6 +42,7 @@ import torch
 
 from graphcap.backends.base import Forward, GraphBackend
 from graphcap.backends.compiled import eager_only
+from graphcap.backends.generators import registered
 from graphcap.backends.graph import CapturedGraph
 from graphcap.backends.pieces import EmulatedPieceSession
 from graphcap.backends.pool import invalidate
@@ -111,11 +112,19 @@ class EmulatedBackend(GraphBackend):
     """
 
     name = "emulated"
+    checks_in_capture = True  # the recording is the preflight's checked run: see `_capture`
 
     def _capture(self, fn: Forward, *, name: str, input_ptrs: dict[str, int]) -> EmulatedGraph:
         recorder = TapeRecorder(self.device)
         try:
-            with eager_only() as uncompiled, unsafe_op_checker(self.device, recorder), stream_capturing():
+            # Every check of the preflight (graphcap.backends.preflight.preflight, which runs sync-debug only on
+            # CUDA backends), raising the same errors: a capture pass need not run a checked warmup before it.
+            with (
+                eager_only() as uncompiled,
+                registered(self.generators),
+                unsafe_op_checker(self.device, recorder),
+                stream_capturing(),
+            ):
                 output = fn()
             leaves, _ = flatten_output(output, name)
             tape = compile_tape(recorder.records, leaves)

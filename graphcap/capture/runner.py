@@ -91,7 +91,7 @@ class CapturePass:
         graphs: dict[GraphKey, CapturedGraph] = {}
         verify = self.config.checks.verify_replay
         # With no engine context to leave and no peers, each key is verified right after its capture, against
-        # its last warmup's output (an eager run of the same batch): one forward less per key.
+        # its last warmup's output (an eager run of the same batch) where a run preceded it: one forward less.
         inline = verify and context is contextlib.nullcontext and self.failures.peers is None
         try:
             with context():
@@ -123,7 +123,8 @@ class CapturePass:
         (raised, or the key recorded as skipped with no graph).
 
         `reference`: keeps the real rows of the last plain warmup (an eager run of the dummy batch, with the
-        same reads as a run right after it), for `verify` to compare the dummy batch's replay with.
+        same reads as a run right after it), for `verify` to compare the dummy batch's replay with, when an
+        earlier run of the batch preceded it (the preflight, or another warmup); else `verify` runs it eagerly.
         """
         start = time.perf_counter()
         eager_seconds = 0.0
@@ -132,13 +133,16 @@ class CapturePass:
         try:
             inputs = self.stage(self.capture_batch(key), key, phase="capture", dummy=True)
             warmups = self.config.capture.num_warmups
+            # A full graph recorded under the preflight's checks (`checks_in_capture`) is checked there, once.
+            checked = mode is Mode.PIECEWISE or not self.backend.checks_in_capture
             run = self._warmup_run(inputs, mode)
-            if reference is not None and warmups > 0:
+            # The reference is a run after an earlier one, as the replay is (state a run leaves shows in both).
+            if reference is not None and int(checked) + warmups >= 2:
                 run = reference.around(
-                    run, 1 + warmups, self.backend, lambda out: self.outputs.real(cloned(out), inputs)
+                    run, int(checked) + warmups, self.backend, lambda out: self.outputs.real(cloned(out), inputs)
                 )
             t0 = time.perf_counter()
-            self.backend.warmup(run, warmups)
+            self.backend.warmup(run, warmups, checked=checked)
             self.backend.synchronize()  # time the warmups' GPU work, not their launches
             eager_seconds += time.perf_counter() - t0
             statics = self.static_inputs(inputs)

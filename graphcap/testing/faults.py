@@ -52,13 +52,12 @@ def kv_cache(manager: CaptureManager) -> torch.Tensor:
 class FaultyModel(torch.nn.Module):
     """The reference model with at most one armed fault, raised from `forward`.
 
-    Calls are counted per key since `arm`: with one warmup and `verify_replay`, call 1 of a
-    key is its preflight (the checked first run), call 2 its plain warmup, call 3 its capture
-    (under the emulated backend's recorder) and call 4 the first eager run of its verification
-    (`PHASES`), so `on_call` picks the phase that fails. A verification forward counts for the
-    key it verifies: its own key (a dummy batch run again), else the key verified by the
-    verification forward before it, else the key captured last (a key verified right after its
-    capture: the probe batch, staged at an eager key of its own size).
+    Calls are counted per key since `arm`: with one warmup and `verify_replay` on the emulated backend, call 1
+    of a key is its plain warmup, call 2 its capture (the recording, which runs the preflight's checks: no
+    separate checked run) and call 3 the first eager run of its verification (`PHASES`), so `on_call` picks
+    the phase that fails. A verification forward counts for the key it verifies: its own key (a dummy batch
+    run again), else the key verified by the verification forward before it, else the key captured last (a
+    key verified right after its capture: the probe batch, staged at an eager key of its own size).
     """
 
     def __init__(self, inner: torch.nn.Module) -> None:
@@ -67,12 +66,14 @@ class FaultyModel(torch.nn.Module):
         self.fault: tuple[int, Callable[[], BaseException], int | None] | None = None
         self.calls: Counter = Counter()
         self._captured = self._verifying = None
+        self._recorded: set = set()
 
     def arm(self, num_tokens: int, make_exc: Callable[[], BaseException], on_call: int | None = None) -> None:
         """Raise `make_exc()` when a key of `num_tokens` runs (on its `on_call`-th call, or every call)."""
         self.fault = (num_tokens, make_exc, on_call)
         self.calls.clear()
         self._captured = self._verifying = None
+        self._recorded.clear()
 
     def disarm(self) -> None:
         self.fault = None
@@ -82,14 +83,15 @@ class FaultyModel(torch.nn.Module):
         return self.inner.kv_cache
 
     def forward(self, inputs) -> torch.Tensor:
-        key = inputs.key
-        if phase() == "verify":
-            key = self._verifying = key if self.calls[key] >= 3 else (self._verifying or self._captured)
+        key, now = inputs.key, phase()
+        if now == "verify":
+            key = self._verifying = key if key in self._recorded else (self._verifying or self._captured)
         else:
             self._verifying = None
         self.calls[key] += 1
-        if self.calls[key] == 3 and self._verifying is None:
+        if now == "capture":
             self._captured = key
+            self._recorded.add(key)
         if self.fault is not None:
             num_tokens, make_exc, on_call = self.fault
             if key.num_tokens == num_tokens and on_call in (None, self.calls[key]):
@@ -105,7 +107,7 @@ FAULTS: dict[str, Callable[[], BaseException]] = {
     "oom_no_message": lambda: torch.OutOfMemoryError(),
     "interrupt": KeyboardInterrupt,
 }
-PHASES = {1: "preflight", 2: "warmup", 3: "capture", 4: "verify"}
+PHASES = {1: "warmup", 2: "capture", 3: "verify"}
 
 
 def leftover_temp_files(path: Path) -> list[Path]:

@@ -172,8 +172,8 @@ class CachingBackend(ReservingBackend):
         super().__init__(allocator)
         self.free, self.cached = self.DEVICE, 0
 
-    def warmup(self, fn, num_warmups: int) -> None:
-        super().warmup(fn, num_warmups)
+    def warmup(self, fn, num_warmups: int, **options) -> None:
+        super().warmup(fn, num_warmups, **options)
         if self.cached < self.ACTIVATIONS:  # the activations of every size fit one cached working set
             self.free -= self.ACTIVATIONS - self.cached
             self.cached = self.ACTIVATIONS

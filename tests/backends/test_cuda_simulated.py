@@ -73,6 +73,8 @@ class FakeCUDABackend(EmulatedBackend):
     """The emulated backend with the CUDA allocator's pool accounting: a capture takes a use of the
     pool's handle (asserting as PyTorch does), a release gives it back."""
 
+    checks_in_capture = False  # as on CUDA: a capture checks nothing, the preflight runs before it
+
     def __init__(self, allocator: FakeAllocator) -> None:
         self.allocator = allocator
         super().__init__("cpu")

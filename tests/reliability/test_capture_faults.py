@@ -71,7 +71,7 @@ def test_forward_error_raises_capture_error_naming_the_key_and_leaves_nothing(re
 @pytest.mark.parametrize("kind", ["oom", "oom_no_message"])
 def test_oom_at_the_largest_size_raises_with_the_memory_hint(report_path, kind):
     manager = faulty_manager(report_path)
-    manager.model.arm(4, FAULTS[kind], on_call=3)  # the capture
+    manager.model.arm(4, FAULTS[kind], on_call=2)  # the capture
     with pytest.raises(CaptureError) as info:
         manager.capture()
     message = str(info.value)
@@ -87,12 +87,12 @@ def test_oom_at_the_largest_size_raises_with_the_memory_hint(report_path, kind):
 @pytest.mark.parametrize(
     ("kind", "on_call", "reason"),
     [
-        ("oom", 3, "out of memory (CUDA out of memory. Tried to allocate"),
-        ("oom_no_message", 2, "out of memory (no message)"),
-        ("error", 1, "RuntimeError: injected fault"),
-        ("error", 4, "RuntimeError: injected fault"),
+        ("oom", 2, "out of memory (CUDA out of memory. Tried to allocate"),
+        ("oom_no_message", 1, "out of memory (no message)"),
+        ("error", 2, "RuntimeError: injected fault"),
+        ("error", 3, "RuntimeError: injected fault"),
     ],
-    ids=["oom-capture", "oom-warmup", "error-preflight", "error-verify"],
+    ids=["oom-capture", "oom-warmup", "error-capture", "error-verify"],
 )
 def test_skip_records_the_failed_size_with_its_reason_and_captures_the_rest(report_path, kind, on_call, reason):
     manager = faulty_manager(report_path, on_error="skip")
@@ -118,8 +118,8 @@ def test_skip_records_the_failed_size_with_its_reason_and_captures_the_rest(repo
 
 @pytest.mark.parametrize(
     ("on_error", "on_call"),
-    [("raise", 3), ("skip", 1), ("skip", 2), ("skip", 4)],
-    ids=["raise-capture", "skip-preflight", "skip-warmup", "skip-verify"],
+    [("raise", 2), ("skip", 1), ("skip", 2), ("skip", 3)],
+    ids=["raise-capture", "skip-warmup", "skip-capture", "skip-verify"],
 )
 def test_keyboard_interrupt_mid_capture_propagates_and_leaves_nothing(report_path, on_error, on_call):
     """Never swallowed by `skip`; the graphs captured before it in the pass are released."""

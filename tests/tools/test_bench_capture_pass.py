@@ -15,5 +15,9 @@ def test_bench_capture_prints_where_a_pass_goes_beside_the_goal():
     assert names == ["preflight", "warmups", "capture", "verification", "outside the keys (GC, report, set-up)",
                      "whole pass (median; min-max)"]  # fmt: skip
     units = [float(line.split()[-1]) for line in parts[2:6]]
-    assert all(value > 0 for value in units)  # each step of every key was timed
+    assert units[0] == 0 and all(value > 0 for value in units[1:])  # each step of every key was timed
+    assert "preflight: in the emulated backend's recording (its checks run in capture)" in out
     assert "capture pass / 4 eager forwards per key: " in out and "(goal <= 1.5x)" in out
+    (must,) = [line for line in out.splitlines() if line.startswith("capture pass / the forwards it must run")]
+    units = float(must.split("(")[1].split()[0])
+    assert units > 4 and must.endswith("x")  # the four, and the probes' replays and eager runs

@@ -13,7 +13,15 @@ import yaml
 from graphcap import CaptureError, StepBatch
 from graphcap.capture.verification import assert_close
 from graphcap.report_files import atomic_write
-from graphcap.testing import FAULT_SIZES, FAULTS, assert_nothing_left, leftover_temp_files, make_config, make_manager
+from graphcap.testing import (
+    FAULT_SIZES,
+    FAULTS,
+    PHASES,
+    assert_nothing_left,
+    leftover_temp_files,
+    make_config,
+    make_manager,
+)
 
 from .trials import Row, Scale, Tally
 
@@ -83,8 +91,8 @@ def fault_rows(scale: Scale, workdir: Path) -> list[Row]:
         manager = make_manager(config, faulty=True)
         tally = Tally()
         for trial in range(scale.faults):
-            on_call = 1 + trial % 4  # preflight, warmup, capture, verify
-            size = 4 if kind == "oom" else (2, 4)[(trial // 4) % 2]
+            on_call = 1 + trial % len(PHASES)  # warmup, capture (the checked recording), verify
+            size = 4 if kind == "oom" else (2, 4)[(trial // len(PHASES)) % 2]
             old = OLD_REPORT if trial % 2 == 0 else None
             with tally.trial(f"{kind} {on_error} call {on_call} size {size}"):
                 _fault_trial(manager, path, kind, on_error, on_call, size, old)
@@ -94,7 +102,7 @@ def fault_rows(scale: Scale, workdir: Path) -> list[Row]:
             outcome = "propagated; GC restored, no graph or memory left, report unchanged, captured again"
         else:
             outcome = "CaptureError naming the key (+ hint); nothing left, report unchanged, captured again"
-        rows.append(tally.row("faults", f"{what}, `on_error: {on_error}` (preflight/warmup/capture/verify)", outcome))
+        rows.append(tally.row("faults", f"{what}, `on_error: {on_error}` (warmup/capture/verify)", outcome))
 
     tally = Tally()
     for trial in range(scale.report_writes):
