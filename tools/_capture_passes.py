@@ -1,14 +1,19 @@
-"""`bench_capture.py --apart`: re-capture passes with the emulated backend's checks in its recording (the
+"""Capture passes for `bench_capture.py`: where a re-capture pass goes (`where_a_pass_goes`), and (`--apart`)
+re-capture passes with the emulated backend's checks in its recording (the
 default) against passes that run a separate checked preflight per key first (`checks_in_capture` off, as a
 backend whose capture checks nothing does), interleaved in pairs in one process (which goes first alternates)."""
 
 from __future__ import annotations
+
+import statistics
+import time
 
 import numpy as np
 import torch
 
 from graphcap import CaptureManager, load_config
 from graphcap.models import build_model
+from graphcap.testing import time_key
 
 
 def checks_apart(path: str | None, rounds: int, quick: bool, threads: int | None) -> int:
@@ -41,3 +46,62 @@ def checks_apart(path: str | None, rounds: int, quick: bool, threads: int | None
         print(f"{kind:<17} {np.median(values):>9.3f} {min(values):>6.3f}-{max(values):<6.3f}")
     print(f"in the recording / apart per pair: median {np.median(ratio):.2f} ({ratio.min():.2f}-{ratio.max():.2f})")
     return 0
+
+
+def at_threads(manager: CaptureManager, keys, steps: int, threads: int) -> dict:
+    """`time_key` of each of `keys` with torch at `threads` threads (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return {key: time_key(manager, key, steps=steps) for key in keys}
+    finally:
+        torch.set_num_threads(before)
+
+
+CAPTURE_GOAL = 1.5
+"""The goal: a capture pass within 1.5x the four eager forwards per key it must run anyway."""
+
+
+def where_a_pass_goes(manager: CaptureManager, eager_ms: float, rounds: int, probe_ms: float) -> None:
+    """Re-capture passes timed whole and per step (preflight, plain warmups, capture, verification), in units of
+    one eager step of every key (`eager_ms`, the sum of the keys' medians at the pass's threads), beside the goal;
+    and over the forwards the pass must run with its fill-level probes (the four, and a replay and an eager run per
+    probe batch: `probe_ms`, the keys' eager steps weighted by their number of fill levels)."""
+    from _gpu_llama import KeyTimes
+
+    walls, steps = [], {}
+    for _ in range(rounds):
+        times = KeyTimes(manager)
+        with times.installed():
+            began = time.perf_counter()
+            manager.capture()
+            walls.append(time.perf_counter() - began)
+        totals: dict[str, float] = {}
+        for row in times.table().values():
+            for step, seconds in row.items():
+                totals[step] = totals.get(step, 0.0) + seconds
+        for step, seconds in totals.items():
+            steps.setdefault(step, []).append(seconds)
+    unit = eager_ms / 1e3
+    wall = statistics.median(walls)
+    order = ("preflight", "warmups", "capture", "verification")  # a step that never ran shows 0
+    parts = {step: statistics.median(steps.get(step, [0.0])) for step in (*order, *steps.keys() - set(order))}
+    parts["outside the keys (GC, report, set-up)"] = wall - sum(parts.values())
+    print(f"where a re-capture pass goes ({rounds} passes; unit: one eager step of every key = {eager_ms:.1f} ms)")
+    print(f"{'part':<40} {'seconds':>8} {'units':>6}")
+    for step, seconds in parts.items():
+        print(f"{step:<40} {seconds:>8.3f} {seconds / unit:>6.2f}")
+    print(
+        f"{'whole pass (median; min-max)':<40} {wall:>8.3f} {wall / unit:>6.2f}   {min(walls):.3f}-{max(walls):.3f} s"
+    )
+    if "preflight" not in steps:
+        print(f"preflight: in the {manager.backend.name} backend's recording (its checks run in capture)")
+    print(
+        f"capture pass / 4 eager forwards per key: {wall / unit / 4:.2f}x (goal <= {CAPTURE_GOAL}x); the four: the "
+        "checked preflight, a warmup, the recorded capture, the verification's eager run"
+    )
+    must = 4 + 2 * probe_ms / eager_ms
+    print(
+        f"capture pass / the forwards it must run with its probes ({must:.2f} units: the four, and a replay and an "
+        f"eager run per fill level): {wall / unit / must:.2f}x"
+    )

@@ -5,7 +5,8 @@ verification) over the time of the forwards it had to run anyway
 (`1 preflight + num_warmups + 1 capture + 1 verify`, each at the median eager step time). A ratio near
 1 means graphcap adds little beyond the forwards themselves. Below it, re-capture passes timed per part, over
 the four forwards per key, and over the forwards a pass must run with its fill-level probes (the four, and a
-replay and an eager run per probe batch: `graphcap.probe.probe_fills`).
+replay and an eager run per probe batch: `graphcap.probe.probe_fills`), in eager steps at the threads the pass
+runs at (`tools/_capture_passes.py`).
 
 Table 2: median ms per step of `CaptureManager.execute` (graph replay) and `.eager` at
 sizes 1, 8 and 64, through the full step path (staging and invariants included).
@@ -55,6 +56,7 @@ import sys
 
 import numpy as np
 import torch
+from _capture_passes import at_threads, checks_apart, where_a_pass_goes
 
 import graphcap.capture.driver as driver_module
 from graphcap import CaptureManager, load_config
@@ -86,8 +88,6 @@ def main() -> int:
     parser.add_argument("--apart", action="store_true", help="checks in the recording vs a preflight apart")
     args = parser.parse_args()
     if args.apart:
-        from _capture_passes import checks_apart
-
         return checks_apart(args.config, 2 if args.quick else args.rounds, args.quick, args.threads)
     if args.fills:
         return fill_levels(args.config, 2 if args.quick else args.rounds, args.quick, args.threads)
@@ -138,13 +138,19 @@ def main() -> int:
         f"total capture {report.total_seconds:.2f} s"
     )
     print()
-    eager_ms = sum(timing.eager_ms for timing in timings.values() if timing is not None)
+    # The unit of the pass: eager steps at the threads the pass runs at (an emulated pass sets its own).
+    threads = torch.get_num_threads()
+    if report.backend == "emulated":
+        threads = config.capture.num_threads or driver_module.EMULATED_CAPTURE_THREADS
+    units = timings if threads == torch.get_num_threads() else at_threads(manager, timings, steps, threads)
+    eager_ms = sum(timing.eager_ms for timing in units.values() if timing is not None)
     max_model_len = config.kv_cache.max_model_len
     probe_ms = sum(  # one eager step of each probe batch's key, per fill level
         len(probe_fills(manager.registry.capture_shape(key), max_model_len=max_model_len)) * timing.eager_ms
-        for key, timing in timings.items()
+        for key, timing in units.items()
         if timing is not None
     )
+    print(f"(the pass's unit: eager steps at the pass's {threads} thread(s))")
     where_a_pass_goes(manager, eager_ms, 2 if args.quick else args.rounds, probe_ms)
     print()
     print("per step, median ms (staging + invariants + forward or replay)")
@@ -155,58 +161,6 @@ def main() -> int:
                 kind = "uniform" if key.uniform else "mixed"
                 print(f"{size:>5} {kind:<8} {timing.replay_ms:>10.3f} {timing.eager_ms:>9.3f} {timing.speedup:>7.2f}x")
     return 0
-
-
-CAPTURE_GOAL = 1.5
-"""The goal: a capture pass within 1.5x the four eager forwards per key it must run anyway."""
-
-
-def where_a_pass_goes(manager: CaptureManager, eager_ms: float, rounds: int, probe_ms: float) -> None:
-    """Re-capture passes timed whole and per step (preflight, plain warmups, capture, verification), in units of
-    one eager step of every key (`eager_ms`, the sum of the keys' medians), beside the goal; and over the forwards
-    the pass must run with its fill-level probes (the four, and a replay and an eager run per probe batch:
-    `probe_ms`, the keys' eager steps weighted by their number of fill levels)."""
-    import statistics
-    import time
-
-    from _gpu_llama import KeyTimes
-
-    walls, steps = [], {}
-    for _ in range(rounds):
-        times = KeyTimes(manager)
-        with times.installed():
-            began = time.perf_counter()
-            manager.capture()
-            walls.append(time.perf_counter() - began)
-        totals: dict[str, float] = {}
-        for row in times.table().values():
-            for step, seconds in row.items():
-                totals[step] = totals.get(step, 0.0) + seconds
-        for step, seconds in totals.items():
-            steps.setdefault(step, []).append(seconds)
-    unit = eager_ms / 1e3
-    wall = statistics.median(walls)
-    order = ("preflight", "warmups", "capture", "verification")  # a step that never ran shows 0
-    parts = {step: statistics.median(steps.get(step, [0.0])) for step in (*order, *steps.keys() - set(order))}
-    parts["outside the keys (GC, report, set-up)"] = wall - sum(parts.values())
-    print(f"where a re-capture pass goes ({rounds} passes; unit: one eager step of every key = {eager_ms:.1f} ms)")
-    print(f"{'part':<40} {'seconds':>8} {'units':>6}")
-    for step, seconds in parts.items():
-        print(f"{step:<40} {seconds:>8.3f} {seconds / unit:>6.2f}")
-    print(
-        f"{'whole pass (median; min-max)':<40} {wall:>8.3f} {wall / unit:>6.2f}   {min(walls):.3f}-{max(walls):.3f} s"
-    )
-    if "preflight" not in steps:
-        print(f"preflight: in the {manager.backend.name} backend's recording (its checks run in capture)")
-    print(
-        f"capture pass / 4 eager forwards per key: {wall / unit / 4:.2f}x (goal <= {CAPTURE_GOAL}x); the four: the "
-        "checked preflight, a warmup, the recorded capture, the verification's eager run"
-    )
-    must = 4 + 2 * probe_ms / eager_ms
-    print(
-        f"capture pass / the forwards it must run with its probes ({must:.2f} units: the four, and a replay and an "
-        f"eager run per fill level): {wall / unit / must:.2f}x"
-    )
 
 
 def first_step(path: str | None, rounds: int, quick: bool, threads: int | None) -> int:
