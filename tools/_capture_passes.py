@@ -1,5 +1,6 @@
-"""Capture passes for `bench_capture.py`: where a re-capture pass goes (`where_a_pass_goes`), and (`--apart`)
-re-capture passes with the emulated backend's checks in its recording (the
+"""Capture passes for `bench_capture.py`: where a re-capture pass goes (`where_a_pass_goes`); `--pass-threads`:
+re-capture passes at one and two torch threads, interleaved in pairs in one process; and (`--apart`) re-capture
+passes with the emulated backend's checks in its recording (the
 default) against passes that run a separate checked preflight per key first (`checks_in_capture` off, as a
 backend whose capture checks nothing does), interleaved in pairs in one process (which goes first alternates)."""
 
@@ -19,33 +20,71 @@ from graphcap.testing import time_key
 def checks_apart(path: str | None, rounds: int, quick: bool, threads: int | None) -> int:
     """Seconds of re-captures (after a weight swap) with the checks in the recording vs in a preflight apart."""
     torch.set_num_threads(threads or 1)
+    manager, model = _emulated_manager(path, quick, "--apart")
+    backend = manager.backend
+
+    def side(kind: str) -> None:
+        backend.checks_in_capture = kind == "in the recording"
+
+    seconds, graphs = _interleaved(manager, model, ("in the recording", "preflight apart"), side, rounds)
+    vars(backend).pop("checks_in_capture", None)
+    title = "the unsafe-op checks in the recording vs a checked preflight apart per key"
+    _table(title, seconds, graphs, rounds, f"{torch.get_num_threads()} thread(s)", "checks")
+    return 0
+
+
+def pass_threads(path: str | None, rounds: int, quick: bool) -> int:
+    """Seconds of re-captures at one and at two torch threads (`EMULATED_CAPTURE_THREADS`), interleaved."""
+    import graphcap.capture.driver as driver
+
+    manager, model = _emulated_manager(path, quick, "--pass-threads")
+    if manager.config.capture.num_threads is not None:
+        raise SystemExit("bench_capture --pass-threads: the config sets capture.num_threads; drop it")
+    default = driver.EMULATED_CAPTURE_THREADS
+
+    def side(kind: str) -> None:
+        driver.EMULATED_CAPTURE_THREADS = int(kind.split()[0])
+
+    try:
+        seconds, graphs = _interleaved(manager, model, ("1 thread", "2 threads"), side, rounds)
+    finally:
+        driver.EMULATED_CAPTURE_THREADS = default
+    _table("at 1 vs 2 torch threads (EMULATED_CAPTURE_THREADS)", seconds, graphs, rounds, "", "threads")
+    return 0
+
+
+def _emulated_manager(path: str | None, quick: bool, flag: str) -> tuple[CaptureManager, torch.nn.Module]:
     config = load_config(path, {} if path else {"device": "cpu", "capture.max_size": 8 if quick else 16})
     model = build_model(config)
     manager = CaptureManager(model, config, progress=False)
     if manager.backend.name != "emulated":
-        raise SystemExit("bench_capture --apart: the emulated backend's recording is what runs the checks")
+        raise SystemExit(f"bench_capture {flag}: times the emulated backend's passes; the config picks another")
     manager.capture()  # the process's own lazy set-up, not timed
-    backend = manager.backend
-    seconds: dict[str, list[float]] = {"in the recording": [], "preflight apart": []}
+    return manager, model
+
+
+def _interleaved(manager, model, kinds: tuple[str, str], side, rounds: int) -> tuple[dict[str, list[float]], int]:
+    """Re-captures after a weight swap, `side(kind)` set before each, in pairs (which goes first alternates)."""
+    seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     for index in range(2 * rounds):
-        kind = ("in the recording", "preflight apart")[(index + index // 2) % 2]  # which goes first alternates
-        backend.checks_in_capture = kind == "in the recording"
+        kind = kinds[(index + index // 2) % 2]
+        side(kind)
         model.lm_head = torch.nn.Parameter(model.lm_head.detach().clone(), requires_grad=False)
         report = manager.capture()
         if not all(r.verified for r in report.records):
             raise SystemExit("bench_capture: a key was not verified")
         seconds[kind].append(report.total_seconds)
-    vars(backend).pop("checks_in_capture", None)
-    ratio = np.array(seconds["in the recording"]) / np.array(seconds["preflight apart"])
-    print(
-        f"re-capture passes, the unsafe-op checks in the recording vs a checked preflight apart per key, "
-        f"{len(report.records)} graphs, {rounds} pairs interleaved, {torch.get_num_threads()} thread(s)"
-    )
-    print(f"{'checks':<17} {'median s':>9} {'min-max s':>13}")
+    return seconds, len(report.records)
+
+
+def _table(title: str, seconds: dict[str, list[float]], graphs: int, rounds: int, where: str, column: str) -> None:
+    first, second = seconds
+    ratio = np.array(seconds[first]) / np.array(seconds[second])
+    print(f"re-capture passes, {title}, {graphs} graphs, {rounds} pairs interleaved" + (f", {where}" if where else ""))
+    print(f"{column:<17} {'median s':>9} {'min-max s':>13}")
     for kind, values in seconds.items():
         print(f"{kind:<17} {np.median(values):>9.3f} {min(values):>6.3f}-{max(values):<6.3f}")
-    print(f"in the recording / apart per pair: median {np.median(ratio):.2f} ({ratio.min():.2f}-{ratio.max():.2f})")
-    return 0
+    print(f"{first} / {second} per pair: median {np.median(ratio):.2f} ({ratio.min():.2f}-{ratio.max():.2f})")
 
 
 def at_threads(manager: CaptureManager, keys, steps: int, threads: int) -> dict:

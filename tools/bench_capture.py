@@ -34,6 +34,7 @@ side by side, rounds interleaved; a first warm-up round is dropped (the process'
     python tools/bench_capture.py --lazy [--rounds N] [--config PATH] [--quick]
     python tools/bench_capture.py --fills [--rounds N] [--config PATH] [--quick]
     python tools/bench_capture.py --apart [--rounds N] [--config PATH] [--quick]   # tools/_capture_passes.py
+    python tools/bench_capture.py --pass-threads [--rounds N] [--config PATH] [--quick]
 
 `--fills` times re-captures (after a weight swap) whose verification replays a probe batch at every
 fill level of each key (`graphcap.probe.probe_fills`: one real token, about half, all but one)
@@ -56,7 +57,7 @@ import sys
 
 import numpy as np
 import torch
-from _capture_passes import at_threads, checks_apart, where_a_pass_goes
+from _capture_passes import at_threads, checks_apart, pass_threads, where_a_pass_goes
 
 import graphcap.capture.driver as driver_module
 from graphcap import CaptureManager, load_config
@@ -86,9 +87,12 @@ def main() -> int:
     parser.add_argument("--lazy", action="store_true", help="time to the first served step, lazy vs upfront")
     parser.add_argument("--fills", action="store_true", help="verification at every fill level vs one, then exit")
     parser.add_argument("--apart", action="store_true", help="checks in the recording vs a preflight apart")
+    parser.add_argument("--pass-threads", action="store_true", help="emulated passes at 1 vs 2 threads")
     args = parser.parse_args()
     if args.apart:
         return checks_apart(args.config, 2 if args.quick else args.rounds, args.quick, args.threads)
+    if args.pass_threads:
+        return pass_threads(args.config, 2 if args.quick else args.rounds, args.quick)
     if args.fills:
         return fill_levels(args.config, 2 if args.quick else args.rounds, args.quick, args.threads)
     if args.padding:
