@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphcap import CaptureError, GraphKey
+from graphcap import CaptureError, CaptureManager, GraphKey
 from graphcap.capture import runner as capture_module
 from graphcap.capture import verification
 from graphcap.capture.runner import CapturePass
@@ -316,3 +316,52 @@ def test_assert_close_agrees_with_torch_on_every_input(values, noise):
     except AssertionError:
         ours = False
     assert ours == torch_says
+
+
+class FirstRunDiffers(torch.nn.Module):
+    """The reference model plus one on the very first forward of the process's manager (a flag it then sets):
+    a first run reads no state an earlier run left, as the replays after the recording do."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("ran", torch.zeros(()))
+        self.calls = 0
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.inner.kv_cache
+
+    def forward(self, inputs):
+        self.calls += 1
+        out = self.inner(inputs) + (1 - self.ran)
+        self.ran.fill_(1)
+        return out
+
+
+def _first_run_manager() -> CaptureManager:
+    torch.set_num_threads(1)
+    config = make_config({"capture.sizes": [2, 4]})
+    return CaptureManager(FirstRunDiffers(build_model(config)), config, progress=False)
+
+
+def test_a_dummy_batch_whose_reference_was_its_first_run_is_compared_again_after_the_replay():
+    manager = _first_run_manager()
+    report = manager.capture()
+    assert report.records and all(r.status == "captured" and r.verified for r in report.records)
+    # Only the first key's warmup was a first run that differs: one eager run more, in its verification.
+    probes = sum(len(r.verified_fills) for r in report.records)
+    assert manager.model.calls == 2 * len(report.records) + probes + 1
+
+
+def test_canary_a_first_run_taken_as_the_reference_fails_a_right_graph(monkeypatch):
+    around = verification.LastRun.around
+
+    def not_first(self, *args, **kwargs):
+        run = around(self, *args, **kwargs)
+        self.first = False  # as if an earlier run had preceded it
+        return run
+
+    monkeypatch.setattr(verification.LastRun, "around", not_first)
+    with pytest.raises(CaptureError, match="replay differs from eager on the same inputs"):
+        _first_run_manager().capture()

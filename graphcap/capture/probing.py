@@ -18,6 +18,7 @@ from graphcap.backends import CapturedGraph
 from graphcap.batch import StepBatch
 from graphcap.capture.carried import carried_state
 from graphcap.capture.verification import DUMMY_MISMATCH, LastRun, differs, probe_mismatch
+from graphcap.errors import CaptureError
 from graphcap.inputs import ForwardInputs
 from graphcap.keys import GraphKey, Mode
 from graphcap.outputs import cloned
@@ -34,21 +35,33 @@ def verify_dummy(
     job: CapturePass, key: GraphKey, graph: CapturedGraph, timings: dict | None = None, reference: LastRun | None = None
 ) -> float:
     """Replay the key's dummy batch against an eager run of it (`reference`: the last warmup's output, which
-    ran it eagerly just before); the seconds of eager work not counted with the warmups."""
+    ran it eagerly just before); the seconds of eager work not counted with the warmups.
+
+    A reference that was the batch's first run (`LastRun.first`) read no state an earlier run left, where the
+    replay did: when it differs, the replay is compared again with an eager run after it (as with no reference),
+    whose verdict and diagnosis stand.
+    """
     inputs = job.stage(job.capture_batch(key), key, phase="capture", dummy=True)
     if reference is not None and reference.output is not None:  # the last warmup ran this batch eagerly
         timings = {} if timings is None else timings
         run = job._reference_run(inputs, job.registry.mode_of(key))
-        job.compare(
-            graph,
-            inputs,
-            lambda: reference.output,
-            message=DUMMY_MISMATCH,
-            timings=timings,
-            diagnose=diagnosis(job, graph, inputs, lambda: job.outputs.real(run(), inputs), lambda: inputs),
+        # No diagnosis against a first run: its runs would change the state the comparison below reads.
+        diagnose = (
+            None
+            if reference.first
+            else diagnosis(job, graph, inputs, lambda: job.outputs.real(run(), inputs), lambda: inputs)
         )
-        timings["eager"] = reference.seconds
-        return 0.0  # counted with the warmups
+        try:
+            job.compare(
+                graph, inputs, lambda: reference.output, message=DUMMY_MISMATCH, timings=timings, diagnose=diagnose
+            )
+        except CaptureError:
+            if not reference.first:
+                raise
+            inputs = job.stage(job.capture_batch(key), key, phase="capture", dummy=True)
+        else:
+            timings["eager"] = reference.seconds
+            return 0.0  # counted with the warmups
     run = job._reference_run(inputs, job.registry.mode_of(key))
     eager = lambda: job.outputs.real(run(), inputs)  # noqa: E731
     return job.compare(

@@ -91,7 +91,7 @@ class CapturePass:
         graphs: dict[GraphKey, CapturedGraph] = {}
         verify = self.config.checks.verify_replay
         # With no engine context to leave and no peers, each key is verified right after its capture, against
-        # its last warmup's output (an eager run of the same batch) where a run preceded it: one forward less.
+        # its last warmup's output (an eager run of the same batch): one forward less per key.
         inline = verify and context is contextlib.nullcontext and self.failures.peers is None
         try:
             with context():
@@ -123,8 +123,8 @@ class CapturePass:
         (raised, or the key recorded as skipped with no graph).
 
         `reference`: keeps the real rows of the last plain warmup (an eager run of the dummy batch, with the
-        same reads as a run right after it), for `verify` to compare the dummy batch's replay with, when an
-        earlier run of the batch preceded it (the preflight, or another warmup); else `verify` runs it eagerly.
+        same reads as a run right after it), for `verify` to compare the dummy batch's replay with (when it was
+        the batch's first run, `verify` compares again with an eager run after the replay where they differ).
         """
         start = time.perf_counter()
         eager_seconds = 0.0
@@ -136,8 +136,7 @@ class CapturePass:
             # A full graph recorded under the preflight's checks (`checks_in_capture`) is checked there, once.
             checked = mode is Mode.PIECEWISE or not self.backend.checks_in_capture
             run = self._warmup_run(inputs, mode)
-            # The reference is a run after an earlier one, as the replay is (state a run leaves shows in both).
-            if reference is not None and int(checked) + warmups >= 2:
+            if reference is not None and warmups > 0:
                 run = reference.around(
                     run, int(checked) + warmups, self.backend, lambda out: self.outputs.real(cloned(out), inputs)
                 )

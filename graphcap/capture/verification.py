@@ -127,16 +127,19 @@ class LastRun:
     """The output of a key's last warmup (`keep(output)`: its real rows, copied) and how long that run took.
 
     `around(run, calls, backend, keep)` gives the warmup forward that fills it on the last of its `calls` runs;
-    `output` stays None until then (no warmup ran, or the warmups failed).
+    `output` stays None until then (no warmup ran, or the warmups failed). `first`: that run was the batch's first
+    (`calls` 1), so it read no state an earlier run left, as the replay after the recording does.
     """
 
     def __init__(self) -> None:
         self.output: Any = None
         self.seconds = 0.0
+        self.first = False
 
     def around(
         self, run: Callable[[], Any], calls: int, backend: GraphBackend, keep: Callable[[Any], Any]
     ) -> Callable[[], Any]:
+        self.first = calls == 1
         left = [calls]
 
         def warmup() -> Any:
