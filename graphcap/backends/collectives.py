@@ -31,7 +31,7 @@ def unwrap_async(records: list, args: tuple, kwargs: dict) -> tuple[tuple, dict]
     """`args`, `kwargs` with each AsyncCollectiveTensor replaced by its tensor; its first use appends
     `(wait_tensor, (tensor,), {}, tensor)` to `records` (the tape then waits where eager code did)."""
     kind = _async_collective_tensor()
-    if kind is None or not _holds(kind, (args, kwargs)):
+    if kind is None or not (_holds(kind, args) or (kwargs and _holds(kind, kwargs.values()))):
         return args, kwargs
 
     def waited(value: Any) -> Any:
@@ -57,14 +57,21 @@ def _async_collective_tensor() -> type | None:
     return AsyncCollectiveTensor
 
 
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None), torch.dtype, torch.device})
+"""Types no AsyncCollectiveTensor is or holds: what almost every argument of a recorded op is."""
+
+
 def _holds(kind: type, values: Any) -> bool:
-    if isinstance(values, kind):
-        return True
-    if isinstance(values, dict):
-        values = values.values()
-    elif not isinstance(values, (list, tuple)):
-        return False
-    for value in values:  # a loop, not any(generator): every recorded op asks
-        if isinstance(value, kind) or (not isinstance(value, torch.Tensor) and _holds(kind, value)):
+    """Whether any of `values` (a sequence, or a dict's values), or anything in a list, tuple or dict among
+    them at any depth, is a `kind`. Every recorded op asks, so plain types are passed over first."""
+    for value in values:
+        if type(value) in _PLAIN:
+            continue
+        if isinstance(value, kind):
+            return True
+        if isinstance(value, (list, tuple)):
+            if _holds(kind, value):
+                return True
+        elif isinstance(value, dict) and _holds(kind, value.values()):
             return True
     return False

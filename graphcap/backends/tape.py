@@ -257,25 +257,26 @@ class _Compiler:
 
     def _peak_bytes(self, raw: list, frees_at: list[list[int]]) -> int:
         """Peak bytes of slot storages alive at once during a replay (externals excluded)."""
+        storages = [tensor.untyped_storage() for tensor in self.slot_tensors]
+        sizes = [(storage.data_ptr(), storage.nbytes()) for storage in storages]  # each slot's, read once
         live: dict[int, int] = {}  # storage data_ptr -> number of live slots viewing it
         current = peak = 0
         for step, entry in enumerate(raw):
             for _, slot in entry.made:
-                current += self._storage_delta(slot, live, +1)
+                current += self._storage_delta(sizes[slot], live, +1)
             peak = max(peak, current)
             for slot in frees_at[step]:
-                current += self._storage_delta(slot, live, -1)
+                current += self._storage_delta(sizes[slot], live, -1)
         return peak
 
-    def _storage_delta(self, slot: int, live: dict[int, int], sign: int) -> int:
-        storage = self.slot_tensors[slot].untyped_storage()
-        key = storage.data_ptr()
+    def _storage_delta(self, size: tuple[int, int], live: dict[int, int], sign: int) -> int:
+        key, nbytes = size
         if key in self.external_storages:
             return 0
         count = live.get(key, 0) + sign
         live[key] = count
         is_edge = count == 1 if sign > 0 else count == 0
-        return sign * storage.nbytes() if is_edge else 0
+        return sign * nbytes if is_edge else 0
 
 
 def _builder(raw: _Raw) -> _Builder:
