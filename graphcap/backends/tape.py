@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from graphcap.backends.bindings import native_binding
-from graphcap.backends.collectives import is_async, unwrap_async
+from graphcap.backends.collectives import is_async, observed, unwrap_async
 from graphcap.backends.preflight import UnsafeOpMode
 from graphcap.errors import CaptureError
 
@@ -126,7 +126,7 @@ class _Compiler:
             args_t, fills, nested = self._template(func, args, step)
             kwargs_t, kw_fills, kw_nested = self._template(func, kwargs, step)
             made = self._outputs(func, out, step)
-            call = native_binding(func, args, kwargs) or func
+            call = observed(func, native_binding(func, args, kwargs) or func)
             kwargs_t = dict(zip(kwargs, kwargs_t))
             raw.append(_Raw(call, args_t, kwargs_t, fills, nested, kw_fills, kw_nested, made))
         result_slots = []

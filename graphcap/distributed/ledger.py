@@ -5,10 +5,13 @@ or its verification) leaves its peers blocked in that collective: on gloo until 
 group's timeout, and aborting a group on one side does not wake the other. So, with peers,
 each key's capture and each key's verification is a *segment*: from its first staging to its
 agreement (`FailurePolicy.settle`). Inside a segment every rank publishes, before issuing each
-functional collective, its descriptor (op, the group's ranks, each tensor's shape and dtype,
-the other arguments) to its own stream in the default process group's store
-(`graphcap/ledger/<ledger>/<segment>/<rank>`), and closes the stream when it leaves the
-segment ("end", or "fail" when it raised). A rank whose segment raised (not in a collective:
+functional collective (a forward's through a dispatch mode around it, `wrap`; a replay's through
+the emulated tape's `backends.collectives.observed` calls), its descriptor (op, the group's
+ranks, each tensor's shape and dtype, the other arguments) to its own stream in the default
+process group's store (entry k of a rank at `graphcap/ledger/<ledger>/<rank>/<k>`, stamped with
+the segment's number, the key reused by every segment: no entry is ever deleted, so the store
+holds at most the longest segment's entries per rank), and closes the stream when it leaves
+the segment ("end", or "fail" when it raised). A rank whose segment raised (not in a collective:
 then the group is gone) reads its partners' streams (the ranks of the manager's DP and TP
 groups) from the index of the collective it did not reach, and issues each collective that
 names it with zero tensors of the published shapes, until every partner has closed its
@@ -18,8 +21,9 @@ is read at the same index (every rank runs the same sequence of collectives), so
 collective the failing rank issues at index k is the one its peers issue at k.
 
 Bounded: the failing rank follows for at most `Parallel.failure_timeout` seconds, then logs why
-and stops (its peers then wait until their group's timeout). A segment's stream is deleted by
-its rank when its next segment opens (every rank has passed the earlier key's agreement then).
+and stops (its peers then wait until their group's timeout). An entry an earlier segment left
+is read again until the partner overwrites it (or closes its stream before it): no partner
+passes a key's agreement before every rank has entered it, so no rank runs a segment ahead.
 
 Covers the functional collectives (`torch.ops._c10d_functional.*`, which the emulated backend
 records and `torch.distributed._functional_collectives` calls) on groups whose other ranks are
@@ -44,6 +48,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphcap.backends.collectives import observing
 from graphcap.distributed.step import is_collective_error
 from graphcap.phases import phase
 
@@ -99,8 +104,10 @@ class CollectiveLedger:
         self._store_prefix = f"graphcap/ledger/{next(_SERIALS)}"
         self._store = dist.PrefixStore(self._store_prefix, store)
         self._segment = 0
+        self._open = False
         self._issued = 0
         self._groups: dict[str, list[int]] = {}
+        self._bodies: dict[tuple, bytes] = {}
         self.published = 0
         """Descriptors this rank published (what the cost benchmark counts)."""
         self.completed = 0
@@ -109,11 +116,13 @@ class CollectiveLedger:
         """Collectives this rank issued with placeholder tensors for its peers."""
 
     def wrap(self, forward: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        """`forward`, whose failure in a capture phase names that phase (`failures.phase_of`: told to every rank)."""
+        """`forward`, publishing its collectives inside a segment; its failure in a capture phase names that phase
+        (`failures.phase_of`: told to every rank)."""
 
         def marked(inputs: Any) -> Any:
             try:
-                return forward(inputs)
+                with _Publish(self) if self._open else contextlib.nullcontext():
+                    return forward(inputs)
             except Exception as exc:
                 if phase() in _CAPTURE_PHASES and getattr(exc, "graphcap_phase", None) is None:
                     exc.graphcap_phase = phase()  # type: ignore[attr-defined]
@@ -127,37 +136,42 @@ class CollectiveLedger:
         published; when the body raises (not in a collective), this rank issues what its partners still issue
         (bounded by `timeout`), then the exception propagates to the key's agreement."""
         number = self._segment
-        if number:  # every rank has passed the agreement that closed the earlier segment: nobody reads it now
-            for index in range(self._issued + 1):
-                self._store.delete_key(f"{self._key(number - 1, self.rank)}/{index}")
         self._segment += 1
         self._issued = 0
+        self._open = True
         try:
-            with _Publish(self):
+            with observing(self.publish):  # the tapes verification replays; forwards publish in `wrap`
                 yield
         except Exception as exc:
+            self._open = False
             self._close(number, "fail")
             if not is_collective_error(exc):  # a collective that failed itself: the group is gone
                 self._follow(number)
             raise
+        finally:
+            self._open = False
         self._close(number, "end")
 
     def publish(self, func: Any, args: tuple, kwargs: dict) -> None:
-        """Append the descriptor of a collective this rank is about to issue to its stream of the open segment."""
-        entry = {
-            "op": func.name()[len(_NAMESPACE) :],
-            "overload": func._overloadname,
-            "args": _encode(list(args)),
-            "kwargs": _encode(kwargs),
-            "ranks": self._ranks_of(func, args, kwargs),
-        }
-        self._store.set(f"{self._key(self._segment - 1, self.rank)}/{self._issued}", _line(entry))
+        """Set the descriptor of a collective this rank is about to issue as the next entry of its stream."""
+        signature = (func, _signature(args), _signature(kwargs))
+        body = self._bodies.get(signature)
+        if body is None:  # the same op on the same shapes: encoded once
+            entry = {
+                "op": func.name()[len(_NAMESPACE) :],
+                "overload": func._overloadname,
+                "args": _encode(list(args)),
+                "kwargs": _encode(kwargs),
+                "ranks": self._ranks_of(func, args, kwargs),
+            }
+            body = self._bodies[signature] = _line(entry)[1:]
+        self._store.set(f"{self.rank}/{self._issued}", b'{"segment":%d,' % (self._segment - 1) + body)
         self._issued += 1
         self.published += 1
 
     def _close(self, number: int, how: str) -> None:
         try:
-            self._store.set(f"{self._key(number, self.rank)}/{self._issued}", _line({"end": how}))
+            self._store.set(f"{self.rank}/{self._issued}", _line({"segment": number, "end": how}))
         except Exception as exc:  # the store is gone: the key's own failure (or agreement) reports it
             log.warning("could not close this rank's collective stream of a capture segment: %s", exc)
 
@@ -165,7 +179,7 @@ class CollectiveLedger:
         """Issue, with placeholder tensors, each collective naming this rank that its partners publish from the
         index this rank did not reach, until every partner closed its stream (or `timeout` passes)."""
         deadline = time.monotonic() + self.timeout
-        streams = {partner: _Stream(self._store, self._key(number, partner)) for partner in self.partners}
+        streams = {partner: _Stream(self._store, str(partner), number) for partner in self.partners}
         index, issued = self._issued, 0
         try:
             while streams:
@@ -231,35 +245,52 @@ class CollectiveLedger:
             ranks = self._groups[name] = list(dist.get_process_group_ranks(group))
         return ranks
 
-    def _key(self, number: int, rank: int) -> str:
-        return f"{number}/{rank}"
-
 
 class _Stream:
-    """One partner's entries of a segment, read in order: `at(index)` waits for entry `index`."""
+    """One partner's entries of a segment, read in order: `at(index)` waits for entry `index` of segment `number`."""
 
-    def __init__(self, store: Any, key: str) -> None:
-        self.store, self.key = store, key
+    def __init__(self, store: Any, prefix: str, number: int) -> None:
+        self.store, self.prefix, self.number = store, prefix, number
         self.entries: list[dict] = []
         self.closed = False
 
     def at(self, index: int, deadline: float) -> dict | None:
-        """Entry `index`, or None when the partner closed its stream before it; `TimeoutError` past `deadline`."""
+        """Entry `index`, or None when the partner closed its stream before it; `TimeoutError` past `deadline`.
+
+        The key of an entry is reused by every segment: until the partner reaches it in this one, it holds an
+        earlier segment's entry (or nothing), and is read again after a pause."""
         import datetime
 
+        pause = 0.0005
         while index >= len(self.entries) and not self.closed:
             left = deadline - time.monotonic()
-            key = f"{self.key}/{len(self.entries)}"
+            key = f"{self.prefix}/{len(self.entries)}"
             try:
-                self.store.wait([key], datetime.timedelta(seconds=max(left, 0.001)))
+                if left <= 0:
+                    raise RuntimeError("failure_timeout passed")
+                self.store.wait([key], datetime.timedelta(seconds=left))
             except RuntimeError as exc:  # the store's "Wait timeout" (DistStoreError is a RuntimeError)
                 raise TimeoutError(f"partner entry {key} was not published in time ({exc})") from None
             entry = json.loads(self.store.get(key))
-            if "end" in entry:
+            if entry.get("segment") != self.number:  # an earlier segment's: the partner is not there yet
+                time.sleep(pause)
+                pause = min(2 * pause, 0.01)
+            elif "end" in entry:
                 self.closed = True
             else:
                 self.entries.append(entry)
         return self.entries[index] if index < len(self.entries) else None
+
+
+def _signature(value: Any) -> Any:
+    """A hashable stand-in of a collective's arguments: each tensor as its shape and dtype."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(item) for item in value)
+    if isinstance(value, dict):
+        return tuple((key, _signature(item)) for key, item in value.items())
+    return value
 
 
 def _line(entry: dict) -> bytes:

@@ -34,20 +34,28 @@ def world():
         dist.destroy_process_group()
 
 
-def _descriptor(shape=(2, 3), ranks=(0, 1), op="all_reduce", args=None) -> bytes:
+def _descriptor(shape=(2, 3), ranks=(0, 1), op="all_reduce", args=None, segment=0) -> bytes:
     tensor = {"tensor": list(shape), "dtype": "float32"}
-    entry = {"op": op, "overload": "default", "args": args or [tensor, "sum", "0"], "kwargs": {"dict": {}},
-             "ranks": list(ranks)}  # fmt: skip
+    entry = {"segment": segment, "op": op, "overload": "default", "args": args or [tensor, "sum", "0"],
+             "kwargs": {"dict": {}}, "ranks": list(ranks)}  # fmt: skip
     return (json.dumps(entry) + "\n").encode()
+
+
+def _end(how: str = "end", segment: int = 0) -> bytes:
+    return json.dumps({"segment": segment, "end": how}).encode()
 
 
 def _failing_segment(ledger: CollectiveLedger, before: int) -> None:
     """A segment whose forward issues `before` all-reduces on the world group, then raises."""
-    with pytest.raises(RuntimeError, match="injected"), ledger.segment():
+
+    def forward(inputs) -> None:
         for _ in range(before):
             out = torch.ops._c10d_functional.all_reduce(torch.ones(2, 3), "sum", "0")
             torch.ops._c10d_functional.wait_tensor(out)
         raise RuntimeError("injected")
+
+    with pytest.raises(RuntimeError, match="injected"), ledger.segment():
+        ledger.wrap(forward)(None)
 
 
 def _ledger(world, timeout: float = 30.0) -> tuple[CollectiveLedger, str]:
@@ -58,21 +66,47 @@ def _ledger(world, timeout: float = 30.0) -> tuple[CollectiveLedger, str]:
 def test_a_failing_rank_issues_the_partners_collectives_from_the_one_it_did_not_reach_to_the_partners_end(world):
     ledger, prefix = _ledger(world)
     for index in range(3):  # the partner's key: three all-reduces, then its end
-        world.set(f"{prefix}/0/1/{index}", _descriptor(shape=(2, 3 + index)))
-    world.set(f"{prefix}/0/1/3", b'{"end":"end"}\n')
+        world.set(f"{prefix}/1/{index}", _descriptor(shape=(2, 3 + index)))
+    world.set(f"{prefix}/1/3", _end())
+    world.set(f"{prefix}/1/4", _descriptor(segment=-1))  # left by an earlier segment: never read
     _failing_segment(ledger, before=1)
     assert (ledger.completed, ledger.placeholders, ledger.published) == (1, 2, 1)
-    # This rank's own stream: its one descriptor, then "fail"; deleted when the next segment opens.
-    assert json.loads(world.get(f"{prefix}/0/0/1")) == {"end": "fail"}
+    # This rank's own stream: its one descriptor, then "fail"; the next segment reuses the keys.
+    assert json.loads(world.get(f"{prefix}/0/0"))["op"] == "all_reduce"
+    assert json.loads(world.get(f"{prefix}/0/1")) == {"segment": 0, "end": "fail"}
     with ledger.segment():
         pass
-    assert not world.check([f"{prefix}/0/0/0"]) and json.loads(world.get(f"{prefix}/1/0/0")) == {"end": "end"}
+    assert json.loads(world.get(f"{prefix}/0/0")) == {"segment": 1, "end": "end"}
+
+
+def test_an_entry_an_earlier_segment_left_is_read_again_until_the_partner_overwrites_it(world):
+    ledger, prefix = _ledger(world)
+    with ledger.segment():  # segment 0 closes on both ranks
+        pass
+    stale = [_end(segment=0), _end(segment=0)]  # what the partner's key holds before it reaches segment 1
+
+    class Partner:
+        """The store, whose partner key turns to segment 1's entry after two reads of segment 0's."""
+
+        def wait(self, keys, timeout):
+            world.wait(keys, timeout)
+
+        def get(self, key):
+            if key.endswith("/1/0") and stale:
+                return stale.pop()
+            return world.get(key)
+
+    world.set(f"{prefix}/1/0", _descriptor(segment=1))
+    world.set(f"{prefix}/1/1", _end(segment=1))
+    ledger._store = _Prefixed(Partner(), prefix, ledger._store)
+    _failing_segment(ledger, before=0)
+    assert (ledger.completed, ledger.placeholders) == (1, 1) and not stale
 
 
 def test_a_partner_that_failed_before_this_rank_ends_the_following_at_its_failure(world):
     ledger, prefix = _ledger(world)
-    world.set(f"{prefix}/0/1/0", _descriptor())
-    world.set(f"{prefix}/0/1/1", b'{"end":"fail"}\n')
+    world.set(f"{prefix}/1/0", _descriptor())
+    world.set(f"{prefix}/1/1", _end("fail"))
     _failing_segment(ledger, before=2)
     assert (ledger.completed, ledger.placeholders) == (0, 0)
 
@@ -89,7 +123,7 @@ def test_a_partner_that_failed_before_this_rank_ends_the_following_at_its_failur
 )
 def test_what_the_rank_cannot_follow_stops_it_with_the_reason_logged(world, caplog, entry, why):
     ledger, prefix = _ledger(world)
-    world.set(f"{prefix}/0/1/0", entry)
+    world.set(f"{prefix}/1/0", entry)
     with caplog.at_level(logging.WARNING, logger="graphcap"):
         _failing_segment(ledger, before=0)
     assert why in caplog.text and ledger.completed == 0
@@ -106,7 +140,23 @@ def test_a_segment_that_fails_in_a_collective_does_not_follow(world):
     ledger, prefix = _ledger(world)
     with pytest.raises(RuntimeError, match="Gloo"), ledger.segment():
         raise RuntimeError("[gloo] Gloo connection closed by peer")
-    assert json.loads(world.get(f"{prefix}/0/0/0")) == {"end": "fail"} and ledger.placeholders == 0
+    assert json.loads(world.get(f"{prefix}/0/0")) == {"segment": 0, "end": "fail"} and ledger.placeholders == 0
+
+
+class _Prefixed:
+    """Reads through `reader` (with the prefix), writes through `writer` (a PrefixStore)."""
+
+    def __init__(self, reader, prefix: str, writer) -> None:
+        self.reader, self.prefix, self.writer = reader, prefix, writer
+
+    def wait(self, keys, timeout):
+        self.reader.wait([f"{self.prefix}/{key}" for key in keys], timeout)
+
+    def get(self, key):
+        return self.reader.get(f"{self.prefix}/{key}")
+
+    def set(self, key, value):
+        self.writer.set(key, value)
 
 
 _VALUES = st.recursive(
