@@ -12,7 +12,7 @@ from typing import Any
 
 import graphcap
 from tests.distributed._collective_worker import DP_TIMEOUT_S, _step
-from tests.distributed._models import CONFIG, TensorParallelMLP
+from tests.distributed._models import CONFIG, GatherMLP, TensorParallelMLP
 from tests.distributed._spawn import outcome
 
 CANARY_GROUP_TIMEOUT_S = 3.0
@@ -69,6 +69,8 @@ def first_warmup(rank: int, world: int, directory: str) -> dict[str, Any]:
     if "value" in done:
         done["steps"] = [_step(manager, model, n, 500 + n) for n in (1, 3, 6, 8)]
 
+    res["verify_gather"] = _verification_outlived(rank, world, model_group)
+
     # The canary: the same failure without the ledger leaves rank 0 in the all-reduce of its first warmup until
     # the model group's own timeout (short here) ends it.
     short = datetime.timedelta(seconds=CANARY_GROUP_TIMEOUT_S)
@@ -76,3 +78,26 @@ def first_warmup(rank: int, world: int, directory: str) -> dict[str, Any]:
     manager, model, calls = _manager(rank, world, canary_group, "raise", ledger=False)
     res["canary"] = _captured(manager, model, calls)
     return res
+
+
+def _verification_outlived(rank: int, world: int, group: Any) -> dict[str, Any]:
+    """Rank 0's eager runs of verification fail before their all-gather, while its peer's verification passes
+    (the model scales the gathered values by 0, so the zeros rank 0 sends change nothing): the peer goes on
+    to the next replay, whose all-gather rank 0 issues from what the peer's tape publishes."""
+    from graphcap import CaptureManager, load_config
+
+    model = GatherMLP(group, world)
+    forward = model.forward
+
+    def failing(inputs):
+        if rank == 0 and graphcap.phase() == "verify":
+            raise RuntimeError("injected failure on rank 0 before the all-gather")
+        return forward(inputs)
+
+    model.forward = failing
+    config = load_config(overrides={**CONFIG, "capture.on_error": "raise"})
+    parallel = graphcap.Parallel(dp_group=group, timeout=DP_TIMEOUT_S, failure_timeout=DP_TIMEOUT_S)
+    manager = CaptureManager(model, config, backend="emulated", parallel=parallel, progress=False)
+    done = outcome(lambda: len(manager.capture().captured))
+    done["completed"], done["placeholders"] = manager._ledger.completed, manager._ledger.placeholders
+    return done

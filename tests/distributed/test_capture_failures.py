@@ -61,6 +61,24 @@ def test_a_first_warmup_failure_with_on_error_skip_skips_the_key_on_every_rank_a
     assert "(in its warmup on this rank)" in ranks[1]["skip"]["reasons"][0]
 
 
+def test_a_verification_failure_whose_peer_goes_on_to_its_next_replay_is_completed_through_the_replay(ranks):
+    # Rank 0 fails each eager run of verification; its peer's comparison passes (the zeros change nothing),
+    # so the peer replays the next probe: rank 0 issues that replay's all-gather from what the peer's tape
+    # published, then the peer's next eager run's, to the end of the peer's verification of the key.
+    for rank, result in enumerate(ranks):
+        done = result["verify_gather"]
+        assert done["error"] == "CaptureError", f"rank {rank}: {done}"
+        expected = (
+            "injected failure on rank 0 before the all-gather (in its verification on this rank)"
+            if rank == 0
+            else "rank 0 failed to capture it in its verification; parallel ranks keep the same keys"
+        )
+        assert expected in done["message"], done["message"]
+    # The dummy batch's eager run, then per probe level a replay and an eager run.
+    assert ranks[0]["verify_gather"]["completed"] == 1 and ranks[0]["verify_gather"]["placeholders"] >= 3
+    assert ranks[1]["verify_gather"]["placeholders"] == 0
+
+
 def test_canary_without_the_ledger_the_peer_stays_in_the_collective_until_its_groups_timeout(ranks):
     # Rank 0's first warmup of size 4 waits in the all-reduce rank 1 never issues: only the model group's own
     # timeout (3 s here; 30 min by default) gets it out, as a gloo error of its own, not the failing rank's.
