@@ -30,7 +30,9 @@ records and `torch.distributed._functional_collectives` calls) on groups whose o
 among the manager's DP and TP ranks. Not covered (the peers wait until the process group's
 timeout): collectives that are not functional (a custom all-reduce's own kernels, a
 `Communicator`'s), `all_to_all_single` with per-rank split sizes (the failing rank cannot know
-its own), a failure in `capture.min_speedup`'s timing runs (outside any segment), and the CUDA
+its own), a collective inside a piecewise key's eager op while a replay runs it (neither on the
+tape nor in a watched forward), a failure in `capture.min_speedup`'s timing runs (outside any
+segment), and the CUDA
 backend (the manager makes no ledger there: its dispatch mode around the warmups would change
 what torch.compile traces).
 """
