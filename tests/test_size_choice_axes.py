@@ -1,0 +1,256 @@
+"""`graphcap.sizing.axes`: sizes chosen for traffic with key axes count a graph per (size, combination),
+place every step as dispatch does, and report the waste per axis value, in sample and held out."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphcap import load_config
+from graphcap.keys import KeyRegistry
+from graphcap.memory.estimate import estimate_memory
+from graphcap.memory.graph_costs import graph_costs
+from graphcap.sizing.axes import AxisPlan, choose_with_axes, value_waste
+from graphcap.sizing.choice import SizeConstraints, candidate_sizes
+from graphcap.sizing.held_out import choose_held_out, choose_way, split_steps
+from graphcap.sizing.sizes import CaptureSizes
+from graphcap.testing.traffic import TRAFFIC_SHAPES, traffic_histogram
+
+LORA = {"lora": (0, 1, 2, 4, 8)}
+
+
+def with_adapters(histogram, seed: int, top: int = 10) -> dict:
+    """Traffic steps with a LoRA value each: the token counts of `traffic_histogram`, and per step the number of
+    distinct adapters its requests use (geometric, seeded: most steps few, a tail above the largest planned)."""
+    rng, steps = random.Random(seed), {}
+    for n, count in sorted(histogram.items()):
+        for _ in range(count):
+            lora = min(top, int(rng.expovariate(0.45)))
+            steps[n, (("lora", lora),)] = steps.get((n, (("lora", lora),)), 0) + 1
+    return steps
+
+
+# -- brute force: every step placed from first principles -------------------------------------------------------
+
+
+def brute_place(plan_axes, listed, sizes, n, axes):
+    """(size, combination) a step replays, or None, recomputed without the registry's tables."""
+    if n > sizes[-1]:
+        return None
+    padded = []
+    for name, value in axes:
+        above = [v for v in plan_axes[name] if v >= value]
+        if not above:
+            return None
+        padded.append(min(above))
+    names = list(plan_axes)
+    combos = listed or [dict(zip(names, values)) for values in itertools.product(*plan_axes.values())]
+    holders = [c for c in combos if all(c[name] >= v for name, v in zip(names, padded))]
+    if not holders:
+        return None
+    best = min(holders, key=lambda c: (sum(plan_axes[k].index(c[k]) for k in names), tuple(c[k] for k in names)))
+    return min(s for s in sizes if s >= n), tuple((k, best[k]) for k in names)
+
+
+def brute_rows(plan_axes, listed, sizes, steps):
+    """{(axis, value): (steps, token waste, slot waste)} by brute force (None where undefined)."""
+    total = sum(steps.values())
+    sums = {(name, v): [0.0, 0.0, 0.0, 0.0, 0.0] for name, values in plan_axes.items() for v in values}
+    for (n, axes), w in steps.items():
+        placed = brute_place(plan_axes, listed, sizes, n, axes)
+        if placed is None:
+            continue
+        size, combo = placed
+        for (name, own), (_, value) in zip(axes, combo):
+            for i, x in enumerate((w, n * w, size * w, own * w, value * w)):
+                sums[name, value][i] += x
+    return {
+        k: (s / total, (p - r) / p if s else None, (sl - u) / sl if s and sl else None)
+        for k, (s, r, p, u, sl) in sums.items()
+    }
+
+
+PLANS = st.tuples(
+    st.dictionaries(
+        st.sampled_from(["lora", "ubatch"]),
+        st.lists(st.integers(0, 6), min_size=1, max_size=3, unique=True).map(lambda v: tuple(sorted(v))),
+        min_size=1,
+        max_size=2,
+    ),
+    st.randoms(use_true_random=False),
+)
+
+
+def plan_of(setup):
+    axes, rng = setup
+    every = [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+    listed = rng.sample(every, rng.randint(1, len(every))) if rng.random() < 0.5 else []
+    return axes, listed, AxisPlan(axes, listed)
+
+
+def steps_for(data, plan: AxisPlan, max_tokens: int = 40):
+    values = {name: st.integers(0, vs[-1] + 2) for name, vs in plan.values.items()}
+    step = st.tuples(st.integers(1, max_tokens), st.fixed_dictionaries(values))
+    drawn = data.draw(st.lists(st.tuples(step, st.integers(1, 6)), min_size=1, max_size=25))
+    out = {}
+    for (n, axes), w in drawn:
+        key = plan.step(n, axes)
+        out[key] = out.get(key, 0) + w
+    return out
+
+
+@settings(max_examples=120, deadline=None)
+@given(setup=PLANS, data=st.data(), max_graphs=st.integers(1, 30), q=st.sampled_from([1, 1, 2]))
+def test_the_plan_never_exceeds_max_graphs_and_every_step_goes_where_dispatch_sends_it(setup, data, max_graphs, q):
+    axes, listed, plan = plan_of(setup)
+    steps = steps_for(data, plan)
+    bound = SizeConstraints(32, q)
+    try:
+        chosen = choose_with_axes(steps, max_graphs, bound, plan)
+    except ValueError as exc:  # the only refusals: too few graphs for the combinations, or nothing replays
+        assert max_graphs < plan.num_combinations or "no observed step can replay" in str(exc)
+        return
+    assert chosen.num_graphs == len(chosen.sizes) * plan.num_combinations <= max_graphs
+    keys = KeyRegistry(CaptureSizes(chosen.sizes, chosen.sizes[-1]), "full", q, 64, axes=axes, combinations=listed)
+    keys.captured.update(keys.planned)
+    for step in steps:
+        n, values = step
+        placed, reason = chosen.place(step)
+        _, key, dispatched = keys.dispatch(n, 1, False, dict(values))
+        if placed is None:
+            assert reason and dispatched == reason, (step, reason, dispatched)
+        else:
+            assert (reason, dispatched) == ("", "") and key in keys.planned
+            assert (key.num_tokens, key.axes) == placed == brute_place(axes, listed, chosen.sizes, n, values)
+
+
+@settings(max_examples=120, deadline=None)
+@given(setup=PLANS, data=st.data(), max_graphs=st.integers(8, 30))
+def test_the_reported_waste_per_axis_value_equals_a_brute_force_recount(setup, data, max_graphs):
+    axes, listed, plan = plan_of(setup)
+    steps = steps_for(data, plan)
+    try:
+        chosen = choose_with_axes(steps, max_graphs, SizeConstraints(40), plan)
+    except ValueError:
+        return
+    expect = brute_rows(axes, listed, chosen.sizes, steps)
+    rows = chosen.values()
+    assert [(r.axis, r.value) for r in rows] == list(expect)
+    for row in rows:
+        share, tokens, slots = expect[row.axis, row.value]
+        assert row.share == pytest.approx(share, abs=1e-12)
+        assert row.token_waste == pytest.approx(tokens, abs=1e-12)
+        assert row.slot_waste == pytest.approx(slots, abs=1e-12)
+    # the total token waste: over every replayed step, as the chooser's own
+    replayed = [(brute_place(axes, listed, chosen.sizes, n, a), n, w) for (n, a), w in steps.items()]
+    real = sum(n * w for p, n, w in replayed if p)
+    padded = sum(p[0] * w for p, n, w in replayed if p)
+    assert chosen.held.choice.waste == pytest.approx((padded - real) / padded if padded else 0.0, abs=1e-12)
+    eager = sum(w for p, _, w in replayed if p is None) / sum(steps.values())
+    assert chosen.eager_share == pytest.approx(eager, abs=1e-12)
+
+
+@pytest.mark.parametrize("shape", list(TRAFFIC_SHAPES))
+def test_on_traffic_shapes_the_held_out_rows_are_each_directions_recount_averaged(shape):
+    histogram = traffic_histogram(shape, seed=3, num_steps=2000)
+    steps = with_adapters(histogram, seed=3)
+    plan, bound = AxisPlan(LORA), SizeConstraints(512)
+    chosen = choose_with_axes(steps, 30, bound, plan)
+    assert len(chosen.sizes) <= 6 and chosen.num_graphs <= 30
+    first, second = split_steps(steps)
+    scored = []
+    for chosen_on, scored_on in ((first, second), (second, first)):
+        tokens = {}
+        for (n, a), w in chosen_on.items():
+            if a[0][1] <= 8:
+                tokens[n] = tokens.get(n, 0) + w
+        sizes = choose_way(chosen.held.way, tokens, 6, bound, {"costs": None, "memory_budget": None}).sizes
+        scored.append(brute_rows(LORA, [], sizes, scored_on))
+    for row in chosen.held_out_values:
+        a, b = (s[row.axis, row.value] for s in scored)
+        assert row.share == pytest.approx((a[0] + b[0]) / 2)
+        assert row.token_waste == pytest.approx((a[1] + b[1]) / 2)
+        assert row.slot_waste == (None if row.value == 0 else pytest.approx((a[2] + b[2]) / 2))
+    # the lora values above 8 run eagerly under the axis's name, and choose no size
+    above = {step: w for step, w in steps.items() if step[1][0][1] > 8}
+    assert above and chosen.eager_reasons().get("above_max_axis.lora", {}).keys() <= above.keys()
+
+
+@pytest.mark.parametrize("shape", list(TRAFFIC_SHAPES))
+def test_without_axes_the_choice_and_its_scores_are_choose_held_outs(shape):
+    histogram = traffic_histogram(shape, seed=1, num_steps=3000)
+    steps = {(n, ()): w for n, w in histogram.items()}
+    chosen = choose_with_axes(steps, 30, SizeConstraints(512), AxisPlan())
+    alone = choose_held_out(histogram, 30, SizeConstraints(512))
+    assert chosen.sizes == alone.choice.sizes and chosen.held.way == alone.way
+    assert chosen.held.held_out == alone.held_out and chosen.held.choice.waste == alone.choice.waste
+    assert chosen.num_graphs == len(chosen.sizes) and chosen.values() == []
+
+
+def test_a_step_stating_no_axis_is_at_each_axiss_smallest_value_and_lora_3_pads_one_slot_of_4():
+    plan = AxisPlan({"lora": (1, 4)})
+    assert plan.step(8) == (8, (("lora", 1),))
+    steps = {plan.step(8, {"lora": 3}): 10, plan.step(8): 10}
+    (low, high) = value_waste(steps, (8,), plan, SizeConstraints(8))
+    assert (low.value, low.share, low.slot_waste) == (1, 0.5, 0.0)
+    assert (high.value, high.share, high.slot_waste) == (4, 0.5, 0.25)
+
+
+def test_max_graphs_counts_graphs_the_same_schedule_with_five_lora_values_takes_five_times_as_many():
+    histogram = traffic_histogram("decode-heavy", seed=0, num_steps=1500)
+    steps = {(n, (("lora", 1),)): w for n, w in histogram.items()}
+    with_axes = choose_with_axes(steps, 50, SizeConstraints(512), AxisPlan(LORA))
+    without = choose_held_out(histogram, 10, SizeConstraints(512))
+    assert with_axes.sizes == without.choice.sizes and with_axes.num_graphs == 50
+
+
+@pytest.mark.parametrize(
+    ("steps", "max_graphs", "match"),
+    [
+        ({(4, (("lora", 1),)): 1}, 4, r"max_graphs 4 is below the 5 planned combinations of key axes"),
+        ({(4, (("lora", 1),)): 1}, 0, r"max_graphs must be an integer >= 1; got 0"),
+        ({(4, (("lora", 9),)): 1}, 5, r"no observed step can replay: every step's axis values are above"),
+        ({(4, (("ubatch", 1),)): 1}, 5, r"must give every axis of \('lora',\) an integer >= 0"),
+        ({(4, (("lora", -1),)): 1}, 5, r"must give every axis of \('lora',\) an integer >= 0"),
+        ({(0, (("lora", 1),)): 1}, 5, r"step token count must be an integer >= 1; got 0"),
+        ({4: 1}, 5, r"a step is \(tokens, \(\(axis, value\), \.\.\.\)\)"),
+        ({(4, (("lora", 1),)): -2}, 5, r"must be a finite number >= 0; got -2"),
+        ({(4, (("lora", 1),)): 0}, 5, r"steps hold no step"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_the_value_and_the_fix(steps, max_graphs, match):
+    with pytest.raises(ValueError, match=match):
+        choose_with_axes(steps, max_graphs, SizeConstraints(64), AxisPlan(LORA))
+
+
+@pytest.mark.parametrize(
+    ("axes", "match"),
+    [
+        ({"adapters": 2}, r"axis 'adapters' is not in capture.axes \(its axes: lora\)"),
+        ({"lora": -1}, r"axis lora value must be an integer >= 0; got -1"),
+        ({"lora": 2.5}, r"axis lora value must be an integer >= 0; got 2.5"),
+    ],
+)
+def test_a_bad_step_is_refused_naming_the_axis(axes, match):
+    with pytest.raises(ValueError, match=match):
+        AxisPlan(LORA).step(4, axes)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "emulated"])
+def test_the_memory_budgets_costs_count_every_combinations_graph(backend):
+    base = load_config("tiny-cpu-ci", {"capture.max_size": 8})
+    config = load_config("tiny-cpu-ci", {"capture.axes": {"lora": [0, 2, 4]}})
+    constraints = SizeConstraints.from_config(config)
+    candidates = candidate_sizes(dict.fromkeys(range(1, 9), 1), constraints)
+    costs, alone = graph_costs(config, candidates, backend), graph_costs(base, candidates, backend)
+    for sizes in ([8], [1, 8], [2, 4, 8], [1, 2, 4, 8]):
+        capture = dataclasses.replace(config.capture, sizes=tuple(sizes), max_size=sizes[-1])
+        estimate = estimate_memory(dataclasses.replace(config, capture=capture), backend=backend)
+        assert costs.bytes_of(sizes) == estimate.parts["graphs"], sizes
+        if backend == "emulated":  # each combination keeps its own outputs: three graphs per key
+            assert costs.bytes_of(sizes) == 3 * alone.bytes_of(sizes)
