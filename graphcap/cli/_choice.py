@@ -119,7 +119,7 @@ def _print(
     total = sum(steps.values())
     graphs = f"{len(choice.sizes)} graphs"
     if plan.values:
-        graphs = f"{chosen.num_graphs} graphs: {len(choice.sizes)} sizes x {plan.num_combinations} combinations"
+        graphs = f"{chosen.num_graphs} graphs: {_sizes(choice.sizes)} x {plan.num_combinations} combinations"
     print(f"sizes: [{', '.join(map(str, choice.sizes))}]" + (f"  # {graphs}" if plan.values else ""))
     limits = ", ".join(
         ([f"at most {max_graphs} graphs"] if args.max_graphs is not None else [])
@@ -186,6 +186,10 @@ def _print_values(chosen: Any) -> None:
             other = held_out[i]
             line += f"  |           {other.share:>6.1%}  {_pct(other.token_waste)}  {_pct(other.slot_waste)}"
         print(line)
+
+
+def _sizes(sizes: tuple[int, ...]) -> str:
+    return "1 size" if len(sizes) == 1 else f"{len(sizes)} sizes"
 
 
 def _pct(value: float | None) -> str:
