@@ -15,7 +15,14 @@ from graphcap import load_config
 from graphcap.keys import KeyRegistry
 from graphcap.memory.estimate import estimate_memory
 from graphcap.memory.graph_costs import graph_costs
-from graphcap.sizing.axes import AxisPlan, choose_with_axes, value_waste
+from graphcap.sizing.axes import (
+    AxisPlan,
+    axis_values_held_out,
+    choose_axis_values,
+    choose_with_axes,
+    slot_waste,
+    value_waste,
+)
 from graphcap.sizing.choice import SizeConstraints, candidate_sizes
 from graphcap.sizing.held_out import choose_held_out, choose_way, split_steps
 from graphcap.sizing.sizes import CaptureSizes
@@ -254,3 +261,50 @@ def test_the_memory_budgets_costs_count_every_combinations_graph(backend):
         assert costs.bytes_of(sizes) == estimate.parts["graphs"], sizes
         if backend == "emulated":  # each combination keeps its own outputs: three graphs per key
             assert costs.bytes_of(sizes) == 3 * alone.bytes_of(sizes)
+
+
+# -- choosing the axis values too (`--choose-axes`) -------------------------------------------------------------
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    values=st.lists(st.integers(0, 9), min_size=1, max_size=4, unique=True).map(lambda v: tuple(sorted(v))),
+    seen=st.dictionaries(st.integers(0, 11), st.integers(1, 20), min_size=1, max_size=8),
+)
+def test_chosen_axis_values_pad_the_fewest_slots_against_brute_force_and_plan_no_more_combinations(values, seen):
+    plan = AxisPlan({"lora": values})
+    steps = {(4, (("lora", v),)): w for v, w in seen.items()}
+    within = [v for v in seen if v <= values[-1]]
+    if not within:
+        with pytest.raises(ValueError, match=r"no observed step has a lora value within capture.axes.lora's largest"):
+            choose_axis_values(steps, plan)
+        return
+    chosen = choose_axis_values(steps, plan)["lora"]
+    assert len(chosen) <= len(values) and chosen[-1] == max(within) and list(chosen) == sorted(set(chosen))
+
+    def padded(vs):
+        return sum(w * min(x for x in vs if x >= v) for v, w in seen.items() if v <= values[-1])
+
+    best = min(
+        padded([*subset, max(within)])
+        for k in range(len(values))
+        for subset in itertools.combinations(range(max(within)), k)
+    )
+    assert padded(chosen) == best <= padded(values)
+    waste = slot_waste(steps, {"lora": chosen})["lora"]
+    assert waste <= slot_waste(steps, plan.values)["lora"] + 1e-12
+
+
+def test_axis_values_held_out_are_chosen_on_one_half_and_scored_on_the_other():
+    steps = with_adapters(traffic_histogram("decode-heavy", seed=5, num_steps=800), seed=5)
+    plan = AxisPlan(LORA)
+    first, second = split_steps(steps)
+    scores = [slot_waste(b, choose_axis_values(a, plan))["lora"] for a, b in ((first, second), (second, first))]
+    assert axis_values_held_out(steps, plan) == {"lora": pytest.approx(sum(scores) / 2)}
+    assert axis_values_held_out({(4, (("lora", 1),)): 0.5, (8, (("lora", 2),)): 1.0}, plan) is None  # weights
+
+
+def test_axis_values_are_not_chosen_over_listed_combinations():
+    plan = AxisPlan({"lora": (0, 4), "ubatch": (1, 2)}, [{"lora": 0, "ubatch": 1}])
+    with pytest.raises(ValueError, match=r"capture.axis_combinations lists combinations by value"):
+        choose_axis_values({(4, (("lora", 1), ("ubatch", 1))): 1}, plan)

@@ -4,6 +4,8 @@ table, the waste per key-axis value, the eager steps) and written (`--out`)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
 from typing import Any
 
@@ -25,7 +27,7 @@ def backend_of(device: str) -> str:
 def choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_graphs: int, budget: int | None) -> int:
     """`--max-graphs`/`--memory-budget`: `sizes: [...]`, the table, the comparison, `--out`."""
     from graphcap.report_files import atomic_write
-    from graphcap.sizing.axes import AxisPlan, choose_with_axes
+    from graphcap.sizing.axes import AxisPlan, axis_values_held_out, choose_axis_values, choose_with_axes, slot_waste
     from graphcap.sizing.choice import SizeConstraints, candidate_sizes
     from graphcap.sizing.held_out import ladder_sizes
 
@@ -47,18 +49,30 @@ def choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gra
             q = config.capture.uniform_query_len
             limit = f"batching.max_num_seqs {config.batching.max_num_seqs} x uniform_query_len {q}"
         plan = AxisPlan.from_config(config)
-    combos = plan.num_combinations
-    if max_graphs < combos:
-        raise UserError(
-            f"--max-graphs {max_graphs} is below the {combos} combinations of key axes ({_axes(plan)}): every "
-            f"size is captured at each combination, so --max-graphs counts sizes x {combos}; give --max-graphs "
-            f"{combos} or more (a multiple of {combos} uses every graph), or plan fewer combinations "
-            "(capture.axis_combinations)"
-        )
+    if args.choose_axes and (not plan.values or plan.num_combinations != math.prod(map(len, plan.values.values()))):
+        why = "lists combinations by value (drop the list)" if plan.values else "plans no key axis"
+        raise UserError(f"--choose-axes chooses the values of capture.axes, and the config {why}")
+    if not args.choose_axes:  # chosen axis values plan no more combinations: checked once they are chosen
+        _check_combinations(max_graphs, plan)
     created = None
     if args.out is not None:
         created = _check_out(args.out, (args.config, args.histogram))
     steps = read_steps(args.histogram, plan)
+    axes_chosen = None
+    if args.choose_axes:
+        try:
+            values = choose_axis_values(steps, plan)
+        except ValueError as exc:
+            raise UserError(f"--choose-axes: {exc}") from None
+        axes_chosen = (
+            plan,
+            slot_waste(steps, plan.values),
+            slot_waste(steps, values),
+            axis_values_held_out(steps, plan),
+        )
+        config = dataclasses.replace(config, capture=dataclasses.replace(config.capture, axes=values))
+        plan = AxisPlan(values)
+        _check_combinations(max_graphs, plan)
     largest = max((n for (n, _), w in steps.items() if w > 0), default=0)
     if config is not None and largest > config.batching.max_num_tokens:
         raise UserError(
@@ -96,11 +110,25 @@ def choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gra
             atomic_write(args.out, _fragment(chosen, args))
         except OSError as exc:
             raise UserError(f"--out {args.out}: cannot write: {exc.strerror or exc}") from None
-    _print(args, chosen, current, limit, max_graphs, budget, each, config is not None)
+    _print(args, chosen, current, limit, max_graphs, budget, each, config is not None, axes_chosen)
     if args.out is not None:
         made = f" (created {created})" if created else ""
-        print(f"  wrote capture.sizes and capture.max_size to {args.out}{made}")
+        keys = (
+            "capture.sizes, capture.max_size and capture.axes" if axes_chosen else "capture.sizes and capture.max_size"
+        )
+        print(f"  wrote {keys} to {args.out}{made}")
     return 0
+
+
+def _check_combinations(max_graphs: int, plan: Any) -> None:
+    combos = plan.num_combinations
+    if max_graphs < combos:
+        raise UserError(
+            f"--max-graphs {max_graphs} is below the {combos} combinations of key axes ({_axes(plan)}): every "
+            f"size is captured at each combination, so --max-graphs counts sizes x {combos}; give --max-graphs "
+            f"{combos} or more (a multiple of {combos} uses every graph), or plan fewer combinations "
+            "(capture.axis_combinations)"
+        )
 
 
 def _print(
@@ -112,6 +140,7 @@ def _print(
     budget: int | None,
     each: list[Any],
     has_config: bool,
+    axes_chosen: tuple | None,
 ) -> None:
     from graphcap.config.byte_counts import format_bytes
 
@@ -121,6 +150,9 @@ def _print(
     if plan.values:
         graphs = f"{chosen.num_graphs} graphs: {_sizes(choice.sizes)} x {plan.num_combinations} combinations"
     print(f"sizes: [{', '.join(map(str, choice.sizes))}]" + (f"  # {graphs}" if plan.values else ""))
+    if axes_chosen:
+        before = _yaml_axes(axes_chosen[0].values)
+        print(f"axes: {_yaml_axes(plan.values)}  # chosen from the histogram; the config's: {before}")
     limits = ", ".join(
         ([f"at most {max_graphs} graphs"] if args.max_graphs is not None else [])
         + ([f"memory budget {format_bytes(budget)}"] if budget is not None else [])
@@ -145,6 +177,15 @@ def _print(
         )
     if plan.values:
         _print_values(chosen)
+    if axes_chosen:
+        before, config_waste, waste, held_out = axes_chosen
+        for name in plan.values:
+            scored = "not scored" if held_out is None else f"{held_out[name]:.1%} held out"
+            print(
+                f"  {name} values chosen from the histogram: padded slots {waste[name]:.1%} in sample, {scored} "
+                f"(values chosen on half the steps, scored on the other, both ways); the config's "
+                f"{list(before.values[name])}: {config_waste[name]:.1%}"
+            )
     was = "the config's" if has_config else "the default schedule's"
     replayed: dict[int, float] = {}
     for (n, axes), w in steps.items():
@@ -190,6 +231,10 @@ def _print_values(chosen: Any) -> None:
 
 def _sizes(sizes: tuple[int, ...]) -> str:
     return "1 size" if len(sizes) == 1 else f"{len(sizes)} sizes"
+
+
+def _yaml_axes(values: Any) -> str:
+    return "{" + ", ".join(f"{name}: [{', '.join(map(str, v))}]" for name, v in values.items()) + "}"
 
 
 def _pct(value: float | None) -> str:
@@ -251,12 +296,19 @@ def _fragment(chosen: Any, args: argparse.Namespace) -> str:
         graphs = (
             f"; {chosen.num_graphs} graphs ({len(choice.sizes)} sizes x {chosen.plan.num_combinations} combinations)"
         )
+    axes = ""
+    if args.choose_axes:
+        command += " --choose-axes"
+        axes = "  axes:\n" + "".join(
+            f"    {name}: [{', '.join(map(str, v))}]\n" for name, v in chosen.plan.values.items()
+        )
     return (
         f"# graphcap sizes {command}\n"
         f"# expected padded-token waste {choice.waste:.1%}{graphs}; merge into the config's capture section\n"
         "capture:\n"
         f"  sizes: [{', '.join(map(str, choice.sizes))}]\n"
         f"  max_size: {choice.sizes[-1]}\n"
+        f"{axes}"
     )
 
 

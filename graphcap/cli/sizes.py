@@ -48,6 +48,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--memory-budget", metavar="BYTES", help="choose sizes whose graphs fit, e.g. 4GiB (graphcap's estimate)"
     )
     parser.add_argument("--out", metavar="FILE", help="write the chosen sizes as a config fragment (YAML)")
+    parser.add_argument(
+        "--choose-axes",
+        action="store_true",
+        help="choose each key axis's values from the histogram too (at most the config's count, within its largest)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -60,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
     choosing = args.max_graphs is not None or args.memory_budget is not None
     if not choosing and args.out is not None:
         raise UserError("--out writes chosen sizes: give --max-graphs N (and --histogram FILE) with it")
+    if not choosing and args.choose_axes:
+        raise UserError("--choose-axes chooses axis values with the sizes: give --max-graphs N and --histogram FILE")
     if choosing:
         max_graphs = _parse_max_graphs(args.max_graphs)
         budget = None if args.memory_budget is None else parse_bytes(args.memory_budget, "--memory-budget")

@@ -20,16 +20,27 @@ tokens that is padding, and the share of their axis slots that is padding (a ste
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from graphcap.keys.axes import KeyAxes
-from graphcap.sizing.choice import GraphCosts, SizeConstraints
+from graphcap.sizing.choice import GraphCosts, SizeConstraints, choose_sizes
 from graphcap.sizing.held_out import HeldOutChoice, choose_on_halves, choose_way, split_steps
 
-__all__ = ["AxisChoice", "AxisPlan", "AxisValueWaste", "Step", "choose_with_axes", "value_waste"]
+__all__ = [
+    "AxisChoice",
+    "AxisPlan",
+    "AxisValueWaste",
+    "Step",
+    "axis_values_held_out",
+    "choose_axis_values",
+    "choose_with_axes",
+    "slot_waste",
+    "value_waste",
+]
 
 Step = tuple[int, tuple[tuple[str, int], ...]]
 """A step of traffic: its token count and its value of every axis, `(name, value)` in the config's order."""
@@ -279,3 +290,65 @@ def _mean(rows: tuple[AxisValueWaste, ...]) -> AxisValueWaste:
     share = sum(r.share for r in rows) / len(rows)
     tokens, slots = mean([r.token_waste for r in rows]), mean([r.slot_waste for r in rows])
     return AxisValueWaste(first.axis, first.value, share, tokens, slots)
+
+
+def choose_axis_values(steps: Mapping[Step, float], plan: AxisPlan) -> dict[str, tuple[int, ...]]:
+    """Per axis, at most as many values as `plan` has, within its largest, that pad the fewest axis slots over
+    `steps` (`choose_sizes`'s exact optimum on the axis's values, each shifted up by one: a padded slot is a
+    padded token). The largest observed value within the plan's largest always gets one, so the combinations,
+    and with them the graphs per size, are never more than `plan`'s; values above it stay eager.
+    `ValueError` when an axis has no observed value within its largest, or `plan` lists combinations."""
+    if plan.num_combinations != len(list(itertools.product(*plan.values.values()))):
+        raise ValueError(
+            "capture.axis_combinations lists combinations by value, so the values cannot be chosen anew: "
+            "drop the list to choose them"
+        )
+    out: dict[str, tuple[int, ...]] = {}
+    checked = _checked(steps, plan)
+    for i, (name, values) in enumerate(plan.values.items()):
+        seen: dict[int, float] = {}
+        for (_, axes), w in checked.items():
+            if axes[i][1] <= values[-1]:
+                seen[axes[i][1] + 1] = seen.get(axes[i][1] + 1, 0.0) + w
+        if not seen:
+            raise ValueError(
+                f"no observed step has a {name} value within capture.axes.{name}'s largest {values[-1]}: "
+                f"there is no {name} value to choose; raise the largest value"
+            )
+        chosen = choose_sizes(seen, len(values), SizeConstraints(values[-1] + 1)).sizes
+        out[name] = tuple(x - 1 for x in chosen)
+    return out
+
+
+def slot_waste(steps: Mapping[Step, float], values: Mapping[str, tuple[int, ...]]) -> dict[str, float]:
+    """Per axis, padded slots over the slots of the graphs `steps` replay, each axis on its own (a step above
+    an axis's largest value runs eagerly and counts in none; with listed combinations see `value_waste`)."""
+    out = {}
+    for i, (name, planned) in enumerate(values.items()):
+        used = slots = 0.0
+        for (_, axes), w in steps.items():
+            value = axes[i][1]
+            if value <= planned[-1]:
+                used += value * w
+                slots += next(v for v in planned if v >= value) * w
+        out[name] = (slots - used) / slots if slots else 0.0
+    return out
+
+
+def axis_values_held_out(steps: Mapping[Step, float], plan: AxisPlan) -> dict[str, float] | None:
+    """Per axis, the `slot_waste` of `choose_axis_values` chosen on one half of the steps (`split_steps`) and
+    scored on the other, the mean of both directions; None when the steps cannot be split."""
+    halves = split_steps(_checked(steps, plan))
+    if halves is None:
+        return None
+    scores: dict[str, list[float]] = {name: [] for name in plan.values}
+    for chosen_on, scored_on in (halves, halves[::-1]):
+        try:
+            values = choose_axis_values(chosen_on, plan)
+        except ValueError:  # a half with no value within an axis's largest: the other direction decides
+            continue
+        for name, waste in slot_waste(scored_on, values).items():
+            scores[name].append(waste)
+    if not all(scores.values()):
+        return None
+    return {name: sum(w) / len(w) for name, w in scores.items()}

@@ -177,3 +177,45 @@ def test_without_max_graphs_the_waste_is_over_the_steps_whose_axis_values_replay
     assert lines[-3] == f"  expected padded-token waste over the histogram in {path}: 25.0%"  # 3 pads to 4
     assert lines[-2] == "  steps above the max size (eager): 0.0%"
     assert lines[-1] == "  steps whose key-axis values no planned combination holds (eager): 50.0%"
+
+
+def test_choose_axes_chooses_the_values_too_and_out_writes_a_fragment_load_config_accepts(capsys, tmp_path):
+    import yaml
+
+    from graphcap import load_config
+
+    path = histogram_file(tmp_path, "1 30 lora=0\n4 20 lora=3\n8 20 lora=3\n16 10 lora=6\n8 5 lora=7\n")
+    out_file = tmp_path / "sizes.yaml"
+    argv = [*LORA, "--histogram", str(path), "--max-graphs", "15", "--choose-axes", "--out", str(out_file)]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "sizes: [1, 8, 16]  # 12 graphs: 3 sizes x 4 combinations"  # 15 // 4 combinations
+    assert lines[1] == "axes: {lora: [0, 3, 6, 7]}  # chosen from the histogram; the config's: {lora: [0, 1, 2, 4, 8]}"
+    # the config's values pad 3 -> 4 (40 steps), 6 -> 8 (10), 7 -> 8 (5): 65 of 280 slots
+    assert (
+        "  lora values chosen from the histogram: padded slots 0.0% in sample, 0.0% held out (values chosen on half "
+        "the steps, scored on the other, both ways); the config's [0, 1, 2, 4, 8]: 23.2%"
+    ) in lines
+    fragment = yaml.safe_load(out_file.read_text())
+    assert fragment == {"capture": {"sizes": [1, 8, 16], "max_size": 16, "axes": {"lora": [0, 3, 6, 7]}}}
+    overrides = {f"capture.{key}": value for key, value in fragment["capture"].items()}
+    config = load_config("default", overrides)
+    assert config.capture.axes == {"lora": (0, 3, 6, 7)} and config.capture_sizes.sizes == (1, 8, 16)
+    assert lines[-1] == f"  wrote capture.sizes, capture.max_size and capture.axes to {out_file}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-graphs", "8", "--choose-axes"], "--choose-axes chooses the values of capture.axes, and the config plans no key axis"),
+        ([*LORA, "--set", "capture.axis_combinations=[{lora: 4}]", "--max-graphs", "8", "--choose-axes"], "--choose-axes chooses the values of capture.axes, and the config lists combinations by value (drop the list)"),
+        ([*LORA, "--choose-axes"], "--choose-axes chooses axis values with the sizes: give --max-graphs N and --histogram FILE"),
+        ([*LORA, "--set", "capture.axes={lora: [0, 2]}", "--max-graphs", "8", "--choose-axes"], "--choose-axes: no observed step has a lora value within capture.axes.lora's largest 2"),
+    ],
+)  # fmt: skip
+def test_choose_axes_refuses_what_it_cannot_choose(capsys, tmp_path, argv, message):
+    path = histogram_file(tmp_path, "4 10 lora=5\n")
+    code, out, err = run(capsys, "--histogram", str(path), *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("graphcap sizes: error: ") and message in err and err.count("\n") == 1
