@@ -151,8 +151,8 @@ def _print(
         graphs = f"{chosen.num_graphs} graphs: {_sizes(choice.sizes)} x {plan.num_combinations} combinations"
     print(f"sizes: [{', '.join(map(str, choice.sizes))}]" + (f"  # {graphs}" if plan.values else ""))
     if axes_chosen:
-        before = _yaml_axes(axes_chosen[0].values)
-        print(f"axes: {_yaml_axes(plan.values)}  # chosen from the histogram; the config's: {before}")
+        config_axes = _yaml_axes(axes_chosen[0].values)
+        print(f"axes: {_yaml_axes(plan.values)}  # chosen from the histogram; the config's: {config_axes}")
     limits = ", ".join(
         ([f"at most {max_graphs} graphs"] if args.max_graphs is not None else [])
         + ([f"memory budget {format_bytes(budget)}"] if budget is not None else [])
@@ -178,21 +178,23 @@ def _print(
     if plan.values:
         _print_values(chosen)
     if axes_chosen:
-        before, config_waste, waste, held_out = axes_chosen
+        config_plan, config_waste, waste, held_out = axes_chosen
         for name in plan.values:
             scored = "not scored" if held_out is None else f"{held_out[name]:.1%} held out"
             print(
                 f"  {name} values chosen from the histogram: padded slots {waste[name]:.1%} in sample, {scored} "
                 f"(values chosen on half the steps, scored on the other, both ways); the config's "
-                f"{list(before.values[name])}: {config_waste[name]:.1%}"
+                f"{list(config_plan.values[name])}: {config_waste[name]:.1%}"
             )
     was = "the config's" if has_config else "the default schedule's"
+    before = axes_chosen[0] if axes_chosen else plan  # the config's own axis values
     replayed: dict[int, float] = {}
     for (n, axes), w in steps.items():
-        if plan.place(axes)[0] is not None:
+        if before.place(axes)[0] is not None:
             replayed[n] = replayed.get(n, 0.0) + w
-    above = sum(w for (n, axes), w in steps.items() if n > current.max_size or plan.place(axes)[0] is None) / total
-    print(f"  {was} {len(current)} sizes: {current.expected_waste(replayed):.1%} (eager {above:.1%} of steps)")
+    above = sum(w for (n, axes), w in steps.items() if n > current.max_size or before.place(axes)[0] is None) / total
+    was += f" {len(current)} sizes" + (f" ({len(current) * before.num_combinations} graphs)" if plan.values else "")
+    print(f"  {was}: {current.expected_waste(replayed):.1%} (eager {above:.1%} of steps)")
     reasons = chosen.eager_reasons()
     if reasons:
         parts = []

@@ -69,7 +69,7 @@ def test_steps_above_an_axiss_largest_value_run_eagerly_named_by_the_axis(capsys
         "  steps that run eagerly: 40.0% (lora=9-12: above capture.axes.lora's largest value 8 (above_max_axis.lora))"
         in out.splitlines()
     )
-    assert "  the config's 11 sizes: 4.8% (eager 40.0% of steps)" in out.splitlines()
+    assert "  the config's 11 sizes (55 graphs): 4.8% (eager 40.0% of steps)" in out.splitlines()
 
 
 def test_a_step_no_listed_combination_holds_is_named_with_its_values(capsys, tmp_path):
