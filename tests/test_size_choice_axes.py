@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import random
 
 import pytest
 from hypothesis import given, settings
@@ -26,20 +25,20 @@ from graphcap.sizing.axes import (
 from graphcap.sizing.choice import SizeConstraints, candidate_sizes
 from graphcap.sizing.held_out import choose_held_out, choose_way, split_steps
 from graphcap.sizing.sizes import CaptureSizes
-from graphcap.testing.traffic import TRAFFIC_SHAPES, traffic_histogram
+from graphcap.testing.traffic import TRAFFIC_SHAPES, adapter_steps, traffic_histogram
 
 LORA = {"lora": (0, 1, 2, 4, 8)}
 
 
-def with_adapters(histogram, seed: int, top: int = 10) -> dict:
-    """Traffic steps with a LoRA value each: the token counts of `traffic_histogram`, and per step the number of
-    distinct adapters its requests use (geometric, seeded: most steps few, a tail above the largest planned)."""
-    rng, steps = random.Random(seed), {}
-    for n, count in sorted(histogram.items()):
-        for _ in range(count):
-            lora = min(top, int(rng.expovariate(0.45)))
-            steps[n, (("lora", lora),)] = steps.get((n, (("lora", lora),)), 0) + 1
-    return steps
+@pytest.mark.parametrize("shape", list(TRAFFIC_SHAPES))
+def test_adapter_steps_are_the_traffic_histograms_steps_with_a_lora_value_each(shape):
+    steps = adapter_steps(shape, seed=4, num_steps=1500)
+    tokens = {}
+    for (n, axes), w in steps.items():
+        assert [name for name, _ in axes] == ["lora"] and 0 <= axes[0][1] <= 16
+        tokens[n] = tokens.get(n, 0) + w
+    assert tokens == dict(traffic_histogram(shape, seed=4, num_steps=1500))
+    assert len({axes for _, axes in steps}) > 3 and steps == adapter_steps(shape, seed=4, num_steps=1500)
 
 
 # -- brute force: every step placed from first principles -------------------------------------------------------
@@ -164,8 +163,7 @@ def test_the_reported_waste_per_axis_value_equals_a_brute_force_recount(setup, d
 
 @pytest.mark.parametrize("shape", list(TRAFFIC_SHAPES))
 def test_on_traffic_shapes_the_held_out_rows_are_each_directions_recount_averaged(shape):
-    histogram = traffic_histogram(shape, seed=3, num_steps=2000)
-    steps = with_adapters(histogram, seed=3)
+    steps = adapter_steps(shape, seed=3, num_steps=2000)
     plan, bound = AxisPlan(LORA), SizeConstraints(512)
     chosen = choose_with_axes(steps, 30, bound, plan)
     assert len(chosen.sizes) <= 6 and chosen.num_graphs <= 30
@@ -184,8 +182,8 @@ def test_on_traffic_shapes_the_held_out_rows_are_each_directions_recount_average
         assert row.token_waste == pytest.approx((a[1] + b[1]) / 2)
         assert row.slot_waste == (None if row.value == 0 else pytest.approx((a[2] + b[2]) / 2))
     # the lora values above 8 run eagerly under the axis's name, and choose no size
-    above = {step: w for step, w in steps.items() if step[1][0][1] > 8}
-    assert above and chosen.eager_reasons().get("above_max_axis.lora", {}).keys() <= above.keys()
+    above = {step for step in steps if step[1][0][1] > 8}
+    assert set(chosen.eager_reasons().get("above_max_axis.lora", {})) <= above
 
 
 @pytest.mark.parametrize("shape", list(TRAFFIC_SHAPES))
@@ -296,7 +294,7 @@ def test_chosen_axis_values_pad_the_fewest_slots_against_brute_force_and_plan_no
 
 
 def test_axis_values_held_out_are_chosen_on_one_half_and_scored_on_the_other():
-    steps = with_adapters(traffic_histogram("decode-heavy", seed=5, num_steps=800), seed=5)
+    steps = adapter_steps("light-decode", seed=5, num_steps=800)
     plan = AxisPlan(LORA)
     first, second = split_steps(steps)
     scores = [slot_waste(b, choose_axis_values(a, plan))["lora"] for a, b in ((first, second), (second, first))]

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from graphcap.cli import main
-from graphcap.testing.traffic import traffic_histogram
-from tests.test_size_choice_axes import with_adapters
+from graphcap.testing.traffic import adapter_steps
 
 LORA = ["--set", "capture.axes={lora: [0, 1, 2, 4, 8]}"]
 
@@ -113,7 +112,7 @@ def test_out_writes_the_sizes_and_says_how_many_graphs_they_make(capsys, tmp_pat
 
 
 def test_on_traffic_with_adapters_the_chosen_graphs_stay_within_max_graphs(capsys, tmp_path):
-    steps = with_adapters(traffic_histogram("chat-chunked", seed=2, num_steps=1500), seed=2)
+    steps = adapter_steps("chat-chunked", seed=2, num_steps=1500)
     text = "".join(f"{n} {w} lora={axes[0][1]}\n" for (n, axes), w in steps.items())
     path = histogram_file(tmp_path, text)
     sets = ["--set", "capture.max_size=512", "--set", "capture.sizes=[8, 512]", "--set", "batching.max_num_tokens=8192"]
