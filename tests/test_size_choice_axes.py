@@ -110,24 +110,33 @@ def steps_for(data, plan: AxisPlan, max_tokens: int = 40):
     return out
 
 
-@settings(max_examples=120, deadline=None)
-@given(setup=PLANS, data=st.data(), max_graphs=st.integers(1, 30), q=st.sampled_from([1, 1, 2]))
-def test_the_plan_never_exceeds_max_graphs_and_every_step_goes_where_dispatch_sends_it(setup, data, max_graphs, q):
+@settings(max_examples=150, deadline=None)
+@given(
+    setup=PLANS,
+    data=st.data(),
+    max_graphs=st.integers(1, 30),
+    q=st.sampled_from([1, 1, 2]),
+    mode=st.sampled_from(["full", "full_decode_only"]),
+)
+def test_the_plan_never_exceeds_max_graphs_and_every_step_goes_where_dispatch_sends_it(
+    setup, data, max_graphs, q, mode
+):
     axes, listed, plan = plan_of(setup)
     steps = steps_for(data, plan)
-    bound = SizeConstraints(32, q)
+    bound = SizeConstraints(32, q, uniform_only=mode == "full_decode_only")
     try:
         chosen = choose_with_axes(steps, max_graphs, bound, plan)
     except ValueError as exc:  # the only refusals: too few graphs for the combinations, or nothing replays
         assert max_graphs < plan.num_combinations or "no observed step can replay" in str(exc)
         return
     assert chosen.num_graphs == len(chosen.sizes) * plan.num_combinations <= max_graphs
-    keys = KeyRegistry(CaptureSizes(chosen.sizes, chosen.sizes[-1]), "full", q, 64, axes=axes, combinations=listed)
+    keys = KeyRegistry(CaptureSizes(chosen.sizes, chosen.sizes[-1]), mode, q, 64, axes=axes, combinations=listed)
     keys.captured.update(keys.planned)
     for step in steps:
         n, values = step
         placed, reason = chosen.place(step)
-        _, key, dispatched = keys.dispatch(n, 1, False, dict(values))
+        uniform = mode == "full_decode_only" and n % q == 0  # a decode step of n / q requests, else mixed
+        _, key, dispatched = keys.dispatch(n, n // q if uniform else 1, uniform, dict(values))
         if placed is None:
             assert reason and dispatched == reason, (step, reason, dispatched)
         else:

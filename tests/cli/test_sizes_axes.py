@@ -218,3 +218,14 @@ def test_choose_axes_refuses_what_it_cannot_choose(capsys, tmp_path, argv, messa
     code, out, err = run(capsys, "--histogram", str(path), *argv)
     assert code == 2 and out == ""
     assert err.startswith("graphcap sizes: error: ") and message in err and err.count("\n") == 1
+
+
+def test_relative_weights_are_not_split_so_the_per_value_table_has_no_held_out_columns(capsys, tmp_path):
+    path = histogram_file(tmp_path, "1 0.5 lora=1\n4 0.25 lora=3\n9 1.5\n")
+    code, out, _ = run(capsys, *LORA, "--histogram", str(path), "--max-graphs", "10")
+    assert code == 0
+    lines = out.splitlines()
+    assert "  held-out waste: not scored (the histogram's counts are not whole steps, or a half replays none)" in lines
+    header = lines.index("  per key-axis value: steps replayed at it, their padded tokens and padded axis slots") + 1
+    assert lines[header].split() == ["axis", "value", "steps", "tokens", "slots"]
+    assert lines[header + 4].split() == ["lora", "4", "11.1%", "55.6%", "25.0%"]  # 4 tokens, lora=3: size 9, lora=4
