@@ -1,5 +1,5 @@
 """`graphcap sizes`: the capture schedule, the padding table, the keys, the expected waste; with
-`--max-graphs` (or `--memory-budget`), the sizes chosen for a traffic histogram (`graphcap.sizing.choice`)."""
+`--max-graphs` (or `--memory-budget`), the sizes chosen for a traffic histogram (`graphcap.cli._choice`)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,21 @@ EPILOG = """examples:
   graphcap sizes --config my.yaml --histogram batch_sizes.txt
   graphcap sizes --config my.yaml --histogram batch_sizes.txt --max-graphs 30 --out sizes.yaml
   graphcap sizes --config my.yaml --histogram batch_sizes.txt --max-graphs 30 --memory-budget 4GiB
+  graphcap sizes --config lora.yaml --histogram steps.txt --max-graphs 50 --choose-axes
 
 A histogram file holds one observed token count per line, or `TOKENS COUNT` pairs
-(whitespace or comma separated); `#` starts a comment.
+(whitespace or comma separated), each optionally followed by the step's key-axis values,
+`AXIS=VALUE` (e.g. `12 40 lora=3`; an axis not given is at its smallest value); `#` starts
+a comment.
 
---max-graphs N chooses at most N sizes (within capture.max_size) that pad the fewest tokens
-over the histogram: the first line is `sizes: [...]`, then a table. --memory-budget keeps the
-graphs within graphcap's memory estimate. --out writes a config fragment (capture.sizes and
-capture.max_size) to merge into the config, creating missing directories as capture --report does
-(checked before any work: a path under a file or in a directory without write permission is refused).
+--max-graphs N chooses the sizes (within capture.max_size) that pad the fewest tokens over the
+histogram, counting a graph per size and combination of capture.axes (without axes: N sizes):
+the first line is `sizes: [...]`, then a table and, with key axes, the waste per axis value.
+--memory-budget keeps the graphs (every combination's) within graphcap's memory estimate.
+--choose-axes chooses each axis's values from the histogram too. --out writes a config fragment
+(capture.sizes and capture.max_size, and capture.axes with --choose-axes) to merge into the config,
+creating missing directories as capture --report does (checked before any work: a path under a
+file or in a directory without write permission is refused).
 """
 
 
@@ -42,8 +48,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--uniform-query-len", type=int, default=1, metavar="Q", help="with --max-size: tokens per uniform request"
     )
-    parser.add_argument("--histogram", metavar="FILE", help="observed batch token counts, for the expected waste")
-    parser.add_argument("--max-graphs", metavar="N", help="choose at most N sizes for the --histogram traffic")
+    parser.add_argument(
+        "--histogram", metavar="FILE", help="observed batch token counts (and key-axis values), for the expected waste"
+    )
+    parser.add_argument(
+        "--max-graphs",
+        metavar="N",
+        help="choose sizes for the --histogram traffic: at most N graphs (sizes x axis combinations)",
+    )
     parser.add_argument(
         "--memory-budget", metavar="BYTES", help="choose sizes whose graphs fit, e.g. 4GiB (graphcap's estimate)"
     )
