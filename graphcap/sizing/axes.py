@@ -8,7 +8,8 @@ graphs: `choose_with_axes(steps, max_graphs, ...)` chooses at most `max_graphs /
 Each step goes where `KeyRegistry.dispatch` sends it (`AxisChoice.place`): above the largest size it runs
 eagerly (`above_max_size`, or `over_budget` where a memory budget kept the sizes below it); an axis value
 above the axis's largest runs eagerly (`above_max_axis.NAME`), as does one no planned combination holds
-(`no_axis_combination`); else its axis values pad to the planned combination that holds them (`KeyAxes`)
+(`no_axis_combination`), and under `full_decode_only` a count that is not whole requests (`decode_only`);
+else its axis values pad to the planned combination that holds them (`KeyAxes`)
 and its tokens to the smallest size that holds them. The sizes are chosen (`choose_on_halves`) on the token
 counts of the steps whose axis values replay: the others run eagerly whatever the sizes.
 
@@ -16,6 +17,11 @@ Per planned axis value (`AxisValueWaste`): the steps that replay a graph at that
 tokens that is padding, and the share of their axis slots that is padding (a step of `lora=3` replays the
 `lora=4` graph: one of its four slots is padded). In sample, and held out on the halves of the steps
 (`split_steps`) that `choose_held_out` scores: chosen on one half by the way kept, scored on the other.
+
+`choose_axis_values` chooses an axis's values from the steps as `choose_sizes` chooses sizes (padded slots
+are its padded tokens), no more of them than the plan has: the sizes and the values are chosen each on its
+own (padded tokens and padded slots are different costs), the values first, then the sizes for the graphs
+their combinations leave (`graphcap sizes --choose-axes`).
 """
 
 from __future__ import annotations
