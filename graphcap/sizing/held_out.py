@@ -25,7 +25,7 @@ import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from graphcap.sizing.choice import GraphCosts, SizeChoice, SizeConstraints, choose_sizes
 from graphcap.sizing.sizes import default_capture_sizes
@@ -40,7 +40,7 @@ __all__ = [
     "split_steps",
 ]
 
-K = TypeVar("K", bound=Any)
+K = TypeVar("K")
 WAYS = ("traffic", "ladder")
 _EXACT_DRAWS = 4096  # steps of one count drawn one by one; above, the normal limit of their binomial
 
