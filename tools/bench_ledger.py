@@ -9,8 +9,9 @@ all-reduces, and times `CaptureManager.capture()` on both ranks, in lockstep, in
 (the order alternating): with the ledger (the default), with the ledger watching but sending
 nothing (its `publish` a no-op: the dispatch mode around each forward and the tape's observed
 calls alone), and without it (the manager's ledger removed). Rank 0 prints the medians and
-spreads, the descriptors published per pass and the cost per descriptor; the store's own
-latency is timed beside it.
+spreads, each row's ratio to the pass without the ledger in the same round (median, p10-p90),
+the descriptors published per pass and the cost per descriptor; the store's own latency is
+timed beside it.
 
     python tools/bench_ledger.py            # 9 rounds
     python tools/bench_ledger.py --quick    # 2 rounds, to see that it runs
@@ -106,10 +107,15 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         medians = {variant: float(np.median(samples[variant])) * 1000 for variant in VARIANTS}
         print(f"# {platform.node()} {os.cpu_count()} cpus, torch {torch.__version__}, 2 gloo ranks (TCP store), "
               f"{args.layers} all-reduces per forward, {args.rounds} rounds")  # fmt: skip
-        print(f"{'capture() pass':<28}{'median ms':>12}{'p10-p90 ms':>18}")
+        print(f"{'capture() pass':<28}{'median ms':>12}{'p10-p90 ms':>18}{'/ without, per round':>24}")
+        alone = np.array(samples["without the ledger"])
         for variant in VARIANTS:
-            p10, p90 = np.percentile(np.array(samples[variant]) * 1000, [10, 90])
-            print(f"{variant:<28}{medians[variant]:>12.1f}{f'{p10:.1f}-{p90:.1f}':>18}")
+            values = np.array(samples[variant])
+            p10, p90 = np.percentile(values * 1000, [10, 90])
+            ratios = values / alone  # the same round: the load both saw
+            r10, r50, r90 = np.percentile(ratios, [10, 50, 90])
+            print(f"{variant:<28}{medians[variant]:>12.1f}{f'{p10:.1f}-{p90:.1f}':>18}"
+                  f"{f'{r50:.2f}x ({r10:.2f}-{r90:.2f})':>24}")  # fmt: skip
         base = medians["without the ledger"]
         sent = medians["with the ledger"] - medians["watched, nothing sent"]
         added = medians["with the ledger"] - base

@@ -21,7 +21,8 @@ is read at the same index (every rank runs the same sequence of collectives), so
 collective the failing rank issues at index k is the one its peers issue at k.
 
 Bounded: the failing rank follows for at most `Parallel.failure_timeout` seconds, then logs why
-and stops (its peers then wait until their group's timeout). An entry an earlier segment left
+and stops (its peers then wait until their group's timeout); a placeholder collective it issued
+waits at most its group's timeout, as the peers' own. An entry an earlier segment left
 is read again until the partner overwrites it (or closes its stream before it): no partner
 passes a key's agreement before every rank has entered it, so no rank runs a segment ahead.
 
@@ -75,6 +76,12 @@ class _Publish(TorchDispatchMode):
     def __init__(self, ledger: CollectiveLedger) -> None:
         super().__init__()
         self.ledger = ledger
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # As `backends.preflight.UnsafeOpMode`: no dynamo-disabling wrapper around the handler (microseconds on
+        # every op of a watched forward); the handler compiles nothing.
+        return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
