@@ -27,12 +27,14 @@ import datetime
 import os
 import platform
 import socket
+import sys
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _parallel import world_context
 
 from graphcap import CaptureManager, Parallel, load_config
 
@@ -127,19 +129,23 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--quick", action="store_true", help="2 rounds")
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default 9)")
+    parser.add_argument("--layers", type=int, default=16, help="all-reduces per forward (default 16)")
+    parser.add_argument("--quick", action="store_true", help="2 rounds (seconds, for tests)")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.layers < 1:
+        parser.error(f"--rounds and --layers must be >= 1; got {args.rounds} and {args.layers}")
     if args.quick:
         args.rounds = 2
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    mp.spawn(_rank, args=(2, port, args), nprocs=2, join=True)
+    world_context()  # ranks fork from a server that preloaded torch and graphcap
+    mp.start_processes(_rank, args=(2, port, args), nprocs=2, start_method="forkserver")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
