@@ -113,7 +113,11 @@ class CaptureManager(CaptureCalls):
         self._failures = FailurePolicy(config.capture.on_error, self._peers, " and ".join(around), index_hint)
         # With peers, a capture forward that fails part-way issues the collectives its peers wait in (not on
         # CUDA: a dispatch mode around the warmups would change what torch.compile traces there).
-        self._ledger = CollectiveLedger() if self._peers is not None and self.device.type != "cuda" else None
+        self._ledger = (
+            CollectiveLedger(self._peers.rank, self._peers.partners(), parallel.failure_timeout, self.device)
+            if self._peers is not None and self.device.type != "cuda"
+            else None
+        )
         measure = None if is_built_in(model, config) else self._measure_key  # the model that is there
         self._budget = MemoryBudget(config, self.backend.name, measure)
         self._lazy = LazyCapture(self.registry, self.stats, self._peers, is_lazy=config.capture.strategy == "lazy")

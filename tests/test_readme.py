@@ -127,6 +127,13 @@ def _size_choice_example(namespace: dict, out: str) -> None:
     assert set(choice.sizes) <= {1, 2, 37, 60} and choice.sizes[-1] == 60 and choice.waste == 0.0
 
 
+def _axis_choice_example(namespace: dict, out: str) -> None:
+    chosen = namespace["chosen"]
+    assert chosen.sizes == (1, 8) and chosen.num_graphs == 10
+    assert [(row.value, row.slot_waste) for row in chosen.values()][3] == (4, 0.25)  # lora=3 replays lora=4
+    assert list(chosen.eager_reasons()) == ["above_max_axis.lora"]  # lora=9: above the largest value, 8
+
+
 def _output_rows_example(namespace: dict, out: str) -> None:
     assert namespace["MyModel"].output_rows == {"hidden": "tokens", "logits": "reqs"}
 
@@ -135,6 +142,7 @@ CHECKS = {
     '"checks.sample_every": 2': _sampling_example,
     "class FirstModel(": _first_model_example,
     "choose_sizes(counts, 30": _size_choice_example,
+    "choose_with_axes(steps, 20": _axis_choice_example,
     'output_rows = {"hidden": "tokens"': _output_rows_example,
     "manager.capture_pending(max_seconds=0.05)": _lazy_example,
     "manager.dispatch(batch), manager.stats": _library_example,

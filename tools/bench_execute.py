@@ -25,25 +25,27 @@ drift alike).
     python tools/bench_execute.py              # 30 rounds x 300 calls
     python tools/bench_execute.py --quick      # a few rounds, to see that it runs
     python tools/bench_execute.py --invariants full
+    python tools/bench_execute.py --baseline 90df583   # beside another revision, in this process
+
+`--baseline REV` imports graphcap as of git revision REV beside this checkout's (`_baseline.py`:
+the package renamed `graphcap_base`), builds the same cases on it, and times the two versions'
+cases alternately in every round; it then prints each case's median per-round ratio (this tree
+over REV) with its p10-p90. A case the older version cannot build (a key axis before axes
+existed) is timed on this tree only.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import platform
+from types import ModuleType
 
 import numpy as np
 import torch
 from _sampling import measure
 
-from graphcap import CaptureManager, StepBatch, load_config
-from graphcap.keys import KeyRegistry
-from graphcap.testing import TINY
-
-try:  # graphcap before `OutputRows` cut outputs with a function
-    from graphcap.outputs import real_rows
-except ImportError:
-    real_rows = None
+import graphcap
 
 
 class Trivial(torch.nn.Module):
@@ -63,19 +65,20 @@ class Trivial(torch.nn.Module):
         return hidden
 
 
-def build(invariants: str, num_params: int) -> tuple[CaptureManager, StepBatch]:
-    """A captured manager of `Trivial` at sizes 1 and 2, and a one-token decode step."""
-    config = load_config(overrides={**TINY, "capture.sizes": [1, 2], "checks.invariants": invariants})
+def build(pkg: ModuleType, invariants: str, num_params: int) -> tuple[object, object]:
+    """A captured manager of `Trivial` at sizes 1 and 2 (graphcap package `pkg`), and a one-token decode step."""
+    tiny = importlib.import_module(f"{pkg.__name__}.testing").TINY
+    config = pkg.load_config(overrides={**tiny, "capture.sizes": [1, 2], "checks.invariants": invariants})
     slots = config.kv_cache.num_blocks * config.kv_cache.block_size
-    manager = CaptureManager(Trivial(config.model.vocab_size, slots, num_params), config, progress=False)
+    manager = pkg.CaptureManager(Trivial(config.model.vocab_size, slots, num_params), config, progress=False)
     manager.capture()
     manager.block_table.set_row(0, [1])
-    batch = StepBatch(np.ones(1, np.int32), np.array([3], np.int32), np.array([5], np.int32), manager.block_table)
+    batch = pkg.StepBatch(np.ones(1, np.int32), np.array([3], np.int32), np.array([5], np.int32), manager.block_table)
     return manager, batch
 
 
-def cases(manager: CaptureManager, batch: StepBatch) -> dict[str, object]:
-    """The timed callables: the whole step, the bare replay and each part alone."""
+def cases(pkg: ModuleType, manager, batch) -> dict[str, object]:
+    """The timed callables of package `pkg`: the whole step, the bare replay and each part alone."""
     execute = manager.execute
     key = manager.dispatch(batch)
     graph = manager.graphs[key]
@@ -89,27 +92,33 @@ def cases(manager: CaptureManager, batch: StepBatch) -> dict[str, object]:
     outputs = getattr(manager, "_outputs", None)
     if outputs is not None:
         cut = lambda: outputs.real(output, inputs)  # noqa: E731
-    else:
+    else:  # graphcap before `OutputRows` cut outputs with a function
+        real_rows = importlib.import_module(f"{pkg.__name__}.outputs").real_rows
         cut = lambda: real_rows(output, n, key.num_tokens)  # noqa: E731
 
     def stage() -> None:
         manager._stage(batch, key, phase="replay")
 
+    registry_type = type(registry)
     sizes, q, rows = registry.sizes, registry.uniform_query_len, registry.max_num_seqs
-    with_axis = KeyRegistry(sizes, registry.mode, q, rows, None, axes={"lora": (0, 1, 2, 4, 8)})
-    for planned in with_axis.planned:
-        with_axis.mark_captured(planned)
+    try:
+        with_axis = registry_type(sizes, registry.mode, q, rows, None, axes={"lora": (0, 1, 2, 4, 8)})
+    except TypeError:  # a version before key axes
+        with_axis = None
+    else:
+        for planned in with_axis.planned:
+            with_axis.mark_captured(planned)
     step_axes = {"lora": 3}
 
     def guarded() -> None:
         before()
         after()
 
-    hollow, hollow_batch = build(manager.config.checks.invariants, len(list(manager.model.parameters())))
+    hollow, hollow_batch = build(pkg, manager.config.checks.invariants, len(list(manager.model.parameters())))
     for captured in hollow.graphs.values():
         captured._replay = lambda: None  # the graph's own work gone: what stays is the host path
 
-    return {
+    timed = {
         "execute": lambda: execute(batch),
         "execute, no replay": lambda: hollow.execute(hollow_batch),
         "replay": graph.replay,
@@ -119,6 +128,9 @@ def cases(manager: CaptureManager, batch: StepBatch) -> dict[str, object]:
         "guard": guarded,
         "cut": cut,
     }
+    if with_axis is None:
+        del timed["dispatch, 1 axis"]
+    return timed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,11 +140,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=300, help="timed calls per case and round")
     parser.add_argument("--invariants", choices=("off", "basic", "full"), default="basic")
     parser.add_argument("--params", type=int, default=16, help="parameters of the model (all guarded)")
+    parser.add_argument("--baseline", metavar="REV", help="a git revision of graphcap timed beside this tree")
     args = parser.parse_args(argv)
     rounds, calls = (3, 50) if args.quick else (args.rounds, args.calls)
     torch.set_num_threads(1)
-    manager, batch = build(args.invariants, args.params)
-    timed = cases(manager, batch)
+    manager, batch = build(graphcap, args.invariants, args.params)
+    timed = cases(graphcap, manager, batch)
+    base = None
+    if args.baseline:
+        import _baseline
+
+        base = _baseline.load(args.baseline)
+        base_manager, base_batch = build(base, args.invariants, args.params)
+        timed.update({f"{BASE}{name}": fn for name, fn in cases(base, base_manager, base_batch).items()})
     names = list(timed)
     medians = {name: np.empty(rounds) for name in names}
     with manager.uncounted():
@@ -146,15 +166,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.params} parameters; 1 torch thread"
     )
     print(f"# {rounds} interleaved rounds x {calls} calls per case; medians of the per-round medians")
-    header = f"{'per step':<18} {'median':>9} {'p10':>8} {'p90':>8}"
+    header = f"{'per step':<30} {'median':>9} {'p10':>8} {'p90':>8}"
     print(header)
     print("-" * len(header))
     for name in names:
         p10, p50, p90 = np.percentile(medians[name], [10, 50, 90])
-        print(f"{name:<18} {p50:>7.2f}us {p10:>6.2f}us {p90:>6.2f}us")
+        print(f"{name:<30} {p50:>7.2f}us {p10:>6.2f}us {p90:>6.2f}us")
     overhead = medians["execute"] - medians["replay"]
     p10, p50, p90 = np.percentile(overhead, [10, 50, 90])
-    print(f"{'execute - replay':<18} {p50:>7.2f}us {p10:>6.2f}us {p90:>6.2f}us")
+    print(f"{'execute - replay':<30} {p50:>7.2f}us {p10:>6.2f}us {p90:>6.2f}us")
     parts = sum(np.median(medians[name]) for name in ("dispatch", "stage", "guard", "cut"))
     hollow = np.median(medians["execute, no replay"])
     print(
@@ -162,10 +182,20 @@ def main(argv: list[str] | None = None) -> int:
         f"execute with the graph's work stubbed out {hollow:.1f} us; graphcap's parts alone (dispatch + stage + "
         f"guard + cut) {parts:.1f} us"
     )
+    if base is not None:
+        print()
+        print(f"this tree over {args.baseline} (per-round ratio of the medians; under 1: faster here)")
+        print(f"{'case':<30} {'median':>7} {'p10':>6} {'p90':>6}")
+        for name in names:
+            if name.startswith(BASE) or f"{BASE}{name}" not in medians:
+                continue
+            p10, p50, p90 = np.percentile(medians[name] / medians[f"{BASE}{name}"], [10, 50, 90])
+            print(f"{name:<30} {p50:>6.2f}x {p10:>5.2f}x {p90:>5.2f}x")
     return 0
 
 
 EXECUTE_GOAL_US = 12.0
+BASE = "baseline: "
 
 
 if __name__ == "__main__":

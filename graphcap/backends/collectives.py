@@ -9,16 +9,54 @@ API (`torch.distributed._functional_collectives.all_reduce`, ...) wraps the resu
 after a `wait_tensor` recorded at that first use. The in-place forms (`dist.all_reduce(t)`,
 `c10d.allreduce_`, returning a `Work`) are refused by the unsafe-op table's collective rows,
 which name the functional form to write instead.
+
+`observed` gives the tape a collective's call that first tells the observer `observing` set in
+this context (`graphcap.distributed.ledger` publishes the collectives of verification's replays
+with it); without one, the call costs one context-variable read more.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 
-__all__ = ["is_async", "unwrap_async"]
+__all__ = ["is_async", "observed", "observing", "unwrap_async"]
+
+_OBSERVER: ContextVar[Callable[[Any, tuple, dict], None] | None] = ContextVar("graphcap_collectives", default=None)
+
+
+@contextlib.contextmanager
+def observing(observer: Callable[[Any, tuple, dict], None]) -> Iterator[None]:
+    """Within it (this context only), each functional collective a tape replays calls `observer(op, args, kwargs)`
+    before it is issued."""
+    token = _OBSERVER.set(observer)
+    try:
+        yield
+    finally:
+        _OBSERVER.reset(token)
+
+
+def observed(func: Any, call: Callable) -> Callable:
+    """`call` (the tape's call of `func`), telling the current observer first when `func` is a functional
+    collective (not `wait_tensor`); any other op's `call` as it is. Named as `func` (`_name`), as the tape's
+    readers name steps."""
+    name = func.name() if callable(getattr(func, "name", None)) else ""
+    if not name.startswith("_c10d_functional::") or name.endswith("wait_tensor"):
+        return call
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        observer = _OBSERVER.get()
+        if observer is not None:
+            observer(func, args, kwargs)
+        return call(*args, **kwargs)
+
+    run._name = name  # type: ignore[attr-defined]
+    return run
 
 
 def is_async(value: Any) -> bool:

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from graphcap.backends.bindings import native_binding
-from graphcap.backends.collectives import is_async, unwrap_async
+from graphcap.backends.collectives import is_async, observed, unwrap_async
 from graphcap.backends.preflight import UnsafeOpMode
 from graphcap.errors import CaptureError
 
@@ -130,7 +130,7 @@ class _Compiler:
             else:  # most ops: nothing to template
                 kwargs_t, kw_fills, kw_nested = {}, [], []
             made = self._outputs(func, out, step)
-            call = native_binding(func, args, kwargs) or func
+            call = observed(func, native_binding(func, args, kwargs) or func)
             raw.append(_Raw(call, args_t, kwargs_t, fills, nested, kw_fills, kw_nested, made))
         result_slots = []
         for output in outputs:

@@ -174,6 +174,7 @@ class CaptureCalls:
             kv_groups=self.buffers.limits.kv_groups,
             group_scratch=group_scratch or {},
             on_captured=key_captured_hook(self._communicators),
+            ledger=self._ledger,
             precision=precision_of(self.model),
         )
 

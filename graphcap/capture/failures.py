@@ -29,7 +29,7 @@ PHASES = {"warmup": (1, "warmup"), "capture": (2, "recording"), "verify": (3, "v
 
 def phase_of(failure: BaseException | None) -> str | None:
     """The capture phase a failed forward ran in ("warmup", "capture", "verify"), where graphcap saw it
-    (`graphcap.distributed.ledger` marks the failures of the forwards it watches)."""
+    (`graphcap.distributed.ledger` marks the failures of the capture forwards)."""
     return getattr(failure, "graphcap_phase", None)
 
 

@@ -78,6 +78,9 @@ class CapturePass:
     """Called with each key right after its graph is captured (communicators register its buffers)."""
     precision: torch.dtype | None = None
     """The model's lowest floating parameter dtype: a 16-bit one sets how verification judges outputs."""
+    ledger: Any = None
+    """With peers (not on CUDA), the manager's `CollectiveLedger`: each key's capture and verification is one of
+    its segments, so a rank failing part-way issues what its peers still wait in before the key's agreement."""
 
     def run(
         self, keys: Iterable[GraphKey], *, context: Callable[[], AbstractContextManager], progress: bool | None
@@ -131,31 +134,32 @@ class CapturePass:
         graph = failure = None
         mode = self.registry.mode_of(key)
         try:
-            inputs = self.stage(self.capture_batch(key), key, phase="capture", dummy=True)
-            warmups = self.config.capture.num_warmups
-            # A full graph recorded under the preflight's checks (`checks_in_capture`) is checked there, once.
-            checked = mode is Mode.PIECEWISE or not self.backend.checks_in_capture
-            run = self._warmup_run(inputs, mode)
-            if reference is not None and warmups > 0:
-                run = reference.around(
-                    run, int(checked) + warmups, self.backend, lambda out: self.outputs.real(cloned(out), inputs)
-                )
-            t0 = time.perf_counter()
-            self.backend.warmup(run, warmups, checked=checked)
-            self.backend.synchronize()  # time the warmups' GPU work, not their launches
-            eager_seconds += time.perf_counter() - t0
-            statics = self.static_inputs(inputs)
-            if mode is Mode.PIECEWISE:
-                forward = self.forward
+            with self._segment():
+                inputs = self.stage(self.capture_batch(key), key, phase="capture", dummy=True)
+                warmups = self.config.capture.num_warmups
+                # A full graph recorded under the preflight's checks (`checks_in_capture`) is checked there, once.
+                checked = mode is Mode.PIECEWISE or not self.backend.checks_in_capture
+                run = self._warmup_run(inputs, mode)
+                if reference is not None and warmups > 0:
+                    run = reference.around(
+                        run, int(checked) + warmups, self.backend, lambda out: self.outputs.real(cloned(out), inputs)
+                    )
+                t0 = time.perf_counter()
+                self.backend.warmup(run, warmups, checked=checked)
+                self.backend.synchronize()  # time the warmups' GPU work, not their launches
+                eager_seconds += time.perf_counter() - t0
+                statics = self.static_inputs(inputs)
+                if mode is Mode.PIECEWISE:
+                    forward = self.forward
 
-                def run_pieces(session: Any) -> Any:
-                    with running(inputs, "piecewise", session):
-                        return forward(inputs)
+                    def run_pieces(session: Any) -> Any:
+                        with running(inputs, "piecewise", session):
+                            return forward(inputs)
 
-                graph = self.backend.capture_pieces(run_pieces, statics, name=str(key))
-            else:
-                graph = self.backend.capture(self._reference_run(inputs, mode), statics, name=str(key))
-            self._check_outputs(key, graph, inputs)
+                    graph = self.backend.capture_pieces(run_pieces, statics, name=str(key))
+                else:
+                    graph = self.backend.capture(self._reference_run(inputs, mode), statics, name=str(key))
+                self._check_outputs(key, graph, inputs)
         except (KeyboardInterrupt, SystemExit):
             if graph is not None:
                 graph.release()
@@ -171,6 +175,10 @@ class CapturePass:
             key, "captured", seconds, graph.memory_bytes, False, "", eager_seconds, pieces=pieces, eager_ops=calls
         )
         return record, graph
+
+    def _segment(self) -> AbstractContextManager:
+        """The ledger's segment around one key's capture or verification (nothing without a ledger)."""
+        return self.ledger.segment() if self.ledger is not None else contextlib.nullcontext()
 
     def _verified(
         self, record: GraphRecord, graphs: dict[GraphKey, CapturedGraph], reference: LastRun | None = None
@@ -195,10 +203,11 @@ class CapturePass:
         start, eager_seconds, timings, fills = time.perf_counter(), 0.0, {}, ()
         if graph is not None:
             try:
-                eager_seconds = self._verify_dummy(key, graph, timings, reference)
-                probe_seconds, fills = self._verify_probe(key, graph)
-                eager_seconds += probe_seconds
-                eager_seconds += verify_axes(self, key, graph)
+                with self._segment():
+                    eager_seconds = self._verify_dummy(key, graph, timings, reference)
+                    probe_seconds, fills = self._verify_probe(key, graph)
+                    eager_seconds += probe_seconds
+                    eager_seconds += verify_axes(self, key, graph)
             except (KeyboardInterrupt, SystemExit):
                 raise
             except Exception as exc:

@@ -1,13 +1,15 @@
-"""The CPU (gloo) group graphcap's agreement runs on, for a group an engine passes in.
+"""The gloo group graphcap's agreements run on: its own, over the ranks of a group an engine passes in.
 
-The agreement is a few int64 on the host, so it runs on a gloo group even when the model's
-own collectives use NCCL (vLLM keeps a `cpu_group` beside each device group for the same
-reason). A group whose CPU backend is gloo is used as it is: pass the engine's CPU group and
-graphcap creates nothing. For any other group a gloo twin over the same ranks is created
-once per set of ranks, with `use_local_synchronization=True`: only the group's own ranks take
-part, so under TP x DP each DP group makes its twin without the other groups' ranks (plain
-`new_group` must be called by every rank of the world in the same order, and deadlocks when
-each rank asks only for its own group).
+The agreement is a few int64 on the host, so it runs on gloo even when the model's own
+collectives use NCCL. It never runs on the engine's group itself, gloo or not: a rank whose
+forward failed part-way reaches its next agreement while its peers are still inside the
+model's collectives, and on a shared gloo group the two would pair (gloo aborts on the
+mismatched sizes) instead of the agreement waiting for the peers. So for every group passed
+in, graphcap makes a gloo twin over the same ranks, once per set of ranks (managers and
+roles over the same ranks share it), with `use_local_synchronization=True`: only the group's
+own ranks take part, so under TP x DP each DP group makes its twin without the other groups'
+ranks (plain `new_group` must be called by every rank of the world in the same order, and
+deadlocks when each rank asks only for its own group).
 """
 
 from __future__ import annotations
@@ -22,12 +24,9 @@ _TWINS: dict[tuple[int, ...], Any] = {}
 
 
 def cpu_group(group: Any, timeout: _dt.timedelta) -> Any:
-    """`group` when its CPU backend is gloo, else its gloo twin (made once, by the group's ranks only)."""
+    """graphcap's own gloo group over the ranks of `group` (made once per set of ranks, by those ranks only)."""
     import torch.distributed as dist
 
-    backend = str(dist.get_backend(group))
-    if backend == "gloo" or "cpu:gloo" in backend:
-        return group
     ranks = tuple(dist.get_process_group_ranks(group))
     twin = _TWINS.get(ranks)
     if twin is not None and _is_alive(twin):

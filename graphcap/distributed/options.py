@@ -32,6 +32,11 @@ class Parallel:
     timeout: float = 300.0
     """Seconds any agreement with peers may wait (a step, a capture, a lifecycle call); then
     `DistributedTimeoutError` on the waiting rank."""
+    failure_timeout: float = 30.0
+    """Seconds a rank whose capture forward (a warmup, the recording, a verification) failed part-way keeps
+    issuing, with placeholder tensors, the collectives its peers publish, until every peer has finished the
+    key's forwards (`graphcap.distributed.ledger`); then it reports its failure in the key's agreement. Past
+    it, the rank stops following and its peers stay in their collective until their process group's timeout."""
     pad_eager: bool | None = None
     """Whether an eager step pads to the largest token and request counts of the DP ranks, so an eager
     forward's collectives have one shape everywhere. None (the default): pad once a captured graph of this
@@ -40,9 +45,10 @@ class Parallel:
     """Stage every DP rank's real token count into `inputs.extras["num_tokens_across_dp"]` (int32 [DP ranks])."""
 
     def __post_init__(self) -> None:
-        timeout = self.timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"Parallel(timeout=...) must be seconds > 0; got {timeout!r}")
+        for name in ("timeout", "failure_timeout"):
+            seconds = getattr(self, name)
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+                raise ValueError(f"Parallel({name}=...) must be a finite number of seconds > 0; got {seconds!r}")
         if self.pad_eager is not None and not isinstance(self.pad_eager, bool):
             raise TypeError(f"Parallel(pad_eager=...) must be None, True or False; got {self.pad_eager!r}")
         if not isinstance(self.token_counts, bool):

@@ -195,6 +195,10 @@ class StepAgreement:
             return None
         return known & ((1 << 20) - 1), bool(known >> 22), (known >> 20) & 3
 
+    def partners(self) -> list[int]:
+        """The world ranks of this rank's DP and TP groups (itself included)."""
+        return sorted({rank for sync in self.syncs for rank in sync.ranks})
+
     def learn_collectives(self, graphs: Any, communicators: tuple = ()) -> None:
         """After a capture: whether the forward holds a collective, from what the graphs recorded (once True, kept)."""
         if self.forward_collectives is not True:

@@ -66,8 +66,8 @@ def call_tag(detail: str) -> int:
 class GroupSync:
     """The agreement reduction over one group (data- or tensor-parallel), bounded by `timeout` seconds.
 
-    `group` is used as it is when its CPU backend is gloo (pass the engine's CPU group), else
-    a gloo twin over its ranks is made once, by those ranks only (`graphcap.distributed.groups`).
+    The reduction never runs on `group` itself: it runs on graphcap's own gloo group over the same
+    ranks, made once, by those ranks only (`graphcap.distributed.groups`).
     `role` names the group in messages ("data-parallel", "tensor-parallel").
     """
 

@@ -25,12 +25,22 @@ import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from graphcap.sizing.choice import GraphCosts, SizeChoice, SizeConstraints, choose_sizes
 from graphcap.sizing.sizes import default_capture_sizes
 
-__all__ = ["HeldOutChoice", "choose_held_out", "held_out_waste", "ladder_sizes", "split_steps"]
+__all__ = [
+    "HeldOutChoice",
+    "choose_held_out",
+    "choose_on_halves",
+    "choose_way",
+    "held_out_waste",
+    "ladder_sizes",
+    "split_steps",
+]
 
+K = TypeVar("K")
 WAYS = ("traffic", "ladder")
 _EXACT_DRAWS = 4096  # steps of one count drawn one by one; above, the normal limit of their binomial
 
@@ -53,12 +63,13 @@ class HeldOutChoice:
         return self.choice.waste
 
 
-def split_steps(histogram: Mapping[int, float], seed: int = 0) -> tuple[dict[int, float], dict[int, float]] | None:
+def split_steps(histogram: Mapping[K, float], seed: int = 0) -> tuple[dict[K, float], dict[K, float]] | None:
     """Two halves of the steps, each step to either half with even odds (a seeded draw: the same halves
     every run), as two samples of the same traffic would see them; None when a count is not a whole
-    number of steps (relative weights cannot be split into steps) or a half would be empty."""
+    number of steps (relative weights cannot be split into steps) or a half would be empty. Keys are
+    token counts, or any sortable steps (`(tokens, axis values)`: without axes, the same draws)."""
     rng = random.Random(seed)
-    halves: tuple[dict[int, float], dict[int, float]] = ({}, {})
+    halves: tuple[dict[K, float], dict[K, float]] = ({}, {})
     for n in sorted(histogram):
         steps = histogram[n]
         if steps != int(steps):
@@ -100,8 +111,22 @@ def choose_held_out(
     With a memory budget, or a histogram that cannot be split into steps, only `traffic` is
     tried (the ladder's sizes are not priced by `costs`); `held_out` then scores it alone, or is None.
     """
-    ways = ("traffic",) if memory_budget is not None else WAYS
     halves = split_steps(histogram)
+    return choose_on_halves(histogram, halves, max_graphs, constraints, costs=costs, memory_budget=memory_budget)
+
+
+def choose_on_halves(
+    histogram: Mapping[int, float],
+    halves: tuple[Mapping[int, float], Mapping[int, float]] | None,
+    max_graphs: int,
+    constraints: SizeConstraints,
+    *,
+    costs: GraphCosts | None = None,
+    memory_budget: int | None = None,
+) -> HeldOutChoice:
+    """`choose_held_out` on halves split by the caller (None: not split, `traffic` unscored): the halves of
+    steps that carry more than a token count (key axes, `graphcap.sizing.axes`), each as its token counts."""
+    ways = ("traffic",) if memory_budget is not None else WAYS
     kwargs = {"costs": costs, "memory_budget": memory_budget}
     held_out = None
     if halves is not None:
@@ -110,19 +135,20 @@ def choose_held_out(
             scores = []
             for chosen_on, scored_on in (halves, halves[::-1]):
                 try:
-                    sizes = _choose(way, chosen_on, max_graphs, constraints, kwargs).sizes
+                    sizes = choose_way(way, chosen_on, max_graphs, constraints, kwargs).sizes
                 except ValueError:  # a half with no replayable step: the other direction decides
                     continue
                 scores.append(held_out_waste(sizes, scored_on, constraints))
             if scores:
                 held_out[way] = sum(scores) / len(scores)
     way = "traffic" if not held_out else min(held_out, key=lambda w: (held_out[w], WAYS.index(w)))
-    return HeldOutChoice(_choose(way, histogram, max_graphs, constraints, kwargs), way, held_out or None)
+    return HeldOutChoice(choose_way(way, histogram, max_graphs, constraints, kwargs), way, held_out or None)
 
 
-def _choose(
+def choose_way(
     way: str, histogram: Mapping[int, float], max_graphs: int, constraints: SizeConstraints, kwargs: dict
 ) -> SizeChoice:
+    """The sizes `way` (of `WAYS`) chooses on `histogram`; `kwargs`: `costs` and `memory_budget` (`choose_sizes`'s)."""
     if way == "traffic":
         return choose_sizes(histogram, max_graphs, constraints, **kwargs)
     ladder = ladder_sizes(constraints)

@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 from graphcap import GraphKey, load_config
 from graphcap.sizing.sizes import CaptureSizes
 from tests.distributed import _worker
+from tests.distributed._spawn import context
 
 WORLD_TIMEOUT_S = 240.0  # whole world, spawn to exit; a hang fails here instead of blocking CI
 
@@ -44,7 +44,7 @@ EXPECTED = {
 
 
 def _spawn_world(world_size: int, directory: Path) -> list[dict]:
-    ctx = mp.get_context("spawn")
+    ctx = context()
     procs = [
         ctx.Process(target=_worker.run_rank, args=(rank, world_size, str(directory)), daemon=True)
         for rank in range(world_size)

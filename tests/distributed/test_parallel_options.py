@@ -53,8 +53,11 @@ def test_no_group_means_no_peers(config):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"timeout": 0}, ValueError, r"Parallel\(timeout=\.\.\.\) must be seconds > 0; got 0"),
-        ({"timeout": True}, ValueError, r"Parallel\(timeout=\.\.\.\) must be seconds > 0; got True"),
+        ({"timeout": 0}, ValueError, r"Parallel\(timeout=\.\.\.\) must be a finite number of seconds > 0; got 0"),
+        ({"timeout": True}, ValueError, r"Parallel\(timeout=\.\.\.\) must be a finite number of seconds > 0; got True"),
+        ({"failure_timeout": -1.0}, ValueError, r"Parallel\(failure_timeout=\.\.\.\) must be a finite .* got -1\.0"),
+        ({"failure_timeout": float("inf")}, ValueError, r"Parallel\(failure_timeout=\.\.\.\) must be .* got inf"),
+        ({"failure_timeout": "5"}, ValueError, r"Parallel\(failure_timeout=\.\.\.\) must be .* got '5'"),
         ({"pad_eager": "yes"}, TypeError, r"Parallel\(pad_eager=\.\.\.\) must be None, True or False; got 'yes'"),
         ({"token_counts": 1}, TypeError, r"Parallel\(token_counts=\.\.\.\) must be True or False; got 1"),
         ({"pad_eager": True}, ValueError, r"need a data-parallel group: pass Parallel\(dp_group=\.\.\.\)"),

@@ -84,8 +84,10 @@ def test_tp_by_dp_groups_agree_steps_and_failures_across_the_grid(tmp_path):
         assert result["dp_only"] is None  # both DP groups agreed (nothing captured: eager)
         assert result["twin_is_new"] and result["twin_ranks"] == [rank % 2, rank % 2 + 2]
         assert result["reduced"] == [rank % 2 + 2]
-        # Rank 1 failed size 4: its TP peer learns it in the TP agreement, its DP peer in the DP one.
+        # Rank 1 failed the first warmup of size 4 before its all-reduce: it issued its TP peer's collectives, and
+        # its TP peer learns it in the TP agreement, its DP peer in the DP one.
         assert result["skipped"] == [GraphKey(4, 4, False), uniform(4)], f"rank {rank}"
+        assert result["completed"] == (2 if rank == 1 else 0), f"rank {rank}"
         assert len(result["captured"]) == 6
         steps = result["steps"]
         assert [step["match"] for step in steps] == ["ok"] * 3, f"rank {rank}: {steps}"

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
+import pytest
+
 import graphcap.checks.guard
-from tests.tools import run_tool
+from tests.tools import REPO, TOOLS, run_tool
 
 
 def rows(stdout: str, names: tuple[str, ...]) -> list[str]:
@@ -42,14 +45,35 @@ def test_bench_sampling_prints_each_setting_and_the_overhead_beside_its_goal():
     )
 
 
-def test_bench_execute_prints_each_part_and_the_overhead_over_the_replay():
-    result = run_tool("bench_execute.py", "--quick", timeout=300)
+def test_bench_execute_prints_each_part_and_the_overhead_over_the_replay_beside_another_revision():
+    if not (REPO / ".git").exists():
+        pytest.skip("--baseline reads a git revision; this tree is not a git checkout")
+    result = run_tool("bench_execute.py", "--quick", "--baseline", "HEAD", timeout=300)
     assert result.returncode == 0, result.stderr
     names = ("execute", "replay", "dispatch", "stage", "guard", "cut")
-    expected = ["execute", "execute, no replay", "replay", "dispatch", "dispatch, 1 axis", "stage", "guard", "cut"]
-    expected.append("execute - replay")
-    assert rows(result.stdout, names) == expected
+    parts = ["execute", "execute, no replay", "replay", "dispatch", "dispatch, 1 axis", "stage", "guard", "cut"]
+    table, ratios = result.stdout.split("this tree over HEAD")
+    assert rows(table, names) == [*parts, "execute - replay"]
+    assert rows(table, ("baseline: ",)) == [f"baseline: {name}" for name in parts]
+    assert rows(ratios, names) == parts
     assert "goal: execute - replay <= 12 us: " in result.stdout
+
+
+def test_a_baseline_revision_is_rewritten_to_import_itself_beside_graphcap():
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import _baseline
+    finally:
+        sys.path.remove(str(TOOLS))
+    source = (
+        "import graphcap\nfrom graphcap.keys import KeyRegistry\n    from graphcap import errors\n"
+        'LAZY = {"StepBatch": "graphcap.batch"}\nfiles("graphcap")\n# graphcap_x.y, mygraphcap.z, tools/graphcap.py\n'
+    )
+    assert _baseline.rewrite(source) == (
+        "import graphcap_base\nfrom graphcap_base.keys import KeyRegistry\n    from graphcap_base import errors\n"
+        'LAZY = {"StepBatch": "graphcap_base.batch"}\nfiles("graphcap_base")\n'
+        "# graphcap_x.y, mygraphcap.z, tools/graphcap.py\n"
+    )
 
 
 def test_bench_stage_levels_prints_basic_full_and_the_rule_by_rule_checks():
@@ -59,3 +83,12 @@ def test_bench_stage_levels_prints_basic_full_and_the_rule_by_rule_checks():
     assert header.split()[1:4] == ["basic", "full", "rule"]
     assert len(rows(result.stdout, ("decode", "prefill"))) == 5
     assert "goal: full at decode 256 reqs <= 25 us, i.e. <= 0.36x of the rule-by-rule checks (70 us" in result.stdout
+
+
+def test_an_unknown_baseline_revision_is_one_line_naming_it():
+    if not (REPO / ".git").exists():
+        pytest.skip("--baseline reads a git revision; this tree is not a git checkout")
+    result = run_tool("bench_execute.py", "--quick", "--baseline", "no-such-revision", timeout=300)
+    assert result.returncode == 1
+    assert "--baseline no-such-revision: cannot read graphcap/ at that revision" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -31,7 +31,7 @@ class Scale:
 
 
 FULL = Scale(2000, 300, 5000, 8, 6, 4, 2500, 20, 5, None, 12, (2, 3), 3, 60, 10)
-QUICK = Scale(60, 20, 200, 1, 2, 1, 150, 2, 1, 1, 1, (2,), 1, 24, 2, False)
+QUICK = Scale(30, 10, 100, 1, 2, 1, 60, 1, 1, 1, 1, (2,), 1, 24, 2, False)
 
 
 @dataclasses.dataclass
