@@ -137,8 +137,9 @@ class CapturePass:
             with self._segment():
                 inputs = self.stage(self.capture_batch(key), key, phase="capture", dummy=True)
                 warmups = self.config.capture.num_warmups
-                # A full graph recorded under the preflight's checks (`checks_in_capture`) is checked there, once.
-                checked = mode is Mode.PIECEWISE or not self.backend.checks_in_capture
+                # A full graph recorded under the preflight's checks (`checks_in_capture`) is checked there, once;
+                # with no plain warmup the preflight still runs, so the recording is never the key's first run.
+                checked = mode is Mode.PIECEWISE or not self.backend.checks_in_capture or warmups == 0
                 run = self._warmup_run(inputs, mode)
                 if reference is not None and warmups > 0:
                     run = reference.around(

@@ -14,6 +14,7 @@ from graphcap import CaptureError, CaptureManager, CaptureUnsafeError
 from graphcap.backends import check_capture_safe
 from graphcap.backends import generators as generators_module
 from graphcap.backends import preflight as preflight_module
+from graphcap.backends.preflight import in_preflight
 from graphcap.models import build_model
 from graphcap.phases import phase
 from graphcap.testing import make_config
@@ -121,3 +122,32 @@ def test_a_piecewise_key_keeps_its_checked_preflight(monkeypatch):
     report = manager.capture()
     assert all(r.status == "captured" and r.verified for r in report.records)
     assert entered == ["warmup"] * len(report.records)
+
+
+class Phases(torch.nn.Module):
+    """The reference model, noting each forward's phase and whether it ran under the preflight."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.runs: list[tuple[str, bool]] = []
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.inner.kv_cache
+
+    def forward(self, inputs) -> torch.Tensor:
+        self.runs.append((phase(), in_preflight()))
+        return self.inner(inputs)
+
+
+@pytest.mark.parametrize("num_warmups", [0, 1, 2])
+def test_the_recording_is_never_a_key_s_first_run(num_warmups):
+    """With no plain warmup the preflight still runs (lazy initialisation happens before the recording)."""
+    config = make_config({"capture.sizes": [4], "capture.num_warmups": num_warmups})
+    model = Phases(build_model(config))
+    report = CaptureManager(model, config, backend="emulated", progress=False).capture()
+    assert report.records and all(r.verified for r in report.records)
+    first_key = model.runs[: model.runs.index(("capture", False)) + 1]
+    expected = [("warmup", True)] if num_warmups == 0 else [("warmup", False)] * num_warmups
+    assert first_key == [*expected, ("capture", False)]
