@@ -63,7 +63,8 @@ class GraphBackend:
     checks_in_capture = False
     """Whether `capture` runs its forward under every check of the preflight, raising the same errors (the emulated
     backend records the forward under the unsafe-op checker, torch.compile off, its generators registered): a
-    capture pass then warms a full graph's key up with `warmup(..., checked=False)`, one checked forward, not two."""
+    capture pass then warms up a full graph's key that has plain warmups with `warmup(..., checked=False)`: one
+    checked forward, not two."""
     _preflight_syncs = False  # run the preflight under set_sync_debug_mode("error") (cuda)
     _sync_debug = False  # run the plain warmups under it too (cuda, `sync_debug=True`)
 
