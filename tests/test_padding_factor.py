@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from graphcap import ConfigError, StepBatch
@@ -41,6 +41,7 @@ def _prefill(num_tokens: int) -> StepBatch:
     num_tokens=st.integers(1, 64),
     uniform=st.booleans(),
 )
+@example(sizes=[2], factor=1.0, mode="full_decode_only", num_tokens=1, uniform=True)  # no mixed key to fall to
 def test_a_step_replays_only_a_graph_within_the_factor(sizes, factor, mode, num_tokens, uniform):
     keys = _registry(sizes, factor, mode)
     num_reqs = min(num_tokens, 8) if uniform else 1

@@ -134,6 +134,7 @@ class KeyRegistry:
         # counts, and `_over_padding[n]` marks the counts whose schedule size is past it.
         self.max_padding_factor = max_padding_factor
         self._over_padding = [False] * (sizes.max_size + 1)
+        self._uniform_over = [False] * (sizes.max_size + 1)  # a uniform key dropped by the factor
         if max_padding_factor is not None:
             for n in range(1, sizes.max_size + 1):
                 limit = max_padding_factor * n
@@ -141,6 +142,7 @@ class KeyRegistry:
                 key = self._uniform[n]
                 if key is not None and key.num_tokens > limit:
                     self._uniform[n] = None
+                    self._uniform_over[n] = True
         at = {combo: {key: key._replace(axes=combo) for key in planned} for combo in key_axes.planned}
         # Every combination of padded axis values -> each token key -> its key at the combination that holds it.
         self._variants: dict[tuple[int, ...], dict[GraphKey, GraphKey]] = {
@@ -321,7 +323,10 @@ class KeyRegistry:
             return self._eager(num_tokens, num_reqs, self._state(piece, count=count), values)
         keys = self._mixed[num_tokens]
         if not keys:  # full_decode_only plans no mixed keys
-            reason = "decode_only" if fallback is None else self._state(fallback, count=False)
+            if fallback is not None:
+                reason = self._state(fallback, count=False)
+            else:  # a uniform step whose uniform key pads past the factor: the guard decided
+                reason = "over_padding" if uniform and self._uniform_over[num_tokens] else "decode_only"
             return self._eager(num_tokens, num_reqs, reason, values)
         fits = None  # the fewest rows that hold the step; a larger captured one replays instead
         for key in keys:
