@@ -17,6 +17,7 @@ from graphcap.backends import CaptureUnsafeError, check_capture_safe, get_backen
 from graphcap.backends.preflight import sync_debug_errors
 from graphcap.capture.verification import assert_close
 from graphcap.models import build_model
+from graphcap.phases import phase
 
 SIZES = {"capture.sizes": [1, 2, 4, 8], "capture.on_error": "skip"}
 NO_CUDA = {"ok": True, "observed": "skipped: no CUDA"}
@@ -53,7 +54,7 @@ def oom_first_key(device: str, quick: bool) -> dict:
     too_much = 2 * torch.cuda.get_device_properties(device).total_memory if on_cuda else 0
 
     def fault(inputs, call):
-        capturing = torch.cuda.is_current_stream_capturing() if on_cuda else call == 3
+        capturing = torch.cuda.is_current_stream_capturing() if on_cuda else phase() == "capture"  # the recording
         if capturing:
             scratch = torch.ones(1 << 20, device=device)  # a block of the graph pool, pinned by the error
             if on_cuda:  # a real allocator OOM, twice the free memory
