@@ -23,24 +23,12 @@ import traceback
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from graphcap.testing.ranks import rank_context
 
 WORLD_TIMEOUT_S = 900.0
 """The whole world, spawn to exit: a rank that hangs is killed and the run fails."""
-
-PRELOAD = ["torch", "torch.distributed", "numpy", "graphcap", "graphcap.manager", "graphcap.distributed"]
-
-
-def world_context() -> Any:
-    """How ranks start: forked from a server that imported `PRELOAD` and ran nothing else.
-
-    As fresh as a spawned interpreter (no thread pool, no process group, no CUDA context in the
-    server), without every rank importing torch and graphcap again (about 2 s of CPU a rank).
-    """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
 
 
 def shard(model: Any, rank: int, world: int, group: Any) -> None:
@@ -75,7 +63,7 @@ def run(args: Any) -> int:
     """Spawn the TP x DP world, wait for it (bounded), print each replica's summary; 0 when all passed."""
     world = args.tp * args.dp
     with tempfile.TemporaryDirectory(prefix="mini_engine_parallel") as directory:
-        ctx = world_context()
+        ctx = rank_context()  # forked from a server that preloaded torch and graphcap
         procs = [ctx.Process(target=_rank, args=(rank, args, directory), daemon=True) for rank in range(world)]
         for proc in procs:
             proc.start()

@@ -37,12 +37,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _parallel import world_context
 from _sampling import measure
 
 from graphcap import CaptureManager, Parallel, StepBatch, load_config
 from graphcap.distributed import GroupSync
 from graphcap.models import build_model
+from graphcap.testing.ranks import rank_context
 
 OVERRIDES = {
     "device": "cpu",
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds, repeats = (2, 20) if args.quick else (args.rounds, args.repeats)
     with tempfile.TemporaryDirectory(prefix="bench_dp") as directory:
         store = os.path.join(directory, "store")
-        world_context()  # ranks fork from a server that preloaded torch and graphcap
+        rank_context()  # ranks fork from a server that preloaded torch and graphcap
         mp.start_processes(
             run_rank, args=(args.world_size, store, rounds, repeats), nprocs=args.world_size, start_method="forkserver"
         )

@@ -34,9 +34,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _parallel import world_context
 
 from graphcap import CaptureManager, Parallel, load_config
+from graphcap.testing.ranks import rank_context
 
 OVERRIDES = {
     "device": "cpu",
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    world_context()  # ranks fork from a server that preloaded torch and graphcap
+    rank_context()  # ranks fork from a server that preloaded torch and graphcap
     mp.start_processes(_rank, args=(2, port, args), nprocs=2, start_method="forkserver")
     return 0
 

@@ -8,6 +8,7 @@
 | `threads.py` | several threads on one manager, and the interleaving detector |
 | `traffic.py` | traffic shapes and their histograms, for choosing sizes (not imported here) |
 | `allocations.py` | the exact allocation peak of a capture, from the profiler (not imported here) |
+| `ranks.py` | `rank_context()`: ranks of a multi-rank run forked from a preloaded server (not imported here) |
 
 `Workload`, `fill_batch` (`graphcap.workload`) and `time_key` (`graphcap.capture.timing`) are product
 code that the command line uses; they are re-exported here for the tests and `tools/`.

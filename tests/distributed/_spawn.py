@@ -9,7 +9,7 @@ hung ranks and the exit codes unless every rank exited as expected (0, or the co
 `exits`, e.g. -9 for a rank that kills itself) and wrote its result. Ranks leave with
 `os._exit`: a gloo thread still blocked in an abandoned collective would hold a normal exit.
 
-Ranks start from `context()`: multiprocessing's forkserver with torch and graphcap preloaded, so a
+Ranks start from `graphcap.testing.ranks.rank_context()`: multiprocessing's forkserver with torch and graphcap preloaded, so a
 rank is a fork of a process that has imported them and run nothing else (no thread pool, no
 process group), as fresh as a spawned interpreter, without paying the imports again for every rank
 of every world (about 2 s of CPU each).
@@ -29,20 +29,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from graphcap.testing.ranks import rank_context
 
 PG_TIMEOUT_S = 60.0
 """The process group's own timeout (collectives inside the model): a test that relies on it is wrong."""
-
-PRELOAD = ["torch", "torch.distributed", "numpy", "graphcap", "graphcap.manager", "graphcap.distributed"]
-"""What the fork server imports once; every rank forked from it starts with these loaded."""
-
-
-def context() -> Any:
-    """The start method of every test world: a fork server that has preloaded `PRELOAD`."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
 
 
 def spawn_world(
@@ -55,7 +46,7 @@ def spawn_world(
 ) -> list[dict[str, Any]]:
     """Every rank's result (None for a rank expected to die before writing one); fails the test otherwise."""
     exits = dict(exits or {})
-    ctx = context()
+    ctx = rank_context()
     procs = [
         ctx.Process(target=_rank_main, args=(target, rank, world_size, str(directory)), daemon=True)
         for rank in range(world_size)

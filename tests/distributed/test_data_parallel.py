@@ -16,8 +16,8 @@ import pytest
 
 from graphcap import GraphKey, load_config
 from graphcap.sizing.sizes import CaptureSizes
+from graphcap.testing.ranks import rank_context
 from tests.distributed import _worker
-from tests.distributed._spawn import context
 
 WORLD_TIMEOUT_S = 240.0  # whole world, spawn to exit; a hang fails here instead of blocking CI
 
@@ -44,7 +44,7 @@ EXPECTED = {
 
 
 def _spawn_world(world_size: int, directory: Path) -> list[dict]:
-    ctx = context()
+    ctx = rank_context()
     procs = [
         ctx.Process(target=_worker.run_rank, args=(rank, world_size, str(directory)), daemon=True)
         for rank in range(world_size)

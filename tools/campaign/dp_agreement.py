@@ -23,10 +23,10 @@ _TIMEOUT_S = 120.0
 
 def mismatched_world(world_size: int, directory: str | Path) -> list[dict[str, Any]]:
     """Every rank's outcome: `{"rank", "keys", "message"}` (keys: the problems' dotted keys)."""
-    from _parallel import world_context
+    from graphcap.testing.ranks import rank_context
 
     directory = Path(directory)
-    ctx = world_context()
+    ctx = rank_context()
     procs = [ctx.Process(target=_rank, args=(r, world_size, str(directory)), daemon=True) for r in range(world_size)]
     for proc in procs:
         proc.start()
