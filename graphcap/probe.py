@@ -29,6 +29,8 @@ __all__ = [
     "group_scratch_ids",
     "probe_batch",
     "probe_fills",
+    "probe_batches_run",
+    "probe_identity",
     "scratch_block_ids",
 ]
 
@@ -87,6 +89,28 @@ def probe_fills(key: GraphKey, *, max_model_len: int) -> tuple[Fill, ...]:
     return out or (Fill(T, R),)
 
 
+def probe_identity(key: GraphKey, fill: Fill) -> tuple[int, int, int]:
+    """What `probe_batch` draws a fill's batch from: its real tokens and requests, and the tokens of every request
+    where they are fixed (a uniform key's `T / R`, one request, one token each), else 0. Not the key's padded
+    size: the keys of a pass that probe the same counts probe the same batch, run eagerly once per pass."""
+    num_tokens, num_reqs = fill
+    fixed = key.uniform or num_reqs == 1 or num_tokens == num_reqs
+    return num_tokens, num_reqs, num_tokens // num_reqs if fixed else 0
+
+
+def probe_batches_run(keys: Iterable[GraphKey], *, max_model_len: int) -> dict[GraphKey, int]:
+    """Per key (`keys` in the order a pass verifies them, each its capture shape with its axes), how many of its probe
+    batches no earlier key probed: the eager runs its verification makes when nothing else differs (a pass alone,
+    one phase, results within the kept bytes)."""
+    seen: set = set()
+    runs = {}
+    for key in keys:
+        identities = {(probe_identity(key, fill), key.axes) for fill in probe_fills(key, max_model_len=max_model_len)}
+        runs[key] = len(identities - seen)
+        seen |= identities
+    return runs
+
+
 def probe_batch(
     key: GraphKey,
     *,
@@ -104,7 +128,8 @@ def probe_batch(
     the dummy batch in every value.
 
     The tokens spread over the requests at random (each at most `max_model_len`; a uniform key's
-    requests have `T / R` each); random token ids, context lengths and block tables. A graph that
+    requests have `T / R` each); random token ids, context lengths and block tables, drawn from the fill's
+    counts and `seed` only: every key probed at the same counts gets the same batch. A graph that
     froze a host value at capture (a Python count, a value read from the host metadata) or lets
     padded rows leak into real ones gives different real rows than an eager run of this batch.
 
@@ -119,10 +144,10 @@ def probe_batch(
     if fill is None:
         fills = probe_fills(key, max_model_len=max_model_len)
         fill = fills[len(fills) // 2]
-    num_tokens, num_reqs = fill
-    rng = np.random.default_rng([seed, key.num_tokens, key.num_reqs, int(key.uniform), num_tokens, num_reqs])
-    if key.uniform:
-        q = np.full(num_reqs, key.num_tokens // key.num_reqs, dtype=np.int64)
+    num_tokens, num_reqs, fixed = probe_identity(key, fill)
+    rng = np.random.default_rng([seed, num_tokens, num_reqs, fixed])
+    if fixed:
+        q = np.full(num_reqs, fixed, dtype=np.int64)
     else:
         q = np.ones(num_reqs, dtype=np.int64)
         extra = rng.integers(0, num_reqs, num_tokens - num_reqs)

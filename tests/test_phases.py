@@ -17,7 +17,7 @@ import torch
 import graphcap
 from graphcap import BufferSpec, CaptureError, CaptureManager, StepBatch
 from graphcap.phases import DUMMY_PHASES
-from graphcap.probe import probe_fills
+from graphcap.probe import probe_batches_run, probe_fills
 from graphcap.testing import make_config
 from tests.distributed._models import CustomAllReduce
 
@@ -62,12 +62,12 @@ def test_each_forward_sees_its_phase_and_only_the_recording_sees_is_capturing():
     keys = len(manager.graphs)
     assert seen[("capture", True)] == keys  # one recording per key, which runs the preflight's checks
     assert seen[("warmup", False)] == keys  # num_warmups: 1, no separate checked run
-    # each probe batch's eager reference, one per fill level (the dummy's is the warmup's output)
+    # each probe batch's eager reference, one per distinct probe batch of the pass (the dummy's is the warmup's output)
     max_model_len = manager.config.kv_cache.max_model_len
-    probes = sum(
-        len(probe_fills(manager.registry.capture_shape(key), max_model_len=max_model_len)) for key in manager.graphs
-    )
-    assert probes > keys and seen[("verify", False)] == probes
+    shapes = [manager.registry.capture_shape(key) for key in manager.registry.capture_order()]
+    probes = sum(len(probe_fills(shape, max_model_len=max_model_len)) for shape in shapes)
+    runs = sum(probe_batches_run(shapes, max_model_len=max_model_len).values())
+    assert probes > runs > keys and seen[("verify", False)] == runs
     assert set(seen) == {("capture", True), ("warmup", False), ("verify", False)}
     model.forwards.clear()
     manager.execute(batch(3))  # a replay: the tape runs, not the Python forward

@@ -15,7 +15,7 @@ import torch
 from graphcap import CaptureManager, StepBatch
 from graphcap.capture.timing import SPEEDUP_REPS, replay_speedup
 from graphcap.models import build_model
-from graphcap.probe import probe_fills
+from graphcap.probe import probe_batches_run
 from graphcap.testing import FaultyModel, make_config, make_manager
 
 
@@ -97,12 +97,14 @@ def test_keys_are_timed_again_only_when_a_minimum_decides(min_speedup):
     manager = CaptureManager(model, config, progress=False)
     manager.capture()
     extra = 0 if min_speedup is None else SPEEDUP_REPS  # eager runs of the key's own dummy batch
-    # one warmup, the capture (which runs the preflight's checks) and each probe batch's eager run, one per fill
-    # level (verification compares the dummy batch's replay with the warmup's output: no engine context, no peers)
-    max_model_len = config.kv_cache.max_model_len
-    for key in manager.registry.planned:
-        probes = len(probe_fills(manager.registry.capture_shape(key), max_model_len=max_model_len))
-        assert model.calls[key] == 2 + probes + extra, key
+    # one warmup, the capture (which runs the preflight's checks) and the eager run of each probe batch no earlier
+    # key probed (verification compares the dummy batch's replay with the warmup's output: no engine context, no
+    # peers)
+    registry = manager.registry
+    shapes = {registry.capture_shape(key): key for key in registry.capture_order()}
+    runs = probe_batches_run(shapes, max_model_len=config.kv_cache.max_model_len)
+    for shape, key in shapes.items():
+        assert model.calls[key] == 2 + runs[shape] + extra, key
 
 
 def test_without_verification_or_a_minimum_no_speedup_is_recorded():

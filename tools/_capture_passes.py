@@ -104,8 +104,8 @@ CAPTURE_GOAL = 1.5
 def where_a_pass_goes(manager: CaptureManager, eager_ms: float, rounds: int, probe_ms: float) -> None:
     """Re-capture passes timed whole and per step (preflight, plain warmups, capture, verification), in units of
     one eager step of every key (`eager_ms`, the sum of the keys' medians at the pass's threads), beside the goal;
-    and over the forwards the pass must run with its fill-level probes (the four, and a replay and an eager run per
-    probe batch: `probe_ms`, the keys' eager steps weighted by their number of fill levels)."""
+    and over the forwards the pass must run with its fill-level probes (the four, a replay per fill level and an eager
+    run per distinct probe batch: `probe_ms`, in the keys' eager steps)."""
     from _gpu_llama import KeyTimes
 
     walls, steps = [], {}
@@ -139,8 +139,8 @@ def where_a_pass_goes(manager: CaptureManager, eager_ms: float, rounds: int, pro
         f"capture pass / 4 eager forwards per key: {wall / unit / 4:.2f}x (goal <= {CAPTURE_GOAL}x); the four: the "
         "checked preflight, a warmup, the recorded capture, the verification's eager run"
     )
-    must = 4 + 2 * probe_ms / eager_ms
+    must = 4 + probe_ms / eager_ms
     print(
-        f"capture pass / the forwards it must run with its probes ({must:.2f} units: the four, and a replay and an "
-        f"eager run per fill level): {wall / unit / must:.2f}x"
+        f"capture pass / the forwards it must run with its probes ({must:.2f} units: the four, a replay per fill "
+        f"level and an eager run per distinct probe batch): {wall / unit / must:.2f}x"
     )

@@ -4,9 +4,9 @@ Table 1, per graph: the capture wall time (staging, invariants, warmups, capture
 verification) over the time of the forwards it had to run anyway
 (`1 preflight + num_warmups + 1 capture + 1 verify`, each at the median eager step time). A ratio near
 1 means graphcap adds little beyond the forwards themselves. Below it, re-capture passes timed per part, over
-the four forwards per key, and over the forwards a pass must run with its fill-level probes (the four, and a
-replay and an eager run per probe batch: `graphcap.probe.probe_fills`), in eager steps at the threads the pass
-runs at (`tools/_capture_passes.py`).
+the four forwards per key, and over the forwards a pass must run with its fill-level probes (the four, a replay
+per fill level, `graphcap.probe.probe_fills`, and an eager run per distinct probe batch, which the keys probing
+the same counts share), in eager steps at the threads the pass runs at (`tools/_capture_passes.py`).
 
 Table 2: median ms per step of `CaptureManager.execute` (graph replay) and `.eager` at
 sizes 1, 8 and 64, through the full step path (staging and invariants included).
@@ -62,7 +62,7 @@ from _capture_passes import at_threads, checks_apart, pass_threads, where_a_pass
 import graphcap.capture.driver as driver_module
 from graphcap import CaptureManager, load_config
 from graphcap.models import build_model
-from graphcap.probe import probe_fills
+from graphcap.probe import probe_batches_run, probe_fills
 from graphcap.sizing.choice import SizeConstraints, choose_sizes
 from graphcap.sizing.sizes import CaptureSizes
 from graphcap.testing import time_key
@@ -149,10 +149,13 @@ def main() -> int:
     units = timings if threads == torch.get_num_threads() else at_threads(manager, timings, steps, threads)
     eager_ms = sum(timing.eager_ms for timing in units.values() if timing is not None)
     max_model_len = config.kv_cache.max_model_len
-    probe_ms = sum(  # one eager step of each probe batch's key, per fill level
-        len(probe_fills(manager.registry.capture_shape(key), max_model_len=max_model_len)) * timing.eager_ms
-        for key, timing in units.items()
-        if timing is not None
+    # A replay per fill level and an eager run per probe batch no earlier key probed, at the key's eager step.
+    shapes = {manager.registry.capture_shape(key): key for key in manager.registry.capture_order()}
+    runs = probe_batches_run(shapes, max_model_len=max_model_len)
+    probe_ms = sum(
+        (len(probe_fills(shape, max_model_len=max_model_len)) + runs[shape]) * units[key].eager_ms
+        for shape, key in shapes.items()
+        if units.get(key) is not None
     )
     print(f"(the pass's unit: eager steps at the pass's {threads} thread(s))")
     where_a_pass_goes(manager, eager_ms, 2 if args.quick else args.rounds, probe_ms)

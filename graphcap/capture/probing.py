@@ -5,6 +5,12 @@ of `probe_fills(key)` (one real token, about half, all but one; requests likewis
 run at every share of the key. A mismatch raises `CaptureError` (`compare_replay`); where the forward
 carries state between runs, the message names it (`diagnosis`, `graphcap.capture.carried`). The
 `CapturePass` gives what they need: its staging path, forward, outputs, tolerance and scratch blocks.
+
+A probe batch depends on its real counts, not on the key it probes (`probe_batch`), so keys of one pass
+probe the same batches: one token for every key, the full batch of a smaller key as about half of a larger
+one. Its eager result is computed once per pass and kept (`SharedReferences`); every key's replay is still
+compared with it. A replay that differs from a kept result is compared again with a fresh eager run, whose
+verdict stands, so keeping a result never decides a comparison.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from graphcap.backends import CapturedGraph
@@ -21,14 +28,72 @@ from graphcap.capture.verification import DUMMY_MISMATCH, LastRun, differs, prob
 from graphcap.errors import CaptureError
 from graphcap.inputs import ForwardInputs
 from graphcap.keys import GraphKey, Mode
-from graphcap.outputs import cloned
+from graphcap.outputs import cloned, flatten_output
 from graphcap.piecewise import running
 from graphcap.probe import Fill, probe_batch, probe_fills
 
 if TYPE_CHECKING:
     from graphcap.capture.runner import CapturePass
 
-__all__ = ["diagnosis", "verify_batch", "verify_dummy", "verify_probes"]
+__all__ = ["SharedReferences", "batch_fingerprint", "diagnosis", "verify_batch", "verify_dummy", "verify_probes"]
+
+REFERENCE_BYTES = 64 << 20
+"""The most bytes of eager results one pass keeps for later keys (`SharedReferences`); a larger result is not kept."""
+
+
+class SharedReferences:
+    """The eager results of one pass's probe batches, by `batch_fingerprint`, for the keys that probe the same batch.
+
+    Off (`enabled` False) with peers: a rank that kept a result would skip an eager run, and its collectives,
+    that a rank whose probe batch differs (other scratch blocks) still runs. Results are copies, at most
+    `limit` bytes in all; the pass drops them when it ends (`clear`).
+    """
+
+    def __init__(self, enabled: bool, limit: int = REFERENCE_BYTES) -> None:
+        self.enabled = enabled
+        self.limit = limit
+        self.kept: dict[tuple, Any] = {}
+        self.bytes = 0
+        self.hits = 0
+        """Eager runs not repeated: probes whose reference was kept."""
+
+    def get(self, fingerprint: tuple | None) -> Any:
+        """The kept result of the batch `fingerprint` names, or None."""
+        if fingerprint is None or not self.enabled:
+            return None
+        return self.kept.get(fingerprint)
+
+    def keep(self, fingerprint: tuple | None, output: Any) -> None:
+        """Keep a copy of `output` (the batch's eager real rows) while the pass's budget allows."""
+        if fingerprint is None or not self.enabled or fingerprint in self.kept:
+            return
+        leaves, rebuild = flatten_output(output, "this step", "the forward of")
+        size = sum(t.numel() * t.element_size() for t in leaves)
+        if self.bytes + size <= self.limit:
+            self.kept[fingerprint] = rebuild([t.clone() for t in leaves])
+            self.bytes += size
+
+    def clear(self) -> None:
+        """Drop every kept result (the pass ends)."""
+        self.kept.clear()
+        self.bytes = 0
+
+
+def batch_fingerprint(batch: StepBatch, *parts: Any) -> tuple | None:
+    """Every value of `batch` (counts, ids, lengths, block tables, extras, axes) and `parts`, as one hashable
+    tuple: two batches with equal fingerprints are the same step. None for a batch holding values it cannot read."""
+    items: list[Any] = [parts, batch.num_tokens, batch.num_reqs, tuple(sorted(batch.axes.items()))]
+    named = [("q", batch.query_lens), ("s", batch.seq_lens), ("ids", batch.input_ids), ("blocks", batch.block_table)]
+    named += [(f"group:{name}", table) for name, table in sorted(batch.kv_groups.items())]
+    named += [(f"extra:{name}", values) for name, values in sorted(batch.extras.items())]
+    for name, values in named:
+        if values is None:
+            items.append((name, None))
+            continue
+        if not isinstance(values, np.ndarray):
+            return None
+        items.append((name, values.dtype.str, values.shape, values.tobytes()))
+    return tuple(items)
 
 
 def verify_dummy(
@@ -110,13 +175,26 @@ def verify_batch(job: CapturePass, key: GraphKey, graph: CapturedGraph, batch: S
 
     shape = job.registry.capture_shape(key)
     message = probe_mismatch(batch.num_tokens, batch.num_reqs, key.num_tokens, shape.num_reqs, writes)
-    return job.compare(
-        graph,
-        inputs,
-        eager,
-        message=message,
-        diagnose=diagnosis(job, graph, inputs, eager, stage),
-    )
+    references = job.references
+    fingerprint = batch_fingerprint(batch, phase, writes) if references.enabled else None
+    kept = references.get(fingerprint)
+    if kept is not None:
+        try:
+            job.compare(graph, inputs, lambda: kept, message=message)
+        except CaptureError:  # a fresh eager run decides, as with nothing kept
+            inputs = stage()
+        else:
+            references.hits += 1
+            return 0.0
+    result: list[Any] = []
+
+    def fresh() -> Any:
+        result.append(eager())
+        return result[-1]
+
+    seconds = job.compare(graph, inputs, fresh, message=message, diagnose=diagnosis(job, graph, inputs, eager, stage))
+    references.keep(fingerprint, result[0])
+    return seconds
 
 
 def diagnosis(

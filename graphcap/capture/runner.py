@@ -30,7 +30,7 @@ from graphcap.backends.preflight import outside_checks
 from graphcap.batch import StepBatch, dummy_batch
 from graphcap.capture.axes import verify_axes
 from graphcap.capture.failures import FailurePolicy
-from graphcap.capture.probing import verify_dummy, verify_probes
+from graphcap.capture.probing import SharedReferences, verify_dummy, verify_probes
 from graphcap.capture.timing import replay_speedup
 from graphcap.capture.verification import LastRun, compare_replay
 from graphcap.config import CaptureConfig
@@ -81,6 +81,12 @@ class CapturePass:
     ledger: Any = None
     """With peers (not on CUDA), the manager's `CollectiveLedger`: each key's capture and verification is one of
     its segments, so a rank failing part-way issues what its peers still wait in before the key's agreement."""
+    references: SharedReferences = dataclasses.field(init=False)
+    """The eager results of probe batches that later keys of this pass probe again (off with peers)."""
+
+    def __post_init__(self) -> None:
+        alone = self.failures.peers is None and self.ledger is None and not _in_world()
+        self.references = SharedReferences(alone)
 
     def run(
         self, keys: Iterable[GraphKey], *, context: Callable[[], AbstractContextManager], progress: bool | None
@@ -119,6 +125,8 @@ class CapturePass:
             for graph in graphs.values():
                 graph.release()
             raise
+        finally:
+            self.references.clear()  # device memory, on CUDA: gone before the pass's growth is measured
         return records, graphs
 
     def capture(self, key: GraphKey, *, reference: LastRun | None = None) -> tuple[GraphRecord, CapturedGraph | None]:
@@ -356,6 +364,12 @@ class WarmupSession:
 
 
 _WARMUP_SESSION = WarmupSession()
+
+
+def _in_world() -> bool:
+    """Whether this process is one rank of several (`torch.distributed`, initialized, more than one rank)."""
+    distributed = torch.distributed
+    return distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1
 
 
 def progress_bar(keys: list[GraphKey], backend: GraphBackend, progress: bool | None) -> Iterator[GraphKey]:

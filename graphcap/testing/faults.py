@@ -55,7 +55,9 @@ class FaultyModel(torch.nn.Module):
     Calls are counted per key since `arm`: with one warmup and `verify_replay` on the emulated backend, call 1
     of a key is its plain warmup, call 2 its capture (the recording, which runs the preflight's checks: no
     separate checked run) and call 3 the first eager run of its verification (`PHASES`), so `on_call` picks
-    the phase that fails. A verification forward counts for the key it verifies: its own key (a dummy batch
+    the phase that fails. A key whose every probe batch an earlier key of the pass probed runs no eager run in
+    its verification (the kept results, `graphcap.capture.probing`): with `FAULT_SIZES`, size 4's keys each run
+    one, size 2's none. A verification forward counts for the key it verifies: its own key (a dummy batch
     run again), else the key verified by the verification forward before it, else the key captured last (a
     key verified right after its capture: the probe batch, staged at an eager key of its own size).
     """
@@ -63,14 +65,22 @@ class FaultyModel(torch.nn.Module):
     def __init__(self, inner: torch.nn.Module) -> None:
         super().__init__()
         self.inner = inner
-        self.fault: tuple[int, Callable[[], BaseException], int | None] | None = None
+        self.fault: tuple[int, Callable[[], BaseException], int | None, bool | None] | None = None
         self.calls: Counter = Counter()
         self._captured = self._verifying = None
         self._recorded: set = set()
 
-    def arm(self, num_tokens: int, make_exc: Callable[[], BaseException], on_call: int | None = None) -> None:
-        """Raise `make_exc()` when a key of `num_tokens` runs (on its `on_call`-th call, or every call)."""
-        self.fault = (num_tokens, make_exc, on_call)
+    def arm(
+        self,
+        num_tokens: int,
+        make_exc: Callable[[], BaseException],
+        on_call: int | None = None,
+        *,
+        uniform: bool | None = None,
+    ) -> None:
+        """Raise `make_exc()` when a key of `num_tokens` runs (on its `on_call`-th call, or every call); `uniform`:
+        only the uniform (True) or the mixed (False) key of that size (None: both)."""
+        self.fault = (num_tokens, make_exc, on_call, uniform)
         self.calls.clear()
         self._captured = self._verifying = None
         self._recorded.clear()
@@ -93,8 +103,8 @@ class FaultyModel(torch.nn.Module):
             self._captured = key
             self._recorded.add(key)
         if self.fault is not None:
-            num_tokens, make_exc, on_call = self.fault
-            if key.num_tokens == num_tokens and on_call in (None, self.calls[key]):
+            num_tokens, make_exc, on_call, uniform = self.fault
+            if key.num_tokens == num_tokens and on_call in (None, self.calls[key]) and uniform in (None, key.uniform):
                 raise make_exc()
         return self.inner(inputs)
 

@@ -56,12 +56,20 @@ def assert_captures_again(manager, report_path):
     torch.testing.assert_close(manager.execute(STEP).clone(), manager.eager(STEP))
 
 
+def _late_key(on_call: int) -> tuple[int, str]:
+    """A key captured after another graph, whose `on_call`-th forward runs: size 2 (after both size-4 graphs) for a
+    warmup or a capture; for verification uniform(4, 4), after mixed(4, 4) (size 2's probes are all kept results)."""
+    return (4, "4") if PHASES[on_call] == "verify" else (2, "2")
+
+
 @pytest.mark.parametrize("on_call", list(PHASES), ids=PHASES.get)
 def test_forward_error_raises_capture_error_naming_the_key_and_leaves_nothing(report_path, on_call):
     manager = faulty_manager(report_path)
     report_path.write_text(OLD_REPORT)
-    manager.model.arm(2, FAULTS["error"], on_call)  # size 2 is captured after both size-4 graphs
-    with pytest.raises(CaptureError, match=r"capturing uniform\(tokens=2, reqs=2\) failed: RuntimeError: injected"):
+    size, shown = _late_key(on_call)
+    manager.model.arm(size, FAULTS["error"], on_call, uniform=True)
+    match = rf"capturing uniform\(tokens={shown}, reqs={shown}\) failed: RuntimeError: injected"
+    with pytest.raises(CaptureError, match=match):
         manager.capture()
     assert_nothing_left(manager)
     assert_report_untouched(report_path, OLD_REPORT)
@@ -125,7 +133,7 @@ def test_keyboard_interrupt_mid_capture_propagates_and_leaves_nothing(report_pat
     """Never swallowed by `skip`; the graphs captured before it in the pass are released."""
     manager = faulty_manager(report_path, on_error)
     report_path.write_text(OLD_REPORT)
-    manager.model.arm(2, FAULTS["interrupt"], on_call)
+    manager.model.arm(_late_key(on_call)[0], FAULTS["interrupt"], on_call, uniform=True)
     with pytest.raises(KeyboardInterrupt):
         manager.capture()
     assert_nothing_left(manager)

@@ -1,0 +1,248 @@
+"""Keys of one pass that probe the same counts probe the same batch, whose eager result is computed once.
+
+A probe batch is drawn from its fill's counts, not from the key it probes (`probe_identity`), so one
+real token is the same batch for every key, and the full batch of a smaller key is about half of a
+larger one. Verification keeps each batch's eager result for the pass (`SharedReferences`) and
+compares every later key's replay with it; a replay that differs from a kept result is compared again
+with a fresh eager run, whose verdict stands. With peers nothing is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphcap import CaptureError, CaptureManager, GraphKey, StepBatch
+from graphcap.capture import probing
+from graphcap.capture.failures import FailurePolicy
+from graphcap.capture.runner import CapturePass
+from graphcap.models import build_model
+from graphcap.probe import probe_batch, probe_fills, probe_identity
+from graphcap.testing import make_config
+from graphcap.testing.fuzz import Limits
+
+SIZES = [1, 2, 4, 8]
+
+
+class Counting(torch.nn.Module):
+    """The reference model, counting its forwards."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.inner.kv_cache
+
+    def forward(self, inputs):
+        self.calls += 1
+        return self.inner(inputs)
+
+
+class ScaledAtTwo(torch.nn.Module):
+    """The reference model scaled by the Python token count in steps of a two-token key only: the graph of key 2
+    freezes the factor 2, so its replay of a one-token probe is twice the eager run (which scales by 1)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.inner.kv_cache
+
+    def forward(self, inputs):
+        out = self.inner(inputs)
+        return out * inputs.num_tokens if inputs.key.num_tokens == 2 else out
+
+
+def _manager(wrap=Counting, sizes=SIZES, **overrides) -> CaptureManager:
+    torch.set_num_threads(1)
+    config = make_config({"capture.sizes": sizes, **overrides})
+    torch.manual_seed(0)
+    return CaptureManager(wrap(build_model(config)), config, progress=False)
+
+
+def _hits(monkeypatch) -> list[probing.SharedReferences]:
+    """Every `SharedReferences` the passes make, to read their hits."""
+    made = []
+    init = probing.SharedReferences.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(probing.SharedReferences, "__init__", recording)
+    return made
+
+
+def _distinct(records) -> set:
+    """The distinct probe batches of a pass's records (the pass's own key shapes, one phase, no axes)."""
+    return {
+        probe_identity(GraphKey(r.key.num_tokens, r.key.num_reqs, r.key.uniform), tuple(f))
+        for r in records
+        for f in r.verified_fills
+    }
+
+
+def test_keys_probed_at_the_same_counts_run_one_eager_run_per_batch(monkeypatch):
+    made = _hits(monkeypatch)
+    manager = _manager()
+    report = manager.capture()
+    assert report.records and all(r.status == "captured" and r.verified for r in report.records)
+    probes = sum(len(r.verified_fills) for r in report.records)
+    distinct = _distinct(report.records)
+    assert len(distinct) < probes  # one token, at least, is probed by several keys
+    (references,) = made
+    assert references.hits == probes - len(distinct)
+    # Per key a warmup and the recorded run (whose output checks the dummy batch's replay), and an eager run per
+    # distinct probe batch.
+    assert manager.model.calls == 2 * len(report.records) + len(distinct)
+    assert not references.kept and references.bytes == 0  # dropped when the pass ended
+    for record in report.records:  # every replay still matches eager at its fills
+        assert record.verified_fills
+
+
+def test_sharing_changes_no_verdict_and_no_replay(monkeypatch):
+    shared, alone = _manager(), _manager()
+    monkeypatch.setattr(CapturePass, "__post_init__", lambda self: setattr(self, "references", _off()))
+    report_alone = alone.capture()
+    monkeypatch.undo()
+    report_shared = shared.capture()
+    strip = lambda r: (r.key, r.status, r.verified, r.verified_fills)  # noqa: E731
+    assert [strip(r) for r in report_shared.records] == [strip(r) for r in report_alone.records]
+    assert shared.model.calls < alone.model.calls
+    rng = np.random.default_rng(0)
+    for size in (1, 3, 5, 8):
+        q = np.ones(size, dtype=np.int32)
+        batch = StepBatch(q, q + rng.integers(0, 20, size), rng.integers(1, 100, size))
+        torch.testing.assert_close(shared.execute(batch).clone(), alone.execute(batch).clone())
+        torch.testing.assert_close(shared.execute(batch).clone(), shared.eager(batch))
+
+
+def _off() -> probing.SharedReferences:
+    return probing.SharedReferences(False)
+
+
+def test_a_replay_that_differs_from_a_kept_result_is_judged_by_a_fresh_eager_run(monkeypatch):
+    made, served = _hits(monkeypatch), []
+    get = probing.SharedReferences.get
+
+    def spoiled(self, fingerprint):
+        kept = get(self, fingerprint)
+        served.append(kept is not None)
+        return None if kept is None else kept + 1.0  # a kept result no replay matches
+
+    monkeypatch.setattr(probing.SharedReferences, "get", spoiled)
+    manager = _manager()
+    report = manager.capture()
+    assert all(r.status == "captured" and r.verified for r in report.records)
+    (references,) = made
+    assert references.hits == 0 and any(served)  # every kept result missed; fresh eager runs decided
+    assert manager.model.calls == 2 * len(report.records) + sum(len(r.verified_fills) for r in report.records)
+
+
+def test_canary_a_wrong_graph_fails_on_a_batch_whose_result_was_kept(monkeypatch):
+    made, served = _hits(monkeypatch), []
+    get = probing.SharedReferences.get
+
+    def serving(self, fingerprint):
+        kept = get(self, fingerprint)
+        served.append(kept is not None)
+        return kept
+
+    monkeypatch.setattr(probing.SharedReferences, "get", serving)
+    manager = _manager(ScaledAtTwo, sizes=[2, 8])
+    with pytest.raises(CaptureError, match=r"replay differs from eager on .*1 of 2 tokens"):
+        manager.capture()
+    (references,) = made
+    # Key 2's one-token probe was served key 8's kept result, missed it, and failed against a fresh eager run.
+    assert served[-1] and sum(served) == references.hits + 1
+
+
+def test_a_wrong_graph_is_skipped_and_the_others_verified_with_on_error_skip():
+    manager = _manager(ScaledAtTwo, sizes=[2, 8], **{"capture.on_error": "skip"})
+    report = manager.capture()
+    status = {(r.key.num_tokens, r.key.uniform): r.status for r in report.records}
+    assert status == {(8, False): "captured", (8, True): "captured", (2, False): "skipped", (2, True): "skipped"}
+
+
+def test_peers_keep_nothing():
+    def built(peers) -> CapturePass:
+        fields = {f.name: None for f in dataclasses.fields(CapturePass) if f.init}
+        return CapturePass(**{**fields, "failures": FailurePolicy("raise", peers)})
+
+    assert built(None).references.enabled
+    assert not built(object()).references.enabled
+    references = built(object()).references
+    references.keep(("a",), torch.ones(2))
+    assert references.get(("a",)) is None and not references.kept
+
+
+def test_a_result_past_the_byte_limit_is_not_kept():
+    references = probing.SharedReferences(True, limit=64)
+    references.keep(("small",), torch.ones(4))  # 16 bytes
+    references.keep(("large",), torch.ones(32))  # 128 bytes
+    assert set(references.kept) == {("small",)} and references.bytes == 16
+    kept = references.get(("small",))
+    assert kept is not None and kept.data_ptr() != torch.ones(4).data_ptr()
+
+
+@given(
+    T=st.integers(1, 32),
+    R=st.integers(1, 8),
+    uniform=st.booleans(),
+    T2=st.integers(1, 32),
+    R2=st.integers(1, 8),
+    uniform2=st.booleans(),
+)
+@settings(max_examples=100, deadline=None)
+def test_two_keys_probe_the_same_batch_exactly_when_their_fills_have_one_identity(T, R, uniform, T2, R2, uniform2):
+    limits = Limits.of(make_config())
+    keys = []
+    for t, r, u in ((T, R, uniform), (T2, R2, uniform2)):
+        r = min(r, t)
+        keys.append(GraphKey(t - t % r if u else t, r, u))
+    batches = {}
+    for key in keys:
+        for fill in probe_fills(key, max_model_len=limits.max_model_len):
+            batch, writes = probe_batch(
+                key,
+                max_model_len=limits.max_model_len,
+                block_size=limits.block_size,
+                num_blocks=limits.num_blocks,
+                vocab_size=limits.vocab_size,
+                fill=fill,
+            )
+            fingerprint = probing.batch_fingerprint(batch, "full", writes)
+            identity = probe_identity(key, fill)
+            assert (batch.num_tokens, batch.num_reqs) == fill
+            if identity in batches:
+                assert batches[identity] == fingerprint
+            batches[identity] = fingerprint
+    assert len(set(batches.values())) == len(batches)  # another identity, another batch
+
+
+def test_a_fingerprint_tells_every_value_of_a_batch():
+    q, s = np.array([1, 2]), np.array([3, 5])
+    base = StepBatch(q, s, np.array([1, 2, 3]), np.array([[1, 2], [3, 4]]), extras={"t": [0.5, 1.0]})
+    same = StepBatch(q.copy(), s.copy(), np.array([1, 2, 3]), np.array([[1, 2], [3, 4]]), extras={"t": [0.5, 1.0]})
+    fingerprint = probing.batch_fingerprint
+    assert fingerprint(base, "full") == fingerprint(same, "full")
+    assert fingerprint(base, "full") != fingerprint(base, "eager")
+    others = [
+        StepBatch(q, np.array([3, 6]), np.array([1, 2, 3]), np.array([[1, 2], [3, 4]]), extras={"t": [0.5, 1.0]}),
+        StepBatch(q, s, np.array([1, 2, 4]), np.array([[1, 2], [3, 4]]), extras={"t": [0.5, 1.0]}),
+        StepBatch(q, s, np.array([1, 2, 3]), np.array([[1, 2], [3, 5]]), extras={"t": [0.5, 1.0]}),
+        StepBatch(q, s, np.array([1, 2, 3]), np.array([[1, 2], [3, 4]]), extras={"t": [0.5, 2.0]}),
+        StepBatch(q, s, np.array([1, 2, 3]), np.array([[1, 2], [3, 4]]), extras={"t": [0.5, 1.0]}, axes={"a": 1}),
+        StepBatch(q, s, np.array([1, 2, 3]), np.array([[1, 2], [3, 4]]), kv_groups={"g": [[1], [2]]}),
+    ]
+    assert len({fingerprint(b, "full") for b in [base, *others]}) == len(others) + 1
