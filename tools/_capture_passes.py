@@ -14,7 +14,9 @@ import torch
 
 from graphcap import CaptureManager, load_config
 from graphcap.models import build_model
+from graphcap.probe import probe_batches_run, probe_fills
 from graphcap.testing import time_key
+from graphcap.workload import fill_batch
 
 
 def checks_apart(path: str | None, rounds: int, quick: bool, threads: int | None) -> int:
@@ -101,14 +103,21 @@ CAPTURE_GOAL = 1.5
 """The goal: a capture pass within 1.5x the four eager forwards per key it must run anyway."""
 
 
-def where_a_pass_goes(manager: CaptureManager, eager_ms: float, rounds: int, probe_ms: float) -> None:
-    """Re-capture passes timed whole and per step (preflight, plain warmups, capture, verification), in units of
-    one eager step of every key (`eager_ms`, the sum of the keys' medians at the pass's threads), beside the goal;
-    and over the forwards the pass must run with its fill-level probes (the four, a replay per fill level and an eager
-    run per distinct probe batch: `probe_ms`, in the keys' eager steps)."""
+def where_a_pass_goes(manager: CaptureManager, rounds: int, threads: int) -> None:
+    """Re-capture passes timed whole and per step (preflight, plain warmups, capture, verification), each followed
+    by an eager step of every key at the pass's `threads` (the batch that fills the key: `fill_batch`), so each
+    round has its own unit: that round's eager steps. Per round the pass over the four forwards per key, and over
+    the forwards it must run with its fill-level probes (the four, a replay per fill level and an eager run per
+    distinct probe batch, each at its key's eager step); medians and min-max over the rounds, beside the goal."""
     from _gpu_llama import KeyTimes
 
-    walls, steps = [], {}
+    registry, config = manager.registry, manager.config
+    max_model_len = config.kv_cache.max_model_len
+    shapes = {registry.capture_shape(key): key for key in registry.capture_order()}
+    runs = probe_batches_run(shapes, max_model_len=max_model_len)
+    probes = {key: len(probe_fills(shape, max_model_len=max_model_len)) + runs[shape] for shape, key in shapes.items()}
+    batches = {key: fill_batch(key, config) for key in probes}
+    walls, steps, units, musts = [], {}, [], []
     for _ in range(rounds):
         times = KeyTimes(manager)
         with times.installed():
@@ -121,12 +130,18 @@ def where_a_pass_goes(manager: CaptureManager, eager_ms: float, rounds: int, pro
                 totals[step] = totals.get(step, 0.0) + seconds
         for step, seconds in totals.items():
             steps.setdefault(step, []).append(seconds)
-    unit = eager_ms / 1e3
+        eager = _eager_steps(manager, batches, threads)
+        units.append(sum(eager.values()))
+        musts.append(4 + sum(probes[key] * seconds for key, seconds in eager.items()) / units[-1])
+    unit = statistics.median(units)
     wall = statistics.median(walls)
     order = ("preflight", "warmups", "capture", "verification")  # a step that never ran shows 0
     parts = {step: statistics.median(steps.get(step, [0.0])) for step in (*order, *steps.keys() - set(order))}
     parts["outside the keys (GC, report, set-up)"] = wall - sum(parts.values())
-    print(f"where a re-capture pass goes ({rounds} passes; unit: one eager step of every key = {eager_ms:.1f} ms)")
+    print(
+        f"where a re-capture pass goes ({rounds} passes, each followed by an eager step of every key, the median of "
+        f"three: the unit, median {unit * 1e3:.1f} ms, {min(units) * 1e3:.1f}-{max(units) * 1e3:.1f})"
+    )
     print(f"{'part':<40} {'seconds':>8} {'units':>6}")
     for step, seconds in parts.items():
         print(f"{step:<40} {seconds:>8.3f} {seconds / unit:>6.2f}")
@@ -135,12 +150,35 @@ def where_a_pass_goes(manager: CaptureManager, eager_ms: float, rounds: int, pro
     )
     if "preflight" not in steps:
         print(f"preflight: in the {manager.backend.name} backend's recording (its checks run in capture)")
+    four = np.array(walls) / np.array(units) / 4
     print(
-        f"capture pass / 4 eager forwards per key: {wall / unit / 4:.2f}x (goal <= {CAPTURE_GOAL}x); the four: the "
-        "checked preflight, a warmup, the recorded capture, the verification's eager run"
+        f"capture pass / 4 eager forwards per key, per round: {np.median(four):.2f}x "
+        f"({four.min():.2f}-{four.max():.2f}; goal <= {CAPTURE_GOAL}x); the four: the checked preflight, a warmup, "
+        "the recorded capture, the verification's eager run"
     )
-    must = 4 + probe_ms / eager_ms
+    must = np.array(walls) / (np.array(units) * np.array(musts))
     print(
-        f"capture pass / the forwards it must run with its probes ({must:.2f} units: the four, a replay per fill "
-        f"level and an eager run per distinct probe batch): {wall / unit / must:.2f}x"
+        f"capture pass / the forwards it must run with its probes, per round ({statistics.median(musts):.2f} units: "
+        "the four, a replay per fill level and an eager run per distinct probe batch): "
+        f"{np.median(must):.2f}x ({must.min():.2f}-{must.max():.2f})"
     )
+
+
+def _eager_steps(manager: CaptureManager, batches: dict, threads: int) -> dict:
+    """Seconds of a `manager.eager` step of each key's batch at `threads` torch threads (restored after): the median
+    of three."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    seconds = {}
+    try:
+        with manager.uncounted():  # benchmark steps are not engine traffic
+            for key, batch in batches.items():
+                samples = []
+                for _ in range(3):
+                    began = time.perf_counter()
+                    manager.eager(batch)
+                    samples.append(time.perf_counter() - began)
+                seconds[key] = statistics.median(samples)
+    finally:
+        torch.set_num_threads(before)
+    return seconds

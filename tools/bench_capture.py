@@ -57,12 +57,11 @@ import sys
 
 import numpy as np
 import torch
-from _capture_passes import at_threads, checks_apart, pass_threads, where_a_pass_goes
+from _capture_passes import checks_apart, pass_threads, where_a_pass_goes
 
 import graphcap.capture.driver as driver_module
 from graphcap import CaptureManager, load_config
 from graphcap.models import build_model
-from graphcap.probe import probe_batches_run, probe_fills
 from graphcap.sizing.choice import SizeConstraints, choose_sizes
 from graphcap.sizing.sizes import CaptureSizes
 from graphcap.testing import time_key
@@ -146,19 +145,8 @@ def main() -> int:
     threads = torch.get_num_threads()
     if report.backend == "emulated":
         threads = config.capture.num_threads or driver_module.EMULATED_CAPTURE_THREADS
-    units = timings if threads == torch.get_num_threads() else at_threads(manager, timings, steps, threads)
-    eager_ms = sum(timing.eager_ms for timing in units.values() if timing is not None)
-    max_model_len = config.kv_cache.max_model_len
-    # A replay per fill level and an eager run per probe batch no earlier key probed, at the key's eager step.
-    shapes = {manager.registry.capture_shape(key): key for key in manager.registry.capture_order()}
-    runs = probe_batches_run(shapes, max_model_len=max_model_len)
-    probe_ms = sum(
-        (len(probe_fills(shape, max_model_len=max_model_len)) + runs[shape]) * units[key].eager_ms
-        for shape, key in shapes.items()
-        if units.get(key) is not None
-    )
     print(f"(the pass's unit: eager steps at the pass's {threads} thread(s))")
-    where_a_pass_goes(manager, eager_ms, 2 if args.quick else args.rounds, probe_ms)
+    where_a_pass_goes(manager, 5 if args.quick else args.rounds, threads)
     print()
     print("per step, median ms (staging + invariants + forward or replay)")
     print(f"{'size':>5} {'key':<8} {'execute ms':>10} {'eager ms':>9} {'speedup':>8}")

@@ -30,7 +30,7 @@ from graphcap.inputs import ForwardInputs
 from graphcap.keys import GraphKey, Mode
 from graphcap.outputs import cloned, flatten_output
 from graphcap.piecewise import running
-from graphcap.probe import Fill, probe_batch, probe_fills
+from graphcap.probe import Fill, probe_batch, probe_fills, probe_identity
 
 if TYPE_CHECKING:
     from graphcap.capture.runner import CapturePass
@@ -42,7 +42,8 @@ REFERENCE_BYTES = 64 << 20
 
 
 class SharedReferences:
-    """The eager results of one pass's probe batches, by `batch_fingerprint`, for the keys that probe the same batch.
+    """The eager results of one pass's probe batches, by `batch_fingerprint`, for the keys that probe the same batch
+    (and the batches themselves, `batches`, made once a pass, with peers too).
 
     Off (`enabled` False) with peers: a rank that kept a result would skip an eager run, and its collectives,
     that a rank whose probe batch differs (other scratch blocks) still runs. Results are copies, at most
@@ -56,6 +57,8 @@ class SharedReferences:
         self.bytes = 0
         self.hits = 0
         """Eager runs not repeated: probes whose reference was kept."""
+        self.batches: dict[tuple, tuple[StepBatch, bool]] = {}
+        """The pass's probe batches (sampled, and whether they write), by `probe_identity` and key axes: made once."""
 
     def get(self, fingerprint: tuple | None) -> Any:
         """The kept result of the batch `fingerprint` names, or None."""
@@ -74,8 +77,9 @@ class SharedReferences:
             self.bytes += size
 
     def clear(self) -> None:
-        """Drop every kept result (the pass ends)."""
+        """Drop every kept result and batch (the pass ends)."""
         self.kept.clear()
+        self.batches.clear()
         self.bytes = 0
 
 
@@ -145,18 +149,22 @@ def verify_probes(job: CapturePass, key: GraphKey, graph: CapturedGraph) -> tupl
     fills = probe_fills(shape, max_model_len=kv.max_model_len)
     seconds = 0.0
     for fill in fills:
-        batch, writes = probe_batch(
-            shape,
-            max_model_len=kv.max_model_len,
-            block_size=kv.block_size,
-            num_blocks=kv.num_blocks,
-            vocab_size=job.config.model.vocab_size,
-            scratch_blocks=job.scratch_blocks,
-            groups=job.kv_groups,
-            group_scratch=job.group_scratch,
-            fill=fill,
-        )
-        seconds += verify_batch(job, key, graph, job._sampled(batch, 1, dict(key.axes)), writes)
+        made = (probe_identity(shape, fill), key.axes)  # the batch depends on these alone within a pass
+        probe = job.references.batches.get(made)
+        if probe is None:
+            batch, writes = probe_batch(
+                shape,
+                max_model_len=kv.max_model_len,
+                block_size=kv.block_size,
+                num_blocks=kv.num_blocks,
+                vocab_size=job.config.model.vocab_size,
+                scratch_blocks=job.scratch_blocks,
+                groups=job.kv_groups,
+                group_scratch=job.group_scratch,
+                fill=fill,
+            )
+            probe = job.references.batches[made] = (job._sampled(batch, 1, dict(key.axes)), writes)
+        seconds += verify_batch(job, key, graph, *probe)
     return seconds, fills
 
 
