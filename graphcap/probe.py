@@ -13,15 +13,18 @@ or nothing.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from graphcap.batch import StepBatch
-from graphcap.inputs import KVGroup
 from graphcap.keys import GraphKey
 
+if TYPE_CHECKING:
+    from graphcap.inputs import KVGroup
+
 __all__ = [
+    "REFERENCE_BYTES",
     "Fill",
     "Probe",
     "check_scratch_free",
@@ -87,6 +90,10 @@ def probe_fills(key: GraphKey, *, max_model_len: int) -> tuple[Fill, ...]:
                 levels.append(several)
     out = tuple(dict.fromkeys(levels))
     return out or (Fill(T, R),)
+
+
+REFERENCE_BYTES = 64 << 20
+"""The most bytes of probe batches' eager results one pass keeps for later keys (`graphcap.capture.probing`)."""
 
 
 def probe_identity(key: GraphKey, fill: Fill) -> tuple[int, int, int]:

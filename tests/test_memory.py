@@ -17,8 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphcap import CaptureManager, load_config
 from graphcap.batch import dummy_batch
+from graphcap.keys import KeyRegistry
 from graphcap.memory.estimate import MemoryEstimate, available_memory, estimate_memory
 from graphcap.models import build_model
+from graphcap.probe import REFERENCE_BYTES, probe_fills, probe_identity
 
 SHAPES = {
     "default": {"capture.sizes": [1, 8, 32], "capture.max_size": 32},
@@ -116,6 +118,10 @@ PEAKS = {  # each a second or two: the largest recording, the verification or th
         **{**SMALL, "capture.sizes": [1, 4, 8], "capture.max_size": 8},
         **{"checks.verify_replay": False},
     },
+    "vocab 32000, probe results kept": {  # uniform and mixed keys: verification beside kept results
+        **{**SMALL, "capture.mode": "full", "capture.sizes": [4, 8, 16], "capture.max_size": 16},
+        **{"model.num_layers": 1, "model.vocab_size": 32000, "model.num_kv_heads": 1, "batching.max_num_seqs": 16},
+    },
 }
 
 
@@ -131,14 +137,49 @@ def test_the_estimate_is_at_or_within_10_percent_above_the_exact_allocation_peak
     assert real <= total <= 1.1 * real, f"estimate {total} bytes, allocation peak {real} bytes ({total / real:.4f}x)"
 
 
+def test_canary_without_the_kept_probe_results_the_estimate_is_below_the_peak(monkeypatch):
+    from graphcap.memory import estimate as estimate_module
+    from graphcap.testing.allocations import allocation_peak
+
+    config = load_config("tiny-cpu-ci", {"device": "cpu"})  # the keys' probes share one token, and more
+    real = allocation_peak(lambda: CaptureManager(build_model(config), config, progress=False).capture()).peak
+    assert estimate_memory(config).total >= real
+    monkeypatch.setattr(estimate_module, "_kept_references", lambda config, registry, order, graphs: None)
+    assert estimate_memory(config).total < real  # the kept results are what the peak holds beyond the rest
+
+
 def test_the_cuda_pool_holds_the_largest_working_set_since_outputs_are_not_kept_alive():
     config = load_config(overrides={"device": "cpu", **SHAPES["default"]})
     estimate = estimate_memory(config, backend="cuda")
     assert estimate.parts["graphs"] == max(g.activations + g.output for g in estimate.graphs)
     # Warmups and verification run eagerly outside the pool: the largest key's working set, or its
     # output's copies while comparing, beside the copy of its last warmup's output verification
-    # compares the dummy batch with (the pool itself frees into itself while capturing).
-    verify = max(2 * g.output + max(g.activations, 5 * g.output) for g in estimate.graphs)
+    # compares the dummy batch with and the probe results kept then (the real rows of a probe batch's logits,
+    # from its first probe while a later key probes it); the pool itself frees into itself while capturing.
+    registry = KeyRegistry.from_config(config)
+    by_key = dict(zip(registry.planned, estimate.graphs))
+    order = registry.capture_order()
+    probes = [
+        [(probe_identity(registry.capture_shape(key), fill), fill.num_tokens) for fill in probe_fills(
+            registry.capture_shape(key), max_model_len=config.kv_cache.max_model_len)]
+        for key in order
+    ]  # fmt: skip
+    first, last, rows = {}, {}, {}
+    for index, made in enumerate(probes):
+        for identity, tokens in made:
+            first.setdefault(identity, index)
+            last[identity] = index
+            rows[identity] = tokens * config.model.vocab_size * 4  # float32 logits
+    verify = 0
+    for index, key in enumerate(order):
+        graph = by_key[key]
+        before = sum(rows[i] for i in first if first[i] < index <= last[i])
+        during = before + sum(rows[i] for i in first if first[i] == index < last[i])
+        largest = max(tokens for _, tokens in probes[index]) * config.model.vocab_size * 4
+        dummy = 2 * graph.output + max(graph.activations, 5 * graph.output) + before
+        probe = 2 * graph.output + max(graph.activations, 5 * largest) + during
+        verify = max(verify, dummy, probe)
+        assert during <= REFERENCE_BYTES
     assert estimate.capture_transient == max(verify, max(g.activations for g in estimate.graphs)) > 0
     off = load_config(overrides={"device": "cpu", **SHAPES["default"], "checks.verify_replay": False})
     assert estimate_memory(off, backend="cuda").capture_transient == max(g.activations for g in estimate.graphs)

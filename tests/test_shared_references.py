@@ -182,17 +182,51 @@ def test_peers_keep_nothing():
     assert built(None).references.enabled
     assert not built(object()).references.enabled
     references = built(object()).references
-    references.keep(("a",), torch.ones(2))
+    references.expect(["a", "a"])
+    references.keep(("a",), torch.ones(2), "a")
     assert references.get(("a",)) is None and not references.kept
 
 
 def test_a_result_past_the_byte_limit_is_not_kept():
     references = probing.SharedReferences(True, limit=64)
-    references.keep(("small",), torch.ones(4))  # 16 bytes
-    references.keep(("large",), torch.ones(32))  # 128 bytes
+    references.expect(["small", "small", "large", "large"])
+    references.keep(("small",), torch.ones(4), "small")  # 16 bytes
+    references.keep(("large",), torch.ones(32), "large")  # 128 bytes
     assert set(references.kept) == {("small",)} and references.bytes == 16
     kept = references.get(("small",))
     assert kept is not None and kept.data_ptr() != torch.ones(4).data_ptr()
+
+
+def test_a_result_is_kept_only_while_a_later_probe_reads_it():
+    references = probing.SharedReferences(True)
+    references.expect(["twice", "twice", "once"])
+    references.keep(("once",), torch.ones(4), "once")  # no later probe: not kept
+    references.done("once")
+    references.keep(("twice",), torch.ones(4), "twice")
+    references.done("twice")
+    assert set(references.kept) == {("twice",)} and references.bytes == 16
+    references.done("twice")  # its last probe ran
+    assert not references.kept and references.bytes == 0
+
+
+def test_a_pass_holds_no_result_past_its_last_probe(monkeypatch):
+    keep, held = probing.SharedReferences.keep, []
+
+    def watched(self, fingerprint, output, made):
+        before = len(self.kept)
+        keep(self, fingerprint, output, made)
+        held.append((self.uses[made], len(self.kept) > before, len(self.kept)))
+
+    monkeypatch.setattr(probing.SharedReferences, "keep", watched)
+    made = _hits(monkeypatch)
+    manager = _manager(sizes=[1, 2, 3, 4, 5, 6, 7, 8])
+    report = manager.capture()
+    assert all(r.verified for r in report.records)
+    (references,) = made
+    assert all(uses > 1 for uses, grew, _ in held if grew)  # kept only for a later probe of its batch
+    assert any(grew for _, grew, _ in held) and any(not grew for _, grew, _ in held)
+    assert references.hits > max(count for _, _, count in held)  # fewer held at once than were served
+    assert not references.kept and sum(references.uses.values()) == 0  # every expected probe ran
 
 
 @given(

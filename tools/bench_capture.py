@@ -146,7 +146,7 @@ def main() -> int:
     if report.backend == "emulated":
         threads = config.capture.num_threads or driver_module.EMULATED_CAPTURE_THREADS
     print(f"(the pass's unit: eager steps at the pass's {threads} thread(s))")
-    where_a_pass_goes(manager, 5 if args.quick else args.rounds, threads)
+    where_a_pass_goes(manager, 3 if args.quick else args.rounds, threads)
     print()
     print("per step, median ms (staging + invariants + forward or replay)")
     print(f"{'size':>5} {'key':<8} {'execute ms':>10} {'eager ms':>9} {'speedup':>8}")

@@ -15,7 +15,8 @@ verdict stands, so keeping a result never decides a comparison.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,24 +31,31 @@ from graphcap.inputs import ForwardInputs
 from graphcap.keys import GraphKey, Mode
 from graphcap.outputs import cloned, flatten_output
 from graphcap.piecewise import running
-from graphcap.probe import Fill, probe_batch, probe_fills, probe_identity
+from graphcap.probe import REFERENCE_BYTES, Fill, probe_batch, probe_fills, probe_identity
 
 if TYPE_CHECKING:
     from graphcap.capture.runner import CapturePass
 
-__all__ = ["SharedReferences", "batch_fingerprint", "diagnosis", "verify_batch", "verify_dummy", "verify_probes"]
-
-REFERENCE_BYTES = 64 << 20
-"""The most bytes of eager results one pass keeps for later keys (`SharedReferences`); a larger result is not kept."""
+__all__ = [
+    "SharedReferences",
+    "batch_fingerprint",
+    "diagnosis",
+    "expected_probes",
+    "verify_batch",
+    "verify_dummy",
+    "verify_probes",
+]
 
 
 class SharedReferences:
     """The eager results of one pass's probe batches, by `batch_fingerprint`, for the keys that probe the same batch
     (and the batches themselves, `batches`, made once a pass, with peers too).
 
-    Off (`enabled` False) with peers: a rank that kept a result would skip an eager run, and its collectives,
-    that a rank whose probe batch differs (other scratch blocks) still runs. Results are copies, at most
-    `limit` bytes in all; the pass drops them when it ends (`clear`).
+    A result is kept only while a later key of the pass will probe its batch (`expect` counts the probes to come,
+    `done` counts one off and drops what no later probe reads), so the pass holds the results of few batches at
+    once: one token's, and those of keys of one size. Off (`enabled` False) with peers: a rank that kept a result
+    would skip an eager run, and its collectives, that a rank whose probe batch differs (other scratch blocks)
+    still runs. Results are copies, at most `limit` bytes in all; the pass drops them when it ends (`clear`).
     """
 
     def __init__(self, enabled: bool, limit: int = REFERENCE_BYTES) -> None:
@@ -59,6 +67,13 @@ class SharedReferences:
         """Eager runs not repeated: probes whose reference was kept."""
         self.batches: dict[tuple, tuple[StepBatch, bool]] = {}
         """The pass's probe batches (sampled, and whether they write), by `probe_identity` and key axes: made once."""
+        self.uses: Counter = Counter()
+        """Probes still to come per batch (`probe_identity` and key axes)."""
+        self._held: dict[tuple, list[tuple[tuple, int]]] = {}  # batch -> [(fingerprint, bytes)] kept for it
+
+    def expect(self, made: Iterable[tuple]) -> None:
+        """Count the probes the pass will run, one per batch identity given."""
+        self.uses.update(made)
 
     def get(self, fingerprint: tuple | None) -> Any:
         """The kept result of the batch `fingerprint` names, or None."""
@@ -66,21 +81,45 @@ class SharedReferences:
             return None
         return self.kept.get(fingerprint)
 
-    def keep(self, fingerprint: tuple | None, output: Any) -> None:
-        """Keep a copy of `output` (the batch's eager real rows) while the pass's budget allows."""
-        if fingerprint is None or not self.enabled or fingerprint in self.kept:
+    def keep(self, fingerprint: tuple | None, output: Any, made: tuple) -> None:
+        """Keep a copy of `output` (the eager real rows of `made`'s batch, probed now) when a later probe will read
+        it and the pass's budget allows."""
+        if fingerprint is None or not self.enabled or fingerprint in self.kept or self.uses[made] <= 1:
             return
         leaves, rebuild = flatten_output(output, "this step", "the forward of")
         size = sum(t.numel() * t.element_size() for t in leaves)
         if self.bytes + size <= self.limit:
             self.kept[fingerprint] = rebuild([t.clone() for t in leaves])
+            self._held.setdefault(made, []).append((fingerprint, size))
             self.bytes += size
+
+    def done(self, made: tuple) -> None:
+        """One probe of `made`'s batch ran: what no later probe reads is dropped."""
+        self.uses[made] -= 1
+        if self.uses[made] > 0:
+            return
+        self.batches.pop(made, None)
+        for fingerprint, size in self._held.pop(made, ()):
+            del self.kept[fingerprint]
+            self.bytes -= size
 
     def clear(self) -> None:
         """Drop every kept result and batch (the pass ends)."""
         self.kept.clear()
         self.batches.clear()
+        self._held.clear()
+        self.uses.clear()
         self.bytes = 0
+
+
+def expected_probes(job: CapturePass, keys: Iterable[GraphKey]) -> list[tuple]:
+    """The batch identity (`probe_identity`, key axes) of every probe that verifying `keys` runs."""
+    max_model_len = job.config.kv_cache.max_model_len
+    made = []
+    for key in keys:
+        shape = job.registry.capture_shape(key)
+        made += [(probe_identity(shape, fill), key.axes) for fill in probe_fills(shape, max_model_len=max_model_len)]
+    return made
 
 
 def batch_fingerprint(batch: StepBatch, *parts: Any) -> tuple | None:
@@ -164,12 +203,15 @@ def verify_probes(job: CapturePass, key: GraphKey, graph: CapturedGraph) -> tupl
                 fill=fill,
             )
             probe = job.references.batches[made] = (job._sampled(batch, 1, dict(key.axes)), writes)
-        seconds += verify_batch(job, key, graph, *probe)
+        seconds += verify_batch(job, key, graph, *probe, made=made)
     return seconds, fills
 
 
-def verify_batch(job: CapturePass, key: GraphKey, graph: CapturedGraph, batch: StepBatch, writes: bool) -> float:
-    """Replay `batch` (a probe) on `key`'s graph against an eager run of it at its own counts."""
+def verify_batch(
+    job: CapturePass, key: GraphKey, graph: CapturedGraph, batch: StepBatch, writes: bool, *, made: tuple | None = None
+) -> float:
+    """Replay `batch` (a probe) on `key`'s graph against an eager run of it at its own counts; `made`: the batch's
+    identity in the pass (`expected_probes`), whose eager result is then shared with the pass's later probes of it."""
     stage = lambda: job.stage(batch, key, phase="capture", dummy=True, kv_writes=writes)  # noqa: E731
     inputs = stage()
     phase = "eager" if job.registry.mode_of(key) is Mode.PIECEWISE else "full"
@@ -184,7 +226,7 @@ def verify_batch(job: CapturePass, key: GraphKey, graph: CapturedGraph, batch: S
     shape = job.registry.capture_shape(key)
     message = probe_mismatch(batch.num_tokens, batch.num_reqs, key.num_tokens, shape.num_reqs, writes)
     references = job.references
-    fingerprint = batch_fingerprint(batch, phase, writes) if references.enabled else None
+    fingerprint = batch_fingerprint(batch, phase, writes) if references.enabled and made is not None else None
     kept = references.get(fingerprint)
     if kept is not None:
         try:
@@ -193,6 +235,7 @@ def verify_batch(job: CapturePass, key: GraphKey, graph: CapturedGraph, batch: S
             inputs = stage()
         else:
             references.hits += 1
+            references.done(made)
             return 0.0
     result: list[Any] = []
 
@@ -201,7 +244,9 @@ def verify_batch(job: CapturePass, key: GraphKey, graph: CapturedGraph, batch: S
         return result[-1]
 
     seconds = job.compare(graph, inputs, fresh, message=message, diagnose=diagnosis(job, graph, inputs, eager, stage))
-    references.keep(fingerprint, result[0])
+    if made is not None:
+        references.keep(fingerprint, result[0], made)
+        references.done(made)
     return seconds
 
 

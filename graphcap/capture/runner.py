@@ -30,7 +30,7 @@ from graphcap.backends.preflight import outside_checks
 from graphcap.batch import StepBatch, dummy_batch
 from graphcap.capture.axes import verify_axes
 from graphcap.capture.failures import FailurePolicy
-from graphcap.capture.probing import SharedReferences, verify_dummy, verify_probes
+from graphcap.capture.probing import SharedReferences, expected_probes, verify_dummy, verify_probes
 from graphcap.capture.timing import replay_speedup
 from graphcap.capture.verification import LastRun, compare_replay
 from graphcap.config import CaptureConfig
@@ -99,12 +99,15 @@ class CapturePass:
         records: list[GraphRecord] = []
         graphs: dict[GraphKey, CapturedGraph] = {}
         verify = self.config.checks.verify_replay
+        keys = list(keys)
+        if verify:  # what a kept probe result is kept for
+            self.references.expect(expected_probes(self, keys))
         # With no engine context to leave and no peers, each key is verified right after its capture, against
         # its last warmup's output (an eager run of the same batch): one forward less per key.
         inline = verify and context is contextlib.nullcontext and self.failures.peers is None
         try:
             with context():
-                for key in progress_bar(list(keys), self.backend, progress):
+                for key in progress_bar(keys, self.backend, progress):
                     full = self.registry.mode_of(key) is not Mode.PIECEWISE
                     reference = LastRun() if inline and full else None
                     record, graph = self.capture(key, reference=reference)

@@ -19,13 +19,14 @@ How graph memory adds up depends on the backend:
   static output is not kept alive after capture (it is valid until any graph of the pool
   replays), so the pool holds about the largest key's activations and output together. The
   warmups and the verification run eagerly outside the pool: their working set (a key's
-  activations; with `checks.verify_replay`, a copy of its output and the comparison too) is
-  the capture transient. Not measured on a GPU yet (docs/BENCHMARKS.md).
+  activations; with `checks.verify_replay`, a copy of its output, the comparison and the probe
+  results the pass keeps too) is the capture transient. Not measured on a GPU yet (docs/BENCHMARKS.md).
 - `emulated`: recording a key keeps every intermediate of its forward until the tape is
   compiled, next to the outputs of the keys captured before it (largest first, so the first
   key's recording is usually the peak); then, with every output held, each key's verification
-  copies its output, runs the forward eagerly and compares. The capture transient is that
-  peak above the outputs, which are all that stays between replays.
+  copies its output, runs the forward eagerly and compares, beside the eager results of probe
+  batches the pass keeps for later keys (`graphcap.capture.probing.SharedReferences`). The
+  capture transient is that peak above the outputs, which are all that stays between replays.
 
 This module does not import torch (`graphcap sizes` shows the estimate without it).
 """
@@ -184,7 +185,9 @@ def estimate_memory(
     if config.model.factory is None:  # a factory model's graphs are in its own estimate, or unknown
         parts["graphs"] = graphs_bytes(graphs, backend)
     by_key = dict(zip(keys, graphs))
-    transient = _capture_transient(config, backend, [by_key[key] for key in registry.capture_order() if key in by_key])
+    order = [key for key in registry.capture_order() if key in by_key]
+    kept = _kept_references(config, registry, order, by_key) if config.checks.verify_replay else None
+    transient = _capture_transient(config, backend, [by_key[key] for key in order], kept)
     return MemoryEstimate(backend, parts, build_transient, transient, graphs, tuple(notes))
 
 
@@ -197,27 +200,72 @@ _PIECEWISE_NOTES = {
 }
 
 
-def _capture_transient(config: Any, backend: str, graphs: list[GraphMemory]) -> int:
-    """The capture's peak above what its graphs keep (`graphs_bytes`); `graphs` in capture order.
+def _kept_references(
+    config: Any, registry: Any, order: list, graphs: Mapping[Any, GraphMemory]
+) -> list[tuple[int, int, int]]:
+    """Per key of `order` (capture order): the bytes of probe results kept when its verification begins and while
+    its probes run (`graphcap.capture.probing.SharedReferences`: each probe batch's real rows of logits, the
+    built-in model's output, a row per token, from its first probe while a later key probes it; at most
+    `REFERENCE_BYTES` in all), and the bytes of its largest probe's rows."""
+    from graphcap.probe import REFERENCE_BYTES, probe_fills, probe_identity
+
+    max_model_len = config.kv_cache.max_model_len
+    first: dict[tuple, int] = {}
+    last: dict[tuple, int] = {}
+    size: dict[tuple, int] = {}
+    largest = []
+    for index, key in enumerate(order):
+        shape, per_token = registry.capture_shape(key), graphs[key].output // graphs[key].num_tokens
+        fills = probe_fills(shape, max_model_len=max_model_len)
+        for fill in fills:
+            made = (probe_identity(shape, fill), key.axes, key.piecewise)
+            first.setdefault(made, index)
+            last[made] = index
+            size[made] = fill.num_tokens * per_token
+        largest.append(max(fill.num_tokens for fill in fills) * per_token)
+    kept = []
+    for index, rows in enumerate(largest):
+        before = sum(size[m] for m in first if first[m] < index <= last[m])
+        during = before + sum(size[m] for m in first if first[m] == index < last[m])
+        kept.append((min(before, REFERENCE_BYTES), min(during, REFERENCE_BYTES), rows))
+    return kept
+
+
+def _capture_transient(
+    config: Any, backend: str, graphs: list[GraphMemory], references: list[tuple[int, int, int]] | None
+) -> int:
+    """The capture's peak above what its graphs keep (`graphs_bytes`); `graphs` in capture order, `references`
+    per key the probe results kept when its verification begins and while its probes run, and its largest
+    probe's rows (`_kept_references`; None: nothing kept).
 
     A key is verified right after its capture (no engine context, no peers), its dummy batch compared with a
     copy of its last warmup's output kept through the recording, or after the whole pass beside every output
-    (an engine context or peers): the peak is the larger of the two orders.
+    (an engine context or peers): the peak is the larger of the two orders. A key's dummy batch is compared
+    beside the results kept before it; each probe batch (a copy of the padded output replayed, an eager run of
+    its real rows, the comparison) beside those kept through the key.
     """
     if not graphs:
         return 0
     verifies = config.checks.verify_replay
+    references = references or [(0, 0, 0)] * len(graphs)
     # Verifying a key: a copy of the replayed output, then the eager forward, then the comparison
     # (torch.testing.assert_close holds four more copies of the output while it runs).
     work = [g.output + max(g.activations, 5 * g.output) if verifies else 0 for g in graphs]
+    probing = [g.output + max(g.activations, 5 * rows) if verifies else 0 for g, (*_, rows) in zip(graphs, references)]
     kept = [g.output if verifies and config.capture.num_warmups > 0 else 0 for g in graphs]  # the warmup's copy
+    before = [was for was, _, _ in references]
+    through = [now for _, now, _ in references]
     if backend == "cuda":  # the warmups and the verification allocate outside the pool
-        return max(max(k + w for k, w in zip(kept, work)), max(g.activations for g in graphs))
+        verifying = max(k + max(w + b, p + t) for k, w, p, b, t in zip(kept, work, probing, before, through))
+        return max(verifying, max(g.activations for g in graphs))
     held = peak = 0
-    for graph, copy, verify in zip(graphs, kept, work):  # each key beside the outputs captured before it
-        peak = max(peak, held + copy + graph.transient, held + graph.output + copy + verify)
+    for graph, copy, verify, probe, was, now in zip(graphs, kept, work, probing, before, through):
+        # beside the outputs captured before it, and (inline) the probe results kept by the keys verified before it
+        peak = max(peak, held + copy + graph.transient + was)
+        peak = max(peak, held + graph.output + copy + max(verify + was, probe + now))
         held += graph.output
-    return max(peak, held + max(work)) - held
+    after = max(max(w + b, p + t) for w, p, b, t in zip(work, probing, before, through))  # verified after the pass
+    return max(peak, held + after) - held
 
 
 def graphs_bytes(graphs: Iterable[GraphMemory], backend: str) -> int:
