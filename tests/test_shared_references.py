@@ -182,14 +182,14 @@ def test_peers_keep_nothing():
     assert built(None).references.enabled
     assert not built(object()).references.enabled
     references = built(object()).references
-    references.expect(["a", "a"])
+    references.expect({GraphKey(2, 2, True): ["a"], GraphKey(1, 1, True): ["a"]})
     references.keep(("a",), torch.ones(2), "a")
     assert references.get(("a",)) is None and not references.kept
 
 
 def test_a_result_past_the_byte_limit_is_not_kept():
     references = probing.SharedReferences(True, limit=64)
-    references.expect(["small", "small", "large", "large"])
+    references.expect({GraphKey(2, 2, True): ["small", "large"], GraphKey(1, 1, True): ["small", "large"]})
     references.keep(("small",), torch.ones(4), "small")  # 16 bytes
     references.keep(("large",), torch.ones(32), "large")  # 128 bytes
     assert set(references.kept) == {("small",)} and references.bytes == 16
@@ -198,15 +198,44 @@ def test_a_result_past_the_byte_limit_is_not_kept():
 
 
 def test_a_result_is_kept_only_while_a_later_probe_reads_it():
+    first, second = GraphKey(8, 8, True), GraphKey(4, 4, True)
     references = probing.SharedReferences(True)
-    references.expect(["twice", "twice", "once"])
+    references.expect({first: ["twice", "once"], second: ["twice"]})
     references.keep(("once",), torch.ones(4), "once")  # no later probe: not kept
-    references.done("once")
+    references.done(first, "once")
     references.keep(("twice",), torch.ones(4), "twice")
-    references.done("twice")
+    references.done(first, "twice")
     assert set(references.kept) == {("twice",)} and references.bytes == 16
-    references.done("twice")  # its last probe ran
+    references.done(second, "twice")  # its last probe ran
     assert not references.kept and references.bytes == 0
+
+
+def test_a_key_whose_probes_did_not_run_lets_its_batches_go():
+    first, failed = GraphKey(8, 8, True), GraphKey(4, 4, True)
+    references = probing.SharedReferences(True)
+    references.expect({first: ["one token"], failed: ["one token", "two tokens"]})
+    references.keep(("one token",), torch.ones(4), "one token")
+    references.done(first, "one token")
+    assert references.kept
+    references.abandon(failed)  # its verification failed before its probes
+    assert not references.kept and references.bytes == 0 and sum(references.uses.values()) == 0
+    references.done(failed, "one token")  # nothing left to count off
+    assert sum(references.uses.values()) == 0
+
+
+def test_a_skipped_key_leaves_no_result_held(monkeypatch):
+    clear, at_end = probing.SharedReferences.clear, []
+
+    def ending(self):
+        at_end.append((len(self.kept), sum(self.uses.values()), self.hits))
+        clear(self)
+
+    monkeypatch.setattr(probing.SharedReferences, "clear", ending)
+    manager = _manager(ScaledAtTwo, sizes=[2, 8], **{"capture.on_error": "skip"})
+    report = manager.capture()
+    assert {r.status for r in report.records} == {"captured", "skipped"}
+    # Before the pass drops what it kept: nothing held, no probe left to come (the skipped keys' counted off).
+    assert at_end == [(0, 0, at_end[0][2])] and at_end[0][2] > 0
 
 
 def test_a_pass_holds_no_result_past_its_last_probe(monkeypatch):

@@ -16,7 +16,7 @@ verdict stands, so keeping a result never decides a comparison.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -66,14 +66,23 @@ class SharedReferences:
         self.hits = 0
         """Eager runs not repeated: probes whose reference was kept."""
         self.batches: dict[tuple, tuple[StepBatch, bool]] = {}
-        """The pass's probe batches (sampled, and whether they write), by `probe_identity` and key axes: made once."""
+        """The pass's probe batches (sampled, and whether they write), by `expected_probes`' identity: made once."""
         self.uses: Counter = Counter()
-        """Probes still to come per batch (`probe_identity` and key axes)."""
+        """Probes still to come per batch (`expected_probes`: its identity, key axes, whether the key is piecewise)."""
         self._held: dict[tuple, list[tuple[tuple, int]]] = {}  # batch -> [(fingerprint, bytes)] kept for it
+        self._left: dict[GraphKey, Counter] = {}  # key -> its probes still to come
 
-    def expect(self, made: Iterable[tuple]) -> None:
-        """Count the probes the pass will run, one per batch identity given."""
-        self.uses.update(made)
+    def expect(self, probes: Mapping[GraphKey, list[tuple]]) -> None:
+        """Count the probes the pass will run: each key's (`expected_probes`)."""
+        for key, made in probes.items():
+            self._left.setdefault(key, Counter()).update(made)
+            self.uses.update(made)
+
+    def abandon(self, key: GraphKey) -> None:
+        """`key`'s probes that did not run (its capture or verification failed) count off as if they had."""
+        for made, count in self._left.pop(key, Counter()).items():
+            for _ in range(count):
+                self._done(made)
 
     def get(self, fingerprint: tuple | None) -> Any:
         """The kept result of the batch `fingerprint` names, or None."""
@@ -93,8 +102,15 @@ class SharedReferences:
             self._held.setdefault(made, []).append((fingerprint, size))
             self.bytes += size
 
-    def done(self, made: tuple) -> None:
-        """One probe of `made`'s batch ran: what no later probe reads is dropped."""
+    def done(self, key: GraphKey, made: tuple) -> None:
+        """`key`'s probe of `made`'s batch ran: what no later probe reads is dropped."""
+        left = self._left.get(key)
+        if left is None or left[made] <= 0:
+            return
+        left[made] -= 1
+        self._done(made)
+
+    def _done(self, made: tuple) -> None:
         self.uses[made] -= 1
         if self.uses[made] > 0:
             return
@@ -108,18 +124,21 @@ class SharedReferences:
         self.kept.clear()
         self.batches.clear()
         self._held.clear()
+        self._left.clear()
         self.uses.clear()
         self.bytes = 0
 
 
-def expected_probes(job: CapturePass, keys: Iterable[GraphKey]) -> list[tuple]:
-    """The batch identity (`probe_identity`, key axes) of every probe that verifying `keys` runs."""
+def expected_probes(job: CapturePass, keys: Iterable[GraphKey]) -> dict[GraphKey, list[tuple]]:
+    """Per key, the batch of every probe that verifying it runs: its identity (`probe_identity`), the key's axes
+    and whether the key is piecewise (its eager runs take another path)."""
     max_model_len = job.config.kv_cache.max_model_len
-    made = []
+    probes = {}
     for key in keys:
         shape = job.registry.capture_shape(key)
-        made += [(probe_identity(shape, fill), key.axes) for fill in probe_fills(shape, max_model_len=max_model_len)]
-    return made
+        fills = probe_fills(shape, max_model_len=max_model_len)
+        probes[key] = [(probe_identity(shape, fill), key.axes, key.piecewise) for fill in fills]
+    return probes
 
 
 def batch_fingerprint(batch: StepBatch, *parts: Any) -> tuple | None:
@@ -188,7 +207,7 @@ def verify_probes(job: CapturePass, key: GraphKey, graph: CapturedGraph) -> tupl
     fills = probe_fills(shape, max_model_len=kv.max_model_len)
     seconds = 0.0
     for fill in fills:
-        made = (probe_identity(shape, fill), key.axes)  # the batch depends on these alone within a pass
+        made = (probe_identity(shape, fill), key.axes, key.piecewise)  # the batch and its eager path, in a pass
         probe = job.references.batches.get(made)
         if probe is None:
             batch, writes = probe_batch(
@@ -235,7 +254,7 @@ def verify_batch(
             inputs = stage()
         else:
             references.hits += 1
-            references.done(made)
+            references.done(key, made)
             return 0.0
     result: list[Any] = []
 
@@ -246,7 +265,7 @@ def verify_batch(
     seconds = job.compare(graph, inputs, fresh, message=message, diagnose=diagnosis(job, graph, inputs, eager, stage))
     if made is not None:
         references.keep(fingerprint, result[0], made)
-        references.done(made)
+        references.done(key, made)
     return seconds
 
 

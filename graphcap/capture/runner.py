@@ -226,6 +226,7 @@ class CapturePass:
                 failure = exc
         elif record.status == "captured":
             failure = CaptureError(f"{key} has no graph to verify")
+        self.references.abandon(key)  # its probes a failure left unrun count off
         reason = self.failures.settle(f"capturing {key}", failure, graph)
         seconds = record.capture_seconds + time.perf_counter() - start
         if reason is not None:
