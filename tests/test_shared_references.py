@@ -10,6 +10,7 @@ with a fresh eager run, whose verdict stands. With peers nothing is kept.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -30,11 +31,13 @@ SIZES = [1, 2, 4, 8]
 
 
 class Counting(torch.nn.Module):
-    """The reference model, counting its forwards."""
+    """The reference model, counting its forwards (`calls`); `scaled_at`: a key size whose steps the model scales
+    by the Python token count, so that key's graph freezes the factor (its replay of a one-token probe is that
+    many times the eager run, which scales by 1)."""
 
-    def __init__(self, inner: torch.nn.Module) -> None:
+    def __init__(self, inner: torch.nn.Module, scaled_at: int | None = None) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner, self.scaled_at = inner, scaled_at
         self.calls = 0
 
     @property
@@ -43,24 +46,11 @@ class Counting(torch.nn.Module):
 
     def forward(self, inputs):
         self.calls += 1
-        return self.inner(inputs)
-
-
-class ScaledAtTwo(torch.nn.Module):
-    """The reference model scaled by the Python token count in steps of a two-token key only: the graph of key 2
-    freezes the factor 2, so its replay of a one-token probe is twice the eager run (which scales by 1)."""
-
-    def __init__(self, inner: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    @property
-    def kv_cache(self) -> torch.Tensor:
-        return self.inner.kv_cache
-
-    def forward(self, inputs):
         out = self.inner(inputs)
-        return out * inputs.num_tokens if inputs.key.num_tokens == 2 else out
+        return out * inputs.num_tokens if inputs.key.num_tokens == self.scaled_at else out
+
+
+SCALED_AT_TWO = functools.partial(Counting, scaled_at=2)
 
 
 def _manager(wrap=Counting, sizes=SIZES, **overrides) -> CaptureManager:
@@ -131,16 +121,22 @@ def _off() -> probing.SharedReferences:
     return probing.SharedReferences(False)
 
 
-def test_a_replay_that_differs_from_a_kept_result_is_judged_by_a_fresh_eager_run(monkeypatch):
-    made, served = _hits(monkeypatch), []
-    get = probing.SharedReferences.get
+def _served(monkeypatch, change=lambda kept: kept) -> list[bool]:
+    """Whether each lookup of a kept result found one; what it found is given as `change(kept)`."""
+    get, served = probing.SharedReferences.get, []
 
-    def spoiled(self, fingerprint):
+    def serving(self, fingerprint):
         kept = get(self, fingerprint)
         served.append(kept is not None)
-        return None if kept is None else kept + 1.0  # a kept result no replay matches
+        return None if kept is None else change(kept)
 
-    monkeypatch.setattr(probing.SharedReferences, "get", spoiled)
+    monkeypatch.setattr(probing.SharedReferences, "get", serving)
+    return served
+
+
+def test_a_replay_that_differs_from_a_kept_result_is_judged_by_a_fresh_eager_run(monkeypatch):
+    made = _hits(monkeypatch)
+    served = _served(monkeypatch, lambda kept: kept + 1.0)  # a kept result no replay matches
     manager = _manager()
     report = manager.capture()
     assert all(r.status == "captured" and r.verified for r in report.records)
@@ -150,16 +146,8 @@ def test_a_replay_that_differs_from_a_kept_result_is_judged_by_a_fresh_eager_run
 
 
 def test_canary_a_wrong_graph_fails_on_a_batch_whose_result_was_kept(monkeypatch):
-    made, served = _hits(monkeypatch), []
-    get = probing.SharedReferences.get
-
-    def serving(self, fingerprint):
-        kept = get(self, fingerprint)
-        served.append(kept is not None)
-        return kept
-
-    monkeypatch.setattr(probing.SharedReferences, "get", serving)
-    manager = _manager(ScaledAtTwo, sizes=[2, 8])
+    made, served = _hits(monkeypatch), _served(monkeypatch)
+    manager = _manager(SCALED_AT_TWO, sizes=[2, 8])
     with pytest.raises(CaptureError, match=r"replay differs from eager on .*1 of 2 tokens"):
         manager.capture()
     (references,) = made
@@ -168,7 +156,7 @@ def test_canary_a_wrong_graph_fails_on_a_batch_whose_result_was_kept(monkeypatch
 
 
 def test_a_wrong_graph_is_skipped_and_the_others_verified_with_on_error_skip():
-    manager = _manager(ScaledAtTwo, sizes=[2, 8], **{"capture.on_error": "skip"})
+    manager = _manager(SCALED_AT_TWO, sizes=[2, 8], **{"capture.on_error": "skip"})
     report = manager.capture()
     status = {(r.key.num_tokens, r.key.uniform): r.status for r in report.records}
     assert status == {(8, False): "captured", (8, True): "captured", (2, False): "skipped", (2, True): "skipped"}
@@ -231,7 +219,7 @@ def test_a_skipped_key_leaves_no_result_held(monkeypatch):
         clear(self)
 
     monkeypatch.setattr(probing.SharedReferences, "clear", ending)
-    manager = _manager(ScaledAtTwo, sizes=[2, 8], **{"capture.on_error": "skip"})
+    manager = _manager(SCALED_AT_TWO, sizes=[2, 8], **{"capture.on_error": "skip"})
     report = manager.capture()
     assert {r.status for r in report.records} == {"captured", "skipped"}
     # Before the pass drops what it kept: nothing held, no probe left to come (the skipped keys' counted off).
