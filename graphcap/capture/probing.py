@@ -8,9 +8,10 @@ carries state between runs, the message names it (`diagnosis`, `graphcap.capture
 
 A probe batch depends on its real counts, not on the key it probes (`probe_batch`), so keys of one pass
 probe the same batches: one token for every key, the full batch of a smaller key as about half of a larger
-one. Its eager result is computed once per pass and kept (`SharedReferences`); every key's replay is still
-compared with it. A replay that differs from a kept result is compared again with a fresh eager run, whose
-verdict stands, so keeping a result never decides a comparison.
+one. Its eager result is computed once per pass and kept until the pass's last probe of it
+(`SharedReferences`); every key's replay is still compared with it. A replay that differs from a kept
+result is compared again with a fresh eager run, whose verdict stands, so keeping a result never decides
+a comparison.
 """
 
 from __future__ import annotations

@@ -206,7 +206,7 @@ def _kept_references(
     """Per key of `order` (capture order): the bytes of probe results kept when its verification begins and while
     its probes run (`graphcap.capture.probing.SharedReferences`: each probe batch's real rows of logits, the
     built-in model's output, a row per token, from its first probe while a later key probes it; at most
-    `REFERENCE_BYTES` in all), and the bytes of its largest probe's rows."""
+    `REFERENCE_BYTES` at once), and the bytes of its largest probe's rows."""
     from graphcap.probe import REFERENCE_BYTES, probe_fills, probe_identity
 
     max_model_len = config.kv_cache.max_model_len
