@@ -99,7 +99,8 @@ REFERENCE_BYTES = 64 << 20
 def probe_identity(key: GraphKey, fill: Fill) -> tuple[int, int, int]:
     """What `probe_batch` draws a fill's batch from: its real tokens and requests, and the tokens of every request
     where they are fixed (a uniform key's `T / R`, one request, one token each), else 0. Not the key's padded
-    size: the keys of a pass that probe the same counts probe the same batch, run eagerly once per pass."""
+    size: the keys of a pass that probe the same counts probe the same batch, run eagerly once per pass (a batch
+    that writes the KV cache excepted: each key's is its own)."""
     num_tokens, num_reqs = fill
     fixed = key.uniform or num_reqs == 1 or num_tokens == num_reqs
     return num_tokens, num_reqs, num_tokens // num_reqs if fixed else 0
@@ -108,7 +109,7 @@ def probe_identity(key: GraphKey, fill: Fill) -> tuple[int, int, int]:
 def probe_batches_run(keys: Iterable[GraphKey], *, max_model_len: int) -> dict[GraphKey, int]:
     """Per key (`keys` in the order a pass verifies them, each its capture shape with its axes), how many of its probe
     batches no earlier key probed: the eager runs its verification makes when nothing else differs (a pass alone,
-    one phase, results within the kept bytes)."""
+    one phase, batches that write nothing, results within the kept bytes)."""
     seen: set = set()
     runs = {}
     for key in keys:
@@ -136,7 +137,8 @@ def probe_batch(
 
     The tokens spread over the requests at random (each at most `max_model_len`; a uniform key's
     requests have `T / R` each); random token ids, context lengths and block tables, drawn from the fill's
-    counts and `seed` only: every key probed at the same counts gets the same batch. A graph that
+    counts and `seed` only, so every key probed at the same counts gets the same batch, unless the batch
+    writes (below): then it is drawn for the key too, each key's its own. A graph that
     froze a host value at capture (a Python count, a value read from the host metadata) or lets
     padded rows leak into real ones gives different real rows than an eager run of this batch.
 
@@ -151,8 +153,24 @@ def probe_batch(
     if fill is None:
         fills = probe_fills(key, max_model_len=max_model_len)
         fill = fills[len(fills) // 2]
-    num_tokens, num_reqs, fixed = probe_identity(key, fill)
-    rng = np.random.default_rng([seed, num_tokens, num_reqs, fixed])
+    identity = probe_identity(key, fill)
+    caches = [(None, block_size, num_blocks, scratch_blocks)]
+    caches += [(g.name, g.block_size, g.num_blocks, (group_scratch or {}).get(g.name, ())) for g in groups]
+    probe = _drawn(np.random.default_rng([seed, *identity]), identity, max_model_len, vocab_size, caches)
+    if probe.writes_kv:
+        # A batch that writes is the key's own: the same batch probed by an earlier key would have left the right
+        # keys and values in its slots, and a graph that never writes them would read them and pass.
+        salt = [key.num_tokens, key.num_reqs, int(key.uniform)]
+        probe = _drawn(np.random.default_rng([seed, *salt, *identity]), identity, max_model_len, vocab_size, caches)
+    return probe
+
+
+def _drawn(
+    rng: np.random.Generator, identity: tuple[int, int, int], max_model_len: int, vocab_size: int, caches: list
+) -> Probe:
+    """`probe_batch`'s batch of `identity`'s counts drawn from `rng`; `caches`: (group name or None, block size,
+    blocks, scratch blocks) of the KV cache and each extra group."""
+    num_tokens, num_reqs, fixed = identity
     if fixed:
         q = np.full(num_reqs, fixed, dtype=np.int64)
     else:
@@ -163,10 +181,9 @@ def probe_batch(
             q[int(np.argmax(q))] -= 1
             q[int(np.argmin(q))] += 1
     context = rng.integers(0, np.maximum(1, max_model_len - q + 1))
+    _, block_size, num_blocks, _ = caches[0]
     if (-(-(context + q) // block_size)).sum() > num_blocks - 1:  # too few blocks for random context
         context[:] = 0
-    caches = [(None, block_size, num_blocks, scratch_blocks)]
-    caches += [(g.name, g.block_size, g.num_blocks, (group_scratch or {}).get(g.name, ())) for g in groups]
     tables, writes = {}, True
     for name, size, count, scratch in caches:
         tables[name] = distinct_blocks(q + context, size, count, rng)

@@ -155,6 +155,60 @@ def test_canary_a_wrong_graph_fails_on_a_batch_whose_result_was_kept(monkeypatch
     assert served[-1] and sum(served) == references.hits + 1
 
 
+class NoWriteAtTwo(torch.nn.Module):
+    """The reference model whose steps of a two-token key write every token's keys and values to the pad slot:
+    its graphs never write the probe's slots, and read whatever they hold."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.inner.kv_cache
+
+    def forward(self, inputs):
+        if inputs.key.num_tokens != 2:
+            return self.inner(inputs)
+        paging = self.inner._paging
+
+        def to_the_pad_slot(staged):
+            slots, *rest = paging(staged)
+            return (torch.full_like(slots, self.inner.num_slots), *rest)
+
+        self.inner._paging = to_the_pad_slot
+        try:
+            return self.inner(inputs)
+        finally:
+            del self.inner._paging
+
+
+def test_a_graph_that_never_writes_the_probes_slots_is_refused_with_scratch_blocks():
+    # Probe batches that write scratch are each key's own: one shared with a larger key would find the right keys
+    # and values in its slots already.
+    manager = _manager(NoWriteAtTwo, **{"capture.on_error": "skip"})
+    report = manager.capture(scratch_blocks=range(40, 72))
+    status = {(r.key.num_tokens, r.key.uniform): r.status for r in report.records}
+    assert {k: v for k, v in status.items() if v != "captured"} == {(2, True): "skipped", (2, False): "skipped"}
+
+
+def test_probe_batches_that_write_are_each_keys_own_and_the_others_shared():
+    limits = Limits.of(make_config())
+    fill = probe_fills(GraphKey(8, 8, True), max_model_len=limits.max_model_len)[0]  # one token
+    common = {
+        "max_model_len": limits.max_model_len,
+        "block_size": limits.block_size,
+        "num_blocks": limits.num_blocks,
+        "vocab_size": limits.vocab_size,
+        "fill": fill,
+    }
+    keys = (GraphKey(8, 8, True), GraphKey(4, 4, False))
+    for scratch, shared in (((), True), (tuple(range(40, 72)), False)):
+        (a, writes), (b, _) = (probe_batch(key, scratch_blocks=scratch, **common) for key in keys)
+        assert writes is not shared
+        assert (probing.batch_fingerprint(a) == probing.batch_fingerprint(b)) is shared
+
+
 def test_a_wrong_graph_is_skipped_and_the_others_verified_with_on_error_skip():
     manager = _manager(SCALED_AT_TWO, sizes=[2, 8], **{"capture.on_error": "skip"})
     report = manager.capture()

@@ -6,12 +6,13 @@ run at every share of the key. A mismatch raises `CaptureError` (`compare_replay
 carries state between runs, the message names it (`diagnosis`, `graphcap.capture.carried`). The
 `CapturePass` gives what they need: its staging path, forward, outputs, tolerance and scratch blocks.
 
-A probe batch depends on its real counts, not on the key it probes (`probe_batch`), so keys of one pass
-probe the same batches: one token for every key, the full batch of a smaller key as about half of a larger
-one. Its eager result is computed once per pass and kept until the pass's last probe of it
-(`SharedReferences`); every key's replay is still compared with it. A replay that differs from a kept
-result is compared again with a fresh eager run, whose verdict stands, so keeping a result never decides
-a comparison.
+A probe batch that writes nothing depends on its real counts, not on the key it probes (`probe_batch`), so
+keys of one pass probe the same batches: one token for every key, uniform and mixed keys of one size alike.
+Its eager result is computed once per pass and kept until the pass's last probe of it (`SharedReferences`);
+every key's replay is still compared with it. A replay that differs from a kept result is compared again
+with a fresh eager run, whose verdict stands, so keeping a result never decides a comparison. A batch that
+writes scratch blocks is each key's own, run eagerly for it: the same batch would find its slots holding
+what an earlier key's probe wrote, and a graph that never writes them would pass.
 """
 
 from __future__ import annotations
@@ -222,8 +223,14 @@ def verify_probes(job: CapturePass, key: GraphKey, graph: CapturedGraph) -> tupl
                 group_scratch=job.group_scratch,
                 fill=fill,
             )
-            probe = job.references.batches[made] = (job._sampled(batch, 1, dict(key.axes)), writes)
-        seconds += verify_batch(job, key, graph, *probe, made=made)
+            probe = (job._sampled(batch, 1, dict(key.axes)), writes)
+            if not writes:  # a batch that writes is the key's own (`probe_batch`): never shared
+                job.references.batches[made] = probe
+        if probe[1]:
+            seconds += verify_batch(job, key, graph, *probe)
+            job.references.done(key, made)
+        else:
+            seconds += verify_batch(job, key, graph, *probe, made=made)
     return seconds, fills
 
 
