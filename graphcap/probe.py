@@ -131,9 +131,11 @@ def probe_batch(
     groups: Sequence[KVGroup] = (),
     group_scratch: Mapping[str, Sequence[int]] | None = None,
     fill: Fill | None = None,
+    own: bool = False,
 ) -> Probe:
     """A verification batch for `key` with `fill`'s real counts (None: the middle of `probe_fills`), unlike
-    the dummy batch in every value.
+    the dummy batch in every value; `own`: drawn for the key even when it writes no KV block (an engine buffer
+    takes its own sampler's values, which may name state the step writes).
 
     The tokens spread over the requests at random (each at most `max_model_len`; a uniform key's
     requests have `T / R` each); random token ids, context lengths and block tables, drawn from the fill's
@@ -157,7 +159,7 @@ def probe_batch(
     caches = [(None, block_size, num_blocks, scratch_blocks)]
     caches += [(g.name, g.block_size, g.num_blocks, (group_scratch or {}).get(g.name, ())) for g in groups]
     probe = _drawn(np.random.default_rng([seed, *identity]), identity, max_model_len, vocab_size, caches)
-    if probe.writes_kv:
+    if probe.writes_kv or own:
         # A batch that writes is the key's own: the same batch probed by an earlier key would have left the right
         # keys and values in its slots, and a graph that never writes them would read them and pass.
         salt = [key.num_tokens, key.num_reqs, int(key.uniform)]

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphcap import CaptureError, CaptureManager, GraphKey, StepBatch
+from graphcap import BufferSpec, CaptureError, CaptureManager, GraphKey, StepBatch
 from graphcap.capture import probing
 from graphcap.capture.failures import FailurePolicy
 from graphcap.capture.runner import CapturePass
@@ -207,6 +207,22 @@ def test_probe_batches_that_write_are_each_keys_own_and_the_others_shared():
         (a, writes), (b, _) = (probe_batch(key, scratch_blocks=scratch, **common) for key in keys)
         assert writes is not shared
         assert (probing.batch_fingerprint(a) == probing.batch_fingerprint(b)) is shared
+
+
+@pytest.mark.parametrize(("sample", "shared"), [(None, True), (lambda rng, rows: rng.uniform(0.5, 1.5, rows), False)])
+def test_an_engine_buffer_with_its_own_sampler_makes_every_probe_the_keys_own(monkeypatch, sample, shared):
+    # An engine's sampler may name state rows the step writes and reads back (as the KV slots): like a batch that
+    # writes, each key's probes are its own. A float buffer sampled around its pad names nothing: shared.
+    made = _hits(monkeypatch)
+    spec = BufferSpec("temperature", "reqs", dtype="float32", pad=1.0, sample=sample)
+    config = make_config({"capture.sizes": SIZES})
+    manager = CaptureManager(Counting(build_model(config)), config, progress=False, buffers=[spec])
+    report = manager.capture()
+    assert all(r.verified for r in report.records)
+    (references,) = made
+    assert (references.hits > 0) is shared
+    probes = sum(len(r.verified_fills) for r in report.records)
+    assert (manager.model.calls == 2 * len(report.records) + probes) is not shared
 
 
 def test_a_wrong_graph_is_skipped_and_the_others_verified_with_on_error_skip():

@@ -12,7 +12,9 @@ Its eager result is computed once per pass and kept until the pass's last probe 
 every key's replay is still compared with it. A replay that differs from a kept result is compared again
 with a fresh eager run, whose verdict stands, so keeping a result never decides a comparison. A batch that
 writes scratch blocks is each key's own, run eagerly for it: the same batch would find its slots holding
-what an earlier key's probe wrote, and a graph that never writes them would pass.
+what an earlier key's probe wrote, and a graph that never writes them would pass. So is every batch of a
+pass where an engine buffer takes its own sampler's values (`BufferSpec(sample=...)`): they may name state the
+step writes.
 """
 
 from __future__ import annotations
@@ -208,6 +210,8 @@ def verify_probes(job: CapturePass, key: GraphKey, graph: CapturedGraph) -> tupl
     kv, shape = job.config.kv_cache, job.registry.capture_shape(key)
     fills = probe_fills(shape, max_model_len=kv.max_model_len)
     seconds = 0.0
+    # An engine's own sampler may name state the step writes (a float buffer's default sampling names nothing).
+    own = any(spec.sample is not None and spec.sample != "pad" for spec in job.extras)
     for fill in fills:
         made = (probe_identity(shape, fill), key.axes, key.piecewise)  # the batch and its eager path, in a pass
         probe = job.references.batches.get(made)
@@ -222,11 +226,12 @@ def verify_probes(job: CapturePass, key: GraphKey, graph: CapturedGraph) -> tupl
                 groups=job.kv_groups,
                 group_scratch=job.group_scratch,
                 fill=fill,
+                own=own,
             )
             probe = (job._sampled(batch, 1, dict(key.axes)), writes)
-            if not writes:  # a batch that writes is the key's own (`probe_batch`): never shared
+            if not (writes or own):  # a batch that writes is the key's own (`probe_batch`): never shared
                 job.references.batches[made] = probe
-        if probe[1]:
+        if probe[1] or own:
             seconds += verify_batch(job, key, graph, *probe)
             job.references.done(key, made)
         else:
