@@ -162,7 +162,7 @@ def probe_batch(
     if probe.writes_kv or own:
         # A batch that writes is the key's own: the same batch probed by an earlier key would have left the right
         # keys and values in its slots, and a graph that never writes them would read them and pass.
-        salt = [key.num_tokens, key.num_reqs, int(key.uniform)]
+        salt = [key.num_tokens, key.num_reqs or 0, int(key.uniform), len(key.axes), *(value for _, value in key.axes)]
         probe = _drawn(np.random.default_rng([seed, *salt, *identity]), identity, max_model_len, vocab_size, caches)
     return probe
 

@@ -26,6 +26,8 @@ from graphcap.models import build_model
 from graphcap.probe import probe_batch, probe_fills, probe_identity
 from graphcap.testing import make_config
 from graphcap.testing.fuzz import Limits
+from tests.axes_models import AXES, SlotLlama
+from tests.axes_models import buffers as axes_buffers
 
 SIZES = [1, 2, 4, 8]
 
@@ -156,31 +158,34 @@ def test_canary_a_wrong_graph_fails_on_a_batch_whose_result_was_kept(monkeypatch
 
 
 class NoWriteAtTwo(torch.nn.Module):
-    """The reference model whose steps of a two-token key write every token's keys and values to the pad slot:
-    its graphs never write the probe's slots, and read whatever they hold."""
+    """The reference model whose steps of some keys (default: two tokens) write every token's keys and values to
+    the pad slot: their graphs never write the probe's slots, and read whatever they hold. `llama`: the wrapped
+    module that holds the KV cache (`inner` itself, or its attribute)."""
 
-    def __init__(self, inner: torch.nn.Module) -> None:
+    def __init__(self, inner: torch.nn.Module, broken=lambda key: key.num_tokens == 2, llama: str = "") -> None:
         super().__init__()
-        self.inner = inner
+        self.inner, self.broken = inner, broken
+        self.llama = getattr(inner, llama) if llama else inner
 
     @property
     def kv_cache(self) -> torch.Tensor:
-        return self.inner.kv_cache
+        return self.llama.kv_cache
 
     def forward(self, inputs):
-        if inputs.key.num_tokens != 2:
+        if not self.broken(inputs.key):
             return self.inner(inputs)
-        paging = self.inner._paging
+        llama = self.llama
+        paging = llama._paging
 
         def to_the_pad_slot(staged):
             slots, *rest = paging(staged)
-            return (torch.full_like(slots, self.inner.num_slots), *rest)
+            return (torch.full_like(slots, llama.num_slots), *rest)
 
-        self.inner._paging = to_the_pad_slot
+        llama._paging = to_the_pad_slot
         try:
             return self.inner(inputs)
         finally:
-            del self.inner._paging
+            del llama._paging
 
 
 def test_a_graph_that_never_writes_the_probes_slots_is_refused_with_scratch_blocks():
@@ -190,6 +195,17 @@ def test_a_graph_that_never_writes_the_probes_slots_is_refused_with_scratch_bloc
     report = manager.capture(scratch_blocks=range(40, 72))
     status = {(r.key.num_tokens, r.key.uniform): r.status for r in report.records}
     assert {k: v for k, v in status.items() if v != "captured"} == {(2, True): "skipped", (2, False): "skipped"}
+
+
+def test_keys_that_differ_only_in_an_axis_value_write_their_own_probe_batches():
+    broken = lambda key: dict(key.axes).get("lora") == 2 and key.num_tokens > 1  # noqa: E731
+    config = make_config({"capture.axes": AXES, "capture.sizes": [2, 4], "capture.on_error": "skip"})
+    torch.manual_seed(0)
+    model = NoWriteAtTwo(SlotLlama(config), broken, llama="llama")
+    manager = CaptureManager(model, config, progress=False, buffers=axes_buffers())
+    report = manager.capture(scratch_blocks=range(40, 72))
+    refused = {r.key for r in report.records if r.status != "captured"}
+    assert refused == {r.key for r in report.records if broken(r.key)} and len(refused) == 4
 
 
 def test_probe_batches_that_write_are_each_keys_own_and_the_others_shared():

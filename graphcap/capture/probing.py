@@ -227,6 +227,7 @@ def verify_probes(job: CapturePass, key: GraphKey, graph: CapturedGraph) -> tupl
                 group_scratch=job.group_scratch,
                 fill=fill,
                 own=own,
+                seed=int(key.piecewise),  # a piecewise key's batches are not a full key's of its shape
             )
             probe = (job._sampled(batch, 1, dict(key.axes)), writes)
             if not (writes or own):  # a batch that writes is the key's own (`probe_batch`): never shared
