@@ -9,7 +9,7 @@ import torch
 
 from graphcap import CaptureManager, CaptureUnsafeError, current_inputs, eager_op
 from graphcap.models import build_model
-from graphcap.testing import Workload, make_config
+from graphcap.testing import Workload, Wrapped, make_config
 
 
 @eager_op
@@ -18,15 +18,7 @@ def scale_by_first_request(x: torch.Tensor) -> torch.Tensor:
     return x * first
 
 
-class _Model(torch.nn.Module):
-    def __init__(self, inner: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    @property
-    def kv_cache(self) -> torch.Tensor:
-        return self.inner.kv_cache
-
+class _Model(Wrapped):
     def reset_kv_cache(self) -> None:
         self.inner.reset_kv_cache()
 

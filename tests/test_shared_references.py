@@ -24,7 +24,7 @@ from graphcap.capture.failures import FailurePolicy
 from graphcap.capture.runner import CapturePass
 from graphcap.models import build_model
 from graphcap.probe import probe_batch, probe_fills, probe_identity
-from graphcap.testing import make_config
+from graphcap.testing import Wrapped, make_config
 from graphcap.testing.fuzz import Limits
 from tests.axes_models import AXES, SlotLlama
 from tests.axes_models import buffers as axes_buffers
@@ -32,19 +32,15 @@ from tests.axes_models import buffers as axes_buffers
 SIZES = [1, 2, 4, 8]
 
 
-class Counting(torch.nn.Module):
+class Counting(Wrapped):
     """The reference model, counting its forwards (`calls`); `scaled_at`: a key size whose steps the model scales
     by the Python token count, so that key's graph freezes the factor (its replay of a one-token probe is that
     many times the eager run, which scales by 1)."""
 
     def __init__(self, inner: torch.nn.Module, scaled_at: int | None = None) -> None:
-        super().__init__()
-        self.inner, self.scaled_at = inner, scaled_at
+        super().__init__(inner)
+        self.scaled_at = scaled_at
         self.calls = 0
-
-    @property
-    def kv_cache(self) -> torch.Tensor:
-        return self.inner.kv_cache
 
     def forward(self, inputs):
         self.calls += 1
@@ -157,14 +153,14 @@ def test_canary_a_wrong_graph_fails_on_a_batch_whose_result_was_kept(monkeypatch
     assert served[-1] and sum(served) == references.hits + 1
 
 
-class NoWriteAtTwo(torch.nn.Module):
+class NoWriteAtTwo(Wrapped):
     """The reference model whose steps of some keys (default: two tokens) write every token's keys and values to
     the pad slot: their graphs never write the probe's slots, and read whatever they hold. `llama`: the wrapped
     module that holds the KV cache (`inner` itself, or its attribute)."""
 
     def __init__(self, inner: torch.nn.Module, broken=lambda key: key.num_tokens == 2, llama: str = "") -> None:
-        super().__init__()
-        self.inner, self.broken = inner, broken
+        super().__init__(inner)
+        self.broken = broken
         self.llama = getattr(inner, llama) if llama else inner
 
     @property
@@ -211,13 +207,7 @@ def test_keys_that_differ_only_in_an_axis_value_write_their_own_probe_batches():
 def test_probe_batches_that_write_are_each_keys_own_and_the_others_shared():
     limits = Limits.of(make_config())
     fill = probe_fills(GraphKey(8, 8, True), max_model_len=limits.max_model_len)[0]  # one token
-    common = {
-        "max_model_len": limits.max_model_len,
-        "block_size": limits.block_size,
-        "num_blocks": limits.num_blocks,
-        "vocab_size": limits.vocab_size,
-        "fill": fill,
-    }
+    common = {**limits.probe_sizes, "fill": fill}
     keys = (GraphKey(8, 8, True), GraphKey(4, 4, False))
     for scratch, shared in (((), True), (tuple(range(40, 72)), False)):
         (a, writes), (b, _) = (probe_batch(key, scratch_blocks=scratch, **common) for key in keys)
@@ -352,10 +342,7 @@ def test_two_keys_probe_the_same_batch_exactly_when_their_fills_have_one_identit
         for fill in probe_fills(key, max_model_len=limits.max_model_len):
             batch, writes = probe_batch(
                 key,
-                max_model_len=limits.max_model_len,
-                block_size=limits.block_size,
-                num_blocks=limits.num_blocks,
-                vocab_size=limits.vocab_size,
+                **limits.probe_sizes,
                 fill=fill,
             )
             fingerprint = probing.batch_fingerprint(batch, "full", writes)

@@ -23,7 +23,7 @@ from graphcap.capture import verification
 from graphcap.capture.runner import CapturePass
 from graphcap.models import build_model
 from graphcap.probe import probe_batch
-from graphcap.testing import make_config, make_manager
+from graphcap.testing import Wrapped, make_config, make_manager
 from graphcap.testing.fuzz import Limits
 
 
@@ -166,10 +166,7 @@ def test_probe_batch_is_partly_filled_and_fits_its_key(T, R, uniform, seed):
     scratch = list(range(limits.num_blocks // 2, limits.num_blocks))
     batch, writes = probe_batch(
         key,
-        max_model_len=limits.max_model_len,
-        block_size=limits.block_size,
-        num_blocks=limits.num_blocks,
-        vocab_size=limits.vocab_size,
+        **limits.probe_sizes,
         seed=seed,
         scratch_blocks=scratch,
     )
@@ -318,19 +315,14 @@ def test_assert_close_agrees_with_torch_on_every_input(values, noise):
     assert ours == torch_says
 
 
-class FirstRunDiffers(torch.nn.Module):
+class FirstRunDiffers(Wrapped):
     """The reference model plus one on the very first forward of the process's manager (a flag it then sets):
     a first run reads no state an earlier run left, as the replays after the recording do."""
 
     def __init__(self, inner) -> None:
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.register_buffer("ran", torch.zeros(()))
         self.calls = 0
-
-    @property
-    def kv_cache(self) -> torch.Tensor:
-        return self.inner.kv_cache
 
     def forward(self, inputs):
         self.calls += 1

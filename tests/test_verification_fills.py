@@ -138,10 +138,7 @@ def test_each_probe_batch_has_its_fill_and_fits_the_key(T, R, uniform, seed):
     for fill in probe_fills(key, max_model_len=limits.max_model_len):
         batch, _ = probe_batch(
             key,
-            max_model_len=limits.max_model_len,
-            block_size=limits.block_size,
-            num_blocks=limits.num_blocks,
-            vocab_size=limits.vocab_size,
+            **limits.probe_sizes,
             seed=seed,
             fill=fill,
         )

@@ -37,6 +37,7 @@ from graphcap.testing.faults import (
     Hostile,
     Move,
     Snapshot,
+    Wrapped,
     assert_nothing_left,
     assert_unchanged,
     hostile_batches,
@@ -110,6 +111,7 @@ __all__ = [
     "thread_batches",
     "time_key",
     "violations",
+    "Wrapped",
 ]
 
 TINY: dict[str, Any] = {

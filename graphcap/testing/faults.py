@@ -27,6 +27,7 @@ __all__ = [
     "expect",
     "PHASES",
     "FaultyModel",
+    "Wrapped",
     "Hostile",
     "Snapshot",
     "assert_nothing_left",
@@ -49,7 +50,22 @@ def kv_cache(manager: CaptureManager) -> torch.Tensor:
     return manager.model.kv_cache
 
 
-class FaultyModel(torch.nn.Module):
+class Wrapped(torch.nn.Module):
+    """A model around another (`inner`): the same forward and KV cache; a test overrides `forward` to change it."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.inner.kv_cache
+
+    def forward(self, inputs):
+        return self.inner(inputs)
+
+
+class FaultyModel(Wrapped):
     """The reference model with at most one armed fault, raised from `forward`.
 
     Calls are counted per key since `arm`: with one warmup and `verify_replay` on the emulated backend, call 1
@@ -63,8 +79,7 @@ class FaultyModel(torch.nn.Module):
     """
 
     def __init__(self, inner: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.fault: tuple[int, Callable[[], BaseException], int | None, bool | None] | None = None
         self.calls: Counter = Counter()
         self._captured = self._verifying = None
@@ -87,10 +102,6 @@ class FaultyModel(torch.nn.Module):
 
     def disarm(self) -> None:
         self.fault = None
-
-    @property
-    def kv_cache(self) -> torch.Tensor:
-        return self.inner.kv_cache
 
     def forward(self, inputs) -> torch.Tensor:
         key, now = inputs.key, phase()

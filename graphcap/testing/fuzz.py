@@ -152,6 +152,16 @@ class Limits:
             config.checks.invariants == "full",
         )
 
+    @property
+    def probe_sizes(self) -> dict[str, int]:
+        """The sizes `graphcap.probe.probe_batch` takes, as its keyword arguments."""
+        return {
+            "max_model_len": self.max_model_len,
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "vocab_size": self.vocab_size,
+        }
+
 
 def violations(plan: BatchPlan, lim: Limits) -> set[str]:
     """The oracle, written apart from graphcap: every rule the step breaks (empty: valid).

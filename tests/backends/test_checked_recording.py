@@ -17,20 +17,15 @@ from graphcap.backends import preflight as preflight_module
 from graphcap.backends.preflight import in_preflight
 from graphcap.models import build_model
 from graphcap.phases import phase
-from graphcap.testing import make_config
+from graphcap.testing import Wrapped, make_config
 
 
-class HostRead(torch.nn.Module):
+class HostRead(Wrapped):
     """The reference model scaled by a value read into Python: refused by the checker, fine eagerly."""
 
     def __init__(self, inner: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.phases: list[str] = []
-
-    @property
-    def kv_cache(self) -> torch.Tensor:
-        return self.inner.kv_cache
 
     def forward(self, inputs) -> torch.Tensor:
         self.phases.append(phase())
@@ -124,17 +119,12 @@ def test_a_piecewise_key_keeps_its_checked_preflight(monkeypatch):
     assert entered == ["warmup"] * len(report.records)
 
 
-class Phases(torch.nn.Module):
+class Phases(Wrapped):
     """The reference model, noting each forward's phase and whether it ran under the preflight."""
 
     def __init__(self, inner: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.runs: list[tuple[str, bool]] = []
-
-    @property
-    def kv_cache(self) -> torch.Tensor:
-        return self.inner.kv_cache
 
     def forward(self, inputs) -> torch.Tensor:
         self.runs.append((phase(), in_preflight()))
