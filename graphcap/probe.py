@@ -34,6 +34,7 @@ __all__ = [
     "probe_fills",
     "probe_batches_run",
     "probe_identity",
+    "probes_of",
     "scratch_block_ids",
 ]
 
@@ -106,6 +107,13 @@ def probe_identity(key: GraphKey, fill: Fill) -> tuple[int, int, int]:
     return num_tokens, num_reqs, num_tokens // num_reqs if fixed else 0
 
 
+def probes_of(shape: GraphKey, fills: Iterable[Fill], *, piecewise: bool = False) -> list[tuple[Fill, tuple]]:
+    """Each of `fills` (of `shape`, a key's capture shape: `probe_fills`) with its batch's identity in a pass: what
+    `probe_batch` draws it from (`probe_identity`), the key's axis values, and whether the key is piecewise (its
+    eager run takes another path). Probes of one pass with one identity probe one batch, unless it writes."""
+    return [(fill, (probe_identity(shape, fill), shape.axes, piecewise)) for fill in fills]
+
+
 def probe_batches_run(keys: Iterable[GraphKey], *, max_model_len: int) -> dict[GraphKey, int]:
     """Per key (`keys` in the order a pass verifies them, each its capture shape with its axes), how many of its probe
     batches no earlier key probed: the eager runs its verification makes when nothing else differs (a pass alone,
@@ -113,7 +121,7 @@ def probe_batches_run(keys: Iterable[GraphKey], *, max_model_len: int) -> dict[G
     seen: set = set()
     runs = {}
     for key in keys:
-        identities = {(probe_identity(key, fill), key.axes) for fill in probe_fills(key, max_model_len=max_model_len)}
+        identities = {made for _, made in probes_of(key, probe_fills(key, max_model_len=max_model_len))}
         runs[key] = len(identities - seen)
         seen |= identities
     return runs

@@ -35,7 +35,7 @@ from graphcap.inputs import ForwardInputs
 from graphcap.keys import GraphKey, Mode
 from graphcap.outputs import cloned, flatten_output
 from graphcap.piecewise import running
-from graphcap.probe import REFERENCE_BYTES, Fill, probe_batch, probe_fills, probe_identity
+from graphcap.probe import REFERENCE_BYTES, Fill, probe_batch, probe_fills, probes_of
 
 if TYPE_CHECKING:
     from graphcap.capture.runner import CapturePass
@@ -71,22 +71,26 @@ class SharedReferences:
         """Eager runs not repeated: probes whose reference was kept."""
         self.batches: dict[tuple, tuple[StepBatch, bool]] = {}
         """The pass's probe batches (sampled, and whether they write), by `expected_probes`' identity: made once."""
-        self.uses: Counter = Counter()
-        """Probes still to come per batch (`expected_probes`: its identity, key axes, whether the key is piecewise)."""
         self._held: dict[tuple, list[tuple[tuple, int]]] = {}  # batch -> [(fingerprint, bytes)] kept for it
-        self._left: dict[GraphKey, Counter] = {}  # key -> its probes still to come
+        self._left: dict[GraphKey, Counter] = {}  # key -> its probes still to come, by batch
+
+    @property
+    def uses(self) -> Counter:
+        """Probes still to come per batch (`expected_probes`' identity), over every key."""
+        return sum(self._left.values(), Counter())
+
+    def _uses(self, made: tuple) -> int:
+        return sum(left[made] for left in self._left.values())
 
     def expect(self, probes: Mapping[GraphKey, list[tuple]]) -> None:
         """Count the probes the pass will run: each key's (`expected_probes`)."""
         for key, made in probes.items():
             self._left.setdefault(key, Counter()).update(made)
-            self.uses.update(made)
 
     def abandon(self, key: GraphKey) -> None:
         """`key`'s probes that did not run (its capture or verification failed) count off as if they had."""
-        for made, count in self._left.pop(key, Counter()).items():
-            for _ in range(count):
-                self._done(made)
+        for made in self._left.pop(key, Counter()):
+            self._drop_unread(made)
 
     def get(self, fingerprint: tuple | None) -> Any:
         """The kept result of the batch `fingerprint` names, or None."""
@@ -97,7 +101,7 @@ class SharedReferences:
     def keep(self, fingerprint: tuple | None, output: Any, made: tuple) -> None:
         """Keep a copy of `output` (the eager real rows of `made`'s batch, probed now) when a later probe will read
         it and the pass's budget allows."""
-        if fingerprint is None or not self.enabled or fingerprint in self.kept or self.uses[made] <= 1:
+        if fingerprint is None or not self.enabled or fingerprint in self.kept or self._uses(made) <= 1:
             return
         leaves, rebuild = flatten_output(output, "this step", "the forward of")
         size = sum(t.numel() * t.element_size() for t in leaves)
@@ -112,11 +116,11 @@ class SharedReferences:
         if left is None or left[made] <= 0:
             return
         left[made] -= 1
-        self._done(made)
+        self._drop_unread(made)
 
-    def _done(self, made: tuple) -> None:
-        self.uses[made] -= 1
-        if self.uses[made] > 0:
+    def _drop_unread(self, made: tuple) -> None:
+        """Drop `made`'s batch and kept results once no probe of it is to come."""
+        if self._uses(made) > 0:
             return
         self.batches.pop(made, None)
         for fingerprint, size in self._held.pop(made, ()):
@@ -129,19 +133,17 @@ class SharedReferences:
         self.batches.clear()
         self._held.clear()
         self._left.clear()
-        self.uses.clear()
         self.bytes = 0
 
 
 def expected_probes(job: CapturePass, keys: Iterable[GraphKey]) -> dict[GraphKey, list[tuple]]:
-    """Per key, the batch of every probe that verifying it runs: its identity (`probe_identity`), the key's axes
-    and whether the key is piecewise (its eager runs take another path)."""
+    """Per key, the batch identity of every probe that verifying it runs (`graphcap.probe.probes_of`)."""
     max_model_len = job.config.kv_cache.max_model_len
     probes = {}
     for key in keys:
         shape = job.registry.capture_shape(key)
         fills = probe_fills(shape, max_model_len=max_model_len)
-        probes[key] = [(probe_identity(shape, fill), key.axes, key.piecewise) for fill in fills]
+        probes[key] = [made for _, made in probes_of(shape, fills, piecewise=key.piecewise)]
     return probes
 
 
@@ -208,12 +210,11 @@ def verify_dummy(
 def verify_probes(job: CapturePass, key: GraphKey, graph: CapturedGraph) -> tuple[float, tuple[Fill, ...]]:
     """Verify `key` on a probe batch at each of `probe_fills(key)`; the eager seconds and the fills."""
     kv, shape = job.config.kv_cache, job.registry.capture_shape(key)
-    fills = probe_fills(shape, max_model_len=kv.max_model_len)
+    probes = probes_of(shape, probe_fills(shape, max_model_len=kv.max_model_len), piecewise=key.piecewise)
     seconds = 0.0
     # An engine's own sampler may name state the step writes (a float buffer's default sampling names nothing).
     own = any(spec.sample is not None and spec.sample != "pad" for spec in job.extras)
-    for fill in fills:
-        made = (probe_identity(shape, fill), key.axes, key.piecewise)  # the batch and its eager path, in a pass
+    for fill, made in probes:
         probe = job.references.batches.get(made)
         if probe is None:
             batch, writes = probe_batch(
@@ -237,7 +238,7 @@ def verify_probes(job: CapturePass, key: GraphKey, graph: CapturedGraph) -> tupl
             job.references.done(key, made)
         else:
             seconds += verify_batch(job, key, graph, *probe, made=made)
-    return seconds, fills
+    return seconds, tuple(fill for fill, _ in probes)
 
 
 def verify_batch(

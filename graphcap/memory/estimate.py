@@ -207,7 +207,7 @@ def _kept_references(
     its probes run (`graphcap.capture.probing.SharedReferences`: each probe batch's real rows of logits, the
     built-in model's output, a row per token, from its first probe while a later key probes it; at most
     `REFERENCE_BYTES` at once), and the bytes of its largest probe's rows."""
-    from graphcap.probe import REFERENCE_BYTES, probe_fills, probe_identity
+    from graphcap.probe import REFERENCE_BYTES, probe_fills, probes_of
 
     max_model_len = config.kv_cache.max_model_len
     first: dict[tuple, int] = {}
@@ -216,13 +216,12 @@ def _kept_references(
     largest = []
     for index, key in enumerate(order):
         shape, per_token = registry.capture_shape(key), graphs[key].output // graphs[key].num_tokens
-        fills = probe_fills(shape, max_model_len=max_model_len)
-        for fill in fills:
-            made = (probe_identity(shape, fill), key.axes, key.piecewise)
+        probes = probes_of(shape, probe_fills(shape, max_model_len=max_model_len), piecewise=key.piecewise)
+        for fill, made in probes:
             first.setdefault(made, index)
             last[made] = index
             size[made] = fill.num_tokens * per_token
-        largest.append(max(fill.num_tokens for fill in fills) * per_token)
+        largest.append(max(fill.num_tokens for fill, _ in probes) * per_token)
     kept = []
     for index, rows in enumerate(largest):
         before = sum(size[m] for m in first if first[m] < index <= last[m])
