@@ -1,9 +1,9 @@
 """`CaptureManager`: capture the planned keys, then dispatch, stage, check and replay each step.
 
 Upfront capture walks every key largest first before serving; lazy capture (`graphcap.capture.lazy`) serves
-at once and captures in idle time. Either way a key goes through `CapturePass` (`graphcap.capture.runner`):
-its dummy batch staged as real steps are, warmups, capture inside the engine's `capture_context`,
-verification after it exits, within `capture.memory_budget` (`graphcap.memory.budget`).
+at once and captures in idle time. Either way the manager's `Capturer` (`graphcap.capture.capturer`) takes each
+key: its dummy batch staged as real steps are, warmups, capture inside the engine's `capture_context`
+(`Recorder`), verification after it exits (`Verifier`), within `capture.memory_budget` (`graphcap.memory.budget`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import torch
 from graphcap.backends import CapturedGraph, GraphBackend, backend_for, resolve_device
 from graphcap.batch import StepBatch, step_or_idle
 from graphcap.block_table import BlockTable
-from graphcap.capture.calls import CaptureCalls
+from graphcap.capture.capturer import Capturer
 from graphcap.capture.failures import FailurePolicy
 from graphcap.capture.lazy import LazyCapture
 from graphcap.capture.lifecycle import KeptOutputs, LiveGraphs, PassHistory, check_kv_fits, resize_plan
+from graphcap.capture.parts import CaptureParts, Forward
 from graphcap.checks.guard import StaticGuard
 from graphcap.checks.invariants import check_invariants
 from graphcap.checks.sampling import Expected, StepSampler, locate
@@ -35,10 +36,12 @@ from graphcap.errors import InvariantViolation
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
 from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode, StepStats
 from graphcap.memory.budget import MemoryBudget
+from graphcap.memory.estimate import GraphMemory
 from graphcap.model_facts import VOCAB_HINT, is_built_in, precision_of, with_model_vocab
 from graphcap.outputs import OutputRows
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
+from graphcap.report import CaptureReport
 from graphcap.staging import PersistentBuffers
 from graphcap.staging.extras import merged_specs
 from graphcap.step_scope import StepScope
@@ -48,7 +51,7 @@ __all__ = ["CaptureManager"]
 log = logging.getLogger("graphcap")
 
 
-class CaptureManager(CaptureCalls):
+class CaptureManager:
     """Owns the persistent buffers, the key registry and the graphs of one model.
 
     Thread-safe: `execute`, `eager`, `dispatch` and `capture` hold one lock (`lock`), so two
@@ -86,11 +89,7 @@ class CaptureManager(CaptureCalls):
             raise TypeError(f"model must have a callable forward(inputs); got {type(model).__name__}")
         config, vocab_known = with_model_vocab(config, model)  # the model's own vocabulary, when it says it
         self._communicators = communicators_of(communicators)
-        self._capture_context = pass_context(capture_context, self._communicators)
-        """Entered around a pass's captures, verification after it exits (an engine's `graph_capture()`)."""
         check_kv_fits(config, model)
-        self.model = model
-        self.config = config
         self.device = resolve_device(config) if device is None else torch.device(device)
         extras = (*merged_specs(config.buffers, buffers), *counts_buffers(parallel))
         self.buffers = PersistentBuffers.from_config(config, self.device, extras=extras)
@@ -102,7 +101,6 @@ class CaptureManager(CaptureCalls):
         self.stats = StepStats()
         self.progress = progress
         self._level = config.checks.invariants
-        self._forward: Callable[[ForwardInputs], Any] = model.forward
         self._prepare = prepare_of(model)
         self._outputs = OutputRows.of(model)  # which output tensors are per token, per request or whole
         # DP and TP peers, or None; agrees on the config first (collective)
@@ -110,10 +108,10 @@ class CaptureManager(CaptureCalls):
         around = [name for name, given in (("capture_context", capture_context), ("communicators", self._communicators))
                   if given]  # fmt: skip
         index_hint = None if vocab_known else VOCAB_HINT.format(vocab=config.model.vocab_size)
-        self._failures = FailurePolicy(config.capture.on_error, self._peers, " and ".join(around), index_hint)
+        failures = FailurePolicy(config.capture.on_error, self._peers, " and ".join(around), index_hint)
         # With peers, a capture forward that fails part-way issues the collectives its peers wait in (not on
         # CUDA: a dispatch mode around the warmups would change what torch.compile traces there).
-        self._ledger = (
+        ledger = (
             CollectiveLedger(self._peers.rank, self._peers.partners(), parallel.failure_timeout, self.device)
             if self._peers is not None and self.device.type != "cuda"
             else None
@@ -130,11 +128,74 @@ class CaptureManager(CaptureCalls):
         self.last_key: GraphKey | None = None
         """The key the last `execute`/`eager` step ran with: the captured key it replayed, or for an eager step
         `GraphKey(num_tokens, num_reqs, False)` of its own counts (None before the first step). Public."""
+        self._parts = CaptureParts(
+            model=model,
+            config=config,
+            forward=model.forward,
+            stage=self._stage,
+            registry=self.registry,
+            backend=self.backend,
+            device=self.device,
+            buffers=self.buffers,
+            outputs=self._outputs,
+            guard=self._guard,
+            live=self._live,
+            budget=self._budget,
+            lazy=self._lazy,
+            history=self._history,
+            kept=self._kept,
+            stats=self.stats,
+            scope=self._scope,
+            failures=failures,
+            peers=self._peers,
+            ledger=ledger,
+            communicators=self._communicators,
+            # Entered around a pass's captures, verification after it exits (an engine's `graph_capture()`).
+            context=pass_context(capture_context, self._communicators),
+            progress=progress,
+        )
+        self.capturer = Capturer(self._parts)
+        """The capture half: `capture()`, `capture_pending()` and `pending()` delegate to it."""
+
+    # The model, config, forward and ledger are the capture parts' (one place: a pass reads what is set here).
+    @property
+    def model(self) -> Any:
+        """The engine's model (its `forward(inputs)` is what every step and capture runs)."""
+        return self._parts.model
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        self._parts.model = model
+
+    @property
+    def config(self) -> CaptureConfig:
+        """The config the manager runs with (`config.model.vocab_size` read off the model where it says it)."""
+        return self._parts.config
+
+    @config.setter
+    def config(self, config: CaptureConfig) -> None:
+        self._parts.config = config
+
+    @property
+    def _forward(self) -> Forward:
+        return self._parts.forward
+
+    @_forward.setter
+    def _forward(self, forward: Forward) -> None:
+        self._parts.forward = forward
+
+    @property
+    def _ledger(self) -> CollectiveLedger | None:
+        return self._parts.ledger
+
+    @_ledger.setter
+    def _ledger(self, ledger: CollectiveLedger | None) -> None:
+        self._parts.ledger = ledger
 
     @contextmanager
     def uncounted(self) -> Iterator[None]:
         """Steps inside are not counted in `stats` (benchmarks, health checks)."""
-        with self._lock:
+        with self._scope.lock:
             was, self._counting = self._counting, False
             try:
                 yield
@@ -148,9 +209,6 @@ class CaptureManager(CaptureCalls):
         row i) instead of a fresh table. With several threads, write rows under `lock`. A capture sets them aside."""
         return self.buffers.block_table
 
-    # The step scope holds the lock; a property, so a control experiment can swap in a no-op one.
-    _lock = property(lambda self: self._scope.lock, lambda self, lock: setattr(self._scope, "lock", lock))
-
     @property
     def kv_group_tables(self) -> Mapping[str, BlockTable]:
         """Each extra KV-cache group's persistent block table by name (`kv_cache.groups`), kept as `block_table`."""
@@ -161,6 +219,63 @@ class CaptureManager(CaptureCalls):
         """The re-entrant lock every step and capture holds: hold it around `execute` and the use of its result
         when several threads share the manager (another thread's next step overwrites the returned view)."""
         return self._scope.lock
+
+    # -- capture (the capturer's) --------------------------------------------------------
+
+    def capture(
+        self, *, scratch_blocks: Iterable[int] = (), group_scratch_blocks: Mapping[str, Iterable[int]] | None = None
+    ) -> CaptureReport:
+        """Capture every planned key (largest first), verify each, and return the report.
+
+        Replaces graphs from an earlier pass; under `capture.strategy: lazy` captures nothing (the report
+        lists the pending keys; `capture_pending` captures them). `capture.on_error: raise`: the first
+        failure releases every graph of this pass and raises `CaptureError` naming the key and a hint;
+        `skip`: the key is recorded as skipped and runs eagerly. A sticky CUDA error ends the pass under
+        either policy; no partial graph stays registered. `ConfigError` when `capture.num_warmups` is
+        below what the backend needs (cuda: 1), when `report.path` cannot be written (checked first;
+        written atomically after), or when the KV cache holds fewer blocks than `kv_cache.num_blocks`.
+
+        Writes nothing the engine owns but the null block 0 of each KV-cache group, what the model writes for
+        pad-slot tokens, `scratch_blocks` (free block ids the engine hands over) and `group_scratch_blocks[name]`
+        of each extra group (README: "What capture() writes").
+        """
+        return self.capturer.capture(scratch_blocks=scratch_blocks, group_scratch_blocks=group_scratch_blocks)
+
+    def capture_pending(
+        self,
+        max_seconds: float | None = None,
+        *,
+        max_keys: int | None = None,
+        scratch_blocks: Iterable[int] = (),
+        group_scratch_blocks: Mapping[str, Iterable[int]] | None = None,
+    ) -> int:
+        """Capture keys with no graph yet (`capture.strategy: lazy`), most traffic first, while `max_seconds` (None:
+        no limit) have not passed and fewer than `max_keys` were taken; returns how many (0: none pending). Each is
+        captured and verified as by `capture()`, within the budget, under `capture.on_error`; collective with peers.
+        The last step's outputs read the same afterwards (copied aside and back: see `KeptOutputs`).
+
+        `StaticInputMovedError` (naming it, before anything is captured) while a static input differs from what
+        the live graphs captured (an object replaced, a storage swapped, a `register_static` name re-registered):
+        put back what was captured (or `copy_` new values into it), or `capture()` again to capture every key
+        anew. Tensors the model reaches that appeared since are recorded and checked from then on.
+
+        Fits an engine's idle gap: `max_seconds` counts from this call's first line, a key starts only while time
+        is left (the call ends at most one key's capture past it), GC is paused around each key and never
+        collected whole; with nothing pending and no peers the call returns at once (`pending()` asks first).
+        """
+        return self.capturer.capture_pending(
+            max_seconds, max_keys=max_keys, scratch_blocks=scratch_blocks, group_scratch_blocks=group_scratch_blocks
+        )
+
+    def pending(self) -> list[GraphKey]:
+        """The keys `capture_pending()` would capture, in the order it takes them (most traffic first, then
+        largest first); empty when there is nothing to capture (`capture.strategy: upfront` after `capture()`,
+        or every key captured or skipped). With peers: this rank's keys (`capture_pending` agrees on the order)."""
+        return self.capturer.pending()
+
+    def _measure_key(self, key: GraphKey) -> GraphMemory:
+        """`key`'s graph memory measured on this model (`Capturer.measure_key`), for the memory budget."""
+        return self.capturer.measure_key(key)
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -297,7 +412,7 @@ class CaptureManager(CaptureCalls):
         in a plain list, an engine buffer): address-checked like parameters at capture and before every replay,
         named `static.NAME` in errors. Register before `capture()`; a tensor re-registered at another address
         or whose storage was replaced makes replays raise `StaticInputMovedError` until `capture()` again."""
-        with self._lock:
+        with self._scope.lock:
             self._guard.register(name, tensor)
 
     def reset(self) -> None:

@@ -31,7 +31,10 @@ from graphcap.errors import CaptureError
 from graphcap.inputs import ForwardInputs
 from graphcap.keys import GraphKey
 
-__all__ = ["ROW_KINDS", "OutputRows", "cloned", "flatten_output"]
+__all__ = ["ROW_KINDS", "OutputRows", "StepOutput", "cloned", "flatten_output"]
+
+StepOutput = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor] | dict[str, torch.Tensor]
+"""What a forward returns and a step gives back: a tensor, a tuple or list of tensors, or a dict of them by name."""
 
 ROW_KINDS = ("tokens", "reqs", "none")
 """What one output tensor's rows are (`model.output_rows`), as `BufferSpec.rows`."""

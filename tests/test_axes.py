@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from graphcap import CaptureError, CaptureManager, GraphKey
-from graphcap.capture import runner
+from graphcap.capture.verifier import Verifier
 from graphcap.memory.estimate import estimate_memory
 from graphcap.testing import make_config
 from tests.axes_models import AXES, SlotLlama, buffers, lora_step
@@ -92,7 +92,7 @@ def test_a_model_not_neutral_to_padded_slots_is_refused_at_capture_naming_the_ax
 
 def test_without_the_axis_check_the_leak_reaches_real_steps(monkeypatch):
     """Canary: the non-neutral model passes every other verification and gives wrong logits on a padded step."""
-    monkeypatch.setattr(runner, "verify_axes", lambda job, key, graph: 0.0)
+    monkeypatch.setattr(Verifier, "axes", lambda self, key, graph: 0.0)
     m = manager(neutral=False, **{"capture.sizes": [4]})
     m.capture()
     batch = lora_step([1, 1, 1], [0, 1, 2])  # 3 adapters: the graph of 4 slots runs one empty slot

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from graphcap import CaptureError, ConfigError
-from graphcap.capture.driver import EMULATED_CAPTURE_THREADS
+from graphcap.capture.capturer import EMULATED_CAPTURE_THREADS
 from graphcap.testing import make_config, make_manager
 
 

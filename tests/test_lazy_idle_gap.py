@@ -34,13 +34,13 @@ def _timed_manager(seconds_per_key: float, **overrides):
     """A lazy manager whose clock advances `seconds_per_key` whenever a key is captured."""
     manager = make_manager(make_config({**LAZY, **overrides}))
     clock = manager._lazy.clock = _Clock()
-    capture_keys = manager._capture_keys
+    capture_keys = manager.capturer.capture_keys
 
     def timed(job, keys, progress):
         clock.now += seconds_per_key * len(keys)
         return capture_keys(job, keys, progress)
 
-    manager._capture_keys = timed
+    manager.capturer.capture_keys = timed
     return manager, clock
 
 
@@ -61,13 +61,13 @@ def test_a_call_ends_at_most_one_key_past_its_limit(max_seconds):
 
 def test_the_limit_counts_from_the_first_line_of_the_call():
     manager, clock = _timed_manager(seconds_per_key=1.0)
-    check_ready = manager._check_ready
+    check_ready = manager.capturer.check_ready
 
     def slow_check_ready(*args):  # the work before the first key takes a whole second
         clock.now += 1.0
         check_ready(*args)
 
-    manager._check_ready = slow_check_ready
+    manager.capturer.check_ready = slow_check_ready
     assert manager.capture_pending(max_seconds=0.5) == 0
     assert manager.capture_pending(max_seconds=1.5) == 1  # the canary: time left after the same work
 

@@ -426,7 +426,7 @@ def test_a_capture_waiting_for_the_lock_while_resize_kv_grows_the_cache_uses_the
     manager = make_manager(make_config(capture__strategy=strategy))
     manager.model.resize_kv_cache(120)
     lock = _WatchedLock()
-    manager._lock = lock
+    manager._scope.lock = lock
     outcome: dict[str, object] = {}
 
     def capture() -> None:

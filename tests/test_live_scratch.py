@@ -44,7 +44,7 @@ def test_canary_without_the_check_verification_overwrites_the_live_rows_blocks(m
         manager.block_table.set_row(row, SCRATCH[8 * row : 8 * row + 8])
     cache = manager.model.kv_cache
     before = _random_cache(cache, 2)
-    monkeypatch.setattr("graphcap.capture.calls.check_scratch_free", lambda *args: None)
+    monkeypatch.setattr("graphcap.capture.capturer.check_scratch_free", lambda *args: None)
     manager.capture(scratch_blocks=SCRATCH)
     live = torch.tensor(SCRATCH)
     assert not torch.equal(cache[:, :, :, live], before[:, :, :, live]), "the hazard: a live request's KV written"

@@ -9,7 +9,6 @@ with a fresh eager run, whose verdict stands. With peers nothing is kept.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import numpy as np
@@ -19,9 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap import BufferSpec, CaptureError, CaptureManager, GraphKey, StepBatch
-from graphcap.capture import probing
-from graphcap.capture.failures import FailurePolicy
-from graphcap.capture.runner import CapturePass
+from graphcap.capture import capturer
+from graphcap.capture import references as probing
 from graphcap.models import build_model
 from graphcap.probe import probe_batch, probe_fills, probe_identity
 from graphcap.testing import Wrapped, make_config
@@ -100,7 +98,7 @@ def test_keys_probed_at_the_same_counts_run_one_eager_run_per_batch(monkeypatch)
 
 def test_sharing_changes_no_verdict_and_no_replay(monkeypatch):
     shared, alone = _manager(), _manager()
-    monkeypatch.setattr(CapturePass, "__post_init__", lambda self: setattr(self, "references", _off()))
+    monkeypatch.setattr(capturer.SharedReferences, "for_pass", staticmethod(lambda peers, ledger: _off()))
     report_alone = alone.capture()
     monkeypatch.undo()
     report_shared = shared.capture()
@@ -239,13 +237,12 @@ def test_a_wrong_graph_is_skipped_and_the_others_verified_with_on_error_skip():
 
 
 def test_peers_keep_nothing():
-    def built(peers) -> CapturePass:
-        fields = {f.name: None for f in dataclasses.fields(CapturePass) if f.init}
-        return CapturePass(**{**fields, "failures": FailurePolicy("raise", peers)})
+    def built(peers) -> probing.SharedReferences:
+        return probing.SharedReferences.for_pass(peers, None)
 
-    assert built(None).references.enabled
-    assert not built(object()).references.enabled
-    references = built(object()).references
+    assert built(None).enabled
+    assert not built(object()).enabled
+    references = built(object())
     references.expect({GraphKey(2, 2, True): ["a"], GraphKey(1, 1, True): ["a"]})
     references.keep(("a",), torch.ones(2), "a")
     assert references.get(("a",)) is None and not references.kept

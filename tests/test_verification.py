@@ -18,9 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap import CaptureError, CaptureManager, GraphKey
-from graphcap.capture import runner as capture_module
 from graphcap.capture import verification
-from graphcap.capture.runner import CapturePass
+from graphcap.capture import verifier as capture_module
+from graphcap.capture.recorder import Recorder
+from graphcap.capture.verifier import Verifier
 from graphcap.models import build_model
 from graphcap.probe import probe_batch
 from graphcap.testing import Wrapped, make_config, make_manager
@@ -63,7 +64,7 @@ def test_the_dummy_batch_alone_would_have_passed(monkeypatch):
     model = FrozenCount(build_model(config), lambda inputs: inputs.num_tokens)
     manager = make_manager(config)
     manager.model, manager._forward = model, model.forward
-    monkeypatch.setattr(CapturePass, "_verify_probe", lambda self, key, graph: (0.0, ()))  # the dummy batch alone
+    monkeypatch.setattr(Verifier, "fills", lambda self, key, graph: (0.0, ()))  # the dummy batch alone
     manager.capture()  # passes: the damage shows only on a real, partly filled step
     batch, _ = probe_batch(
         GraphKey(4, 4, False),
@@ -113,11 +114,11 @@ def test_the_warmup_reference_is_the_same_check_as_a_fresh_eager_run(monkeypatch
     assert report.records and all(r.verified and r.speedup > 0 for r in report.records)
     dummies = [expected for expected, message in seen if message is verification.DUMMY_MISMATCH]
     assert len(dummies) == len(report.records)
-    job = manager._capture_pass()
+    job = Recorder(manager.capturer.parts)
     for record, expected in zip(report.records, dummies):
-        inputs = job.stage(job.capture_batch(record.key), record.key, phase="capture", dummy=True)
+        inputs = job.stage_dummy(record.key)
         with torch.inference_mode():
-            fresh = manager._outputs.real(job._reference_run(inputs, job.registry.mode_of(record.key))(), inputs)
+            fresh = manager._outputs.real(job.reference_run(inputs, manager.registry.mode_of(record.key))(), inputs)
         torch.testing.assert_close(expected, fresh, rtol=0, atol=0)
 
 

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap import CaptureError, CaptureManager, GraphKey, StepBatch
-from graphcap.capture import probing
+from graphcap.capture import references as probing
 from graphcap.cli import main
 from graphcap.models import build_model
 from graphcap.probe import Fill, probe_batch, probe_fills

@@ -37,7 +37,7 @@ def checks_apart(path: str | None, rounds: int, quick: bool, threads: int | None
 
 def pass_threads(path: str | None, rounds: int, quick: bool) -> int:
     """Seconds of re-captures at one and at two torch threads (`EMULATED_CAPTURE_THREADS`), interleaved."""
-    import graphcap.capture.driver as driver
+    import graphcap.capture.capturer as driver
 
     manager, model = _emulated_manager(path, quick, "--pass-threads")
     if manager.config.capture.num_threads is not None:

@@ -61,20 +61,21 @@ class KeyTimes:
             with self._timed("preflight"), original_preflight(device, **options) as uncompiled:
                 yield uncompiled
 
-        # Private methods of the capture pass, wrapped only where they exist (a renamed one loses its
-        # column, never the case): `capture(key)` per key, then the two verifications per key.
-        from graphcap.capture.runner import CapturePass
+        # Methods of the capture stages, wrapped only where they exist (a renamed one loses its column, never
+        # the case): `Recorder.record(key)` per key, then the two verifications per key.
+        from graphcap.capture.recorder import Recorder
+        from graphcap.capture.verifier import Verifier
 
-        hooks = {"capture": None, "_verify_dummy": "verification", "_verify_probe": "verification"}
+        hooks = [(Recorder, "record", None), (Verifier, "dummy", "verification"), (Verifier, "fills", "verification")]
         patched = {
-            name: self._around(getattr(CapturePass, name), step, key_from_arg=True)
-            for name, step in hooks.items()
-            if callable(getattr(CapturePass, name, None))
+            (cls, name): self._around(getattr(cls, name), step, key_from_arg=True)
+            for cls, name, step in hooks
+            if callable(getattr(cls, name, None))
         }
-        originals = {name: getattr(CapturePass, name) for name in patched}
+        originals = {(cls, name): getattr(cls, name) for cls, name in patched}
         base.preflight = preflight
-        for name, fn in patched.items():
-            setattr(CapturePass, name, fn)
+        for (cls, name), fn in patched.items():
+            setattr(cls, name, fn)
         backend.warmup = self._around(backend.warmup, "warmups")
         backend.capture = self._around(backend.capture, "capture")
         backend.capture_pieces = self._around(backend.capture_pieces, "capture")
@@ -82,8 +83,8 @@ class KeyTimes:
             yield self
         finally:
             base.preflight = original_preflight
-            for name, fn in originals.items():
-                setattr(CapturePass, name, fn)
+            for (cls, name), fn in originals.items():
+                setattr(cls, name, fn)
             for name in ("warmup", "capture", "capture_pieces"):
                 vars(backend).pop(name, None)
 
@@ -98,7 +99,7 @@ class KeyTimes:
 
     def _around(self, fn, step: str | None, key_from_arg: bool = False):
         def timed(*args, **kwargs):
-            if key_from_arg:  # a CapturePass method: (self, key, ...)
+            if key_from_arg:  # a capture stage's method: (self, key, ...)
                 self._key = str(args[1])
                 checkpoint({"seconds_per_key": self.table()})  # a pass cut short keeps the keys it did
             if step is None:

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 from _capture_passes import checks_apart, pass_threads, where_a_pass_goes
 
-import graphcap.capture.driver as driver_module
+import graphcap.capture.capturer as driver_module
 from graphcap import CaptureManager, load_config
 from graphcap.models import build_model
 from graphcap.sizing.choice import SizeConstraints, choose_sizes
@@ -265,7 +265,7 @@ def collections(path: str | None, rounds: int, quick: bool, threads: int | None)
 
 def fill_levels(path: str | None, rounds: int, quick: bool, threads: int | None) -> int:
     """Re-captures after a weight swap verified at every fill level vs at one (the middle level), interleaved."""
-    import graphcap.capture.probing as probing
+    import graphcap.capture.references as probing
 
     torch.set_num_threads(threads or 1)
     config = load_config(path, {} if path else {"device": "cpu", "capture.max_size": 8 if quick else 16})

@@ -56,20 +56,20 @@ def main() -> int:
     manager.capture()
     num_keys = len(manager.pending())
     per_call, first_key = [], []
-    capture_keys = manager._capture_keys
+    capture_keys = manager.capturer.capture_keys
 
     def noted(job, keys, progress):  # when the call's first key starts
         first_key.append(time.perf_counter())
         return capture_keys(job, keys, progress)
 
-    manager._capture_keys = noted
+    manager.capturer.capture_keys = noted
     while manager.pending() and len(per_call) < num_keys + 2:
         first_key.clear()
         began = time.perf_counter()
         keys = manager.capture_pending(max_seconds=args.gap)
         seconds = time.perf_counter() - began
         per_call.append((keys, seconds, (first_key[0] - began) * 1e3 if first_key else None))
-    manager._capture_keys = capture_keys
+    manager.capturer.capture_keys = capture_keys
     print()
     print(f"capture_pending(max_seconds={args.gap}) until nothing is pending ({num_keys} keys)")
     print(f"{'call':>4} {'keys':>4} {'seconds':>8} {'ms before the first key':>24}")

@@ -2,22 +2,25 @@
 
 | module | holds |
 |---|---|
-| `calls.py` | `CaptureCalls`: the manager's `capture()`, `capture_pending()`, `pending()` |
-| `driver.py` | `run_pass`: one pass end to end (budget, GC, block tables set aside, reservation, install) |
-| `runner.py` | `CapturePass`: preflight, warmups, record and verify per key |
-| `gc_hold.py` | GC held still: `gc_frozen` around an upfront pass, `gc_paused` around a lazy key |
-| `probing.py` | the verification runs of a key: its dummy batch, a probe batch at each fill level |
-| `verification.py` | the capture-time replay comparison (`compare_replay`) and its messages |
+| `capturer.py` | `Capturer`: the manager's `capture()`, `capture_pending()`, `pending()`, and the pass loop |
+| `parts.py` | `CaptureParts`: what a pass needs from its manager, typed, built once |
+| `recorder.py` | `Recorder.record(key) -> Recorded`: the dummy batch, warmups, the backend's capture |
+| `verifier.py` | `Verifier.verify(recorded) -> Verified`: the dummy batch, each fill level, each lower axis value |
+| `references.py` | `SharedReferences`: a pass's kept eager results of probe batches, injected into the verifier |
+| `outcome.py` | `KeyOutcome`: one key's outcome (its eager reason a field); the report's `GraphRecord` from it |
+| `verification.py` | the replay comparison (`compare_replay`, raising `ReplayMismatchError`) and its messages |
 | `carried.py` | naming state a forward carries between runs, when a replay and an eager run differ |
-| `axes.py` | verification of each key at a lower key-axis value (padded axis slots must be neutral) |
-| `failures.py` | `FailurePolicy`: what a failed key does (`capture.on_error`) |
+| `gc_hold.py` | GC held still: `gc_frozen` around an upfront pass, `gc_paused` around a lazy key |
+| `failures.py` | `FailurePolicy`: what a failed key does (`capture.on_error`), and where it failed |
 | `timing.py` | `time_key`, `replay_speedup`: eager vs replay per key (`capture.min_speedup`) |
 | `lifecycle.py` | `LiveGraphs`: the installed graphs, release, resize, what a re-capture keeps |
 | `lazy.py` | `LazyCapture`: which pending key to capture next in idle time, and when to stop |
 """
 
+from graphcap.capture.capturer import Capturer
 from graphcap.capture.lazy import LazyCapture
 from graphcap.capture.lifecycle import LiveGraphs
-from graphcap.capture.runner import CapturePass
+from graphcap.capture.outcome import KeyOutcome
+from graphcap.capture.parts import CaptureParts
 
-__all__ = ["CapturePass", "LazyCapture", "LiveGraphs"]
+__all__ = ["CaptureParts", "Capturer", "KeyOutcome", "LazyCapture", "LiveGraphs"]

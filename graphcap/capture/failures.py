@@ -11,17 +11,28 @@ from __future__ import annotations
 import gc
 import logging
 import traceback
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
-from graphcap.backends import is_sticky_cuda_error
-from graphcap.errors import CaptureError, CaptureUnsafeError
+from graphcap.backends import CapturedGraph, is_sticky_cuda_error
+from graphcap.errors import CaptureError, CaptureUnsafeError, ReplayMismatchError
 
 if TYPE_CHECKING:  # distributed/ sits beside capture/; only the annotation needs it
     from graphcap.distributed.step import StepAgreement
 
-__all__ = ["OOM_HINT", "PHASES", "STICKY_HINT", "FailurePolicy", "describe_failure", "phase_of"]
+__all__ = [
+    "OOM_HINT",
+    "PHASES",
+    "STICKY_HINT",
+    "FailurePolicy",
+    "describe_failure",
+    "failed_in",
+    "failing_in",
+    "phase_of",
+]
 
 PHASES = {"warmup": (1, "warmup"), "capture": (2, "recording"), "verify": (3, "verification")}
 """A capture phase -> (its code in the failure agreement, its name in messages)."""
@@ -31,6 +42,30 @@ def phase_of(failure: BaseException | None) -> str | None:
     """The capture phase a failed forward ran in ("warmup", "capture", "verify"), where graphcap saw it
     (`graphcap.distributed.ledger` marks the failures of the capture forwards)."""
     return getattr(failure, "graphcap_phase", None)
+
+
+@contextmanager
+def failing_in(run: str, batch: str | None = None) -> Iterator[None]:
+    """An exception raised inside is marked with the run it failed in (`run`: "a warmup run", "the recording",
+    "the verification replay", ...) and the batch it ran (`batch`: "a probe batch of 4 tokens and 4 requests"),
+    each only where an inner `failing_in` did not say it first (`failed_in` reads them)."""
+    try:
+        yield
+    except Exception as exc:
+        if getattr(exc, "graphcap_run", None) is None:
+            exc.graphcap_run = run  # type: ignore[attr-defined]
+        if batch is not None and getattr(exc, "graphcap_batch", None) is None:
+            exc.graphcap_batch = batch  # type: ignore[attr-defined]
+        raise
+
+
+def failed_in(failure: BaseException) -> str | None:
+    """Where `failing_in` saw `failure`: "the eager reference run of a probe batch of 4 tokens and 4 requests";
+    None where no `failing_in` did, or for a replay that differed from eager (its message says where)."""
+    run, batch = getattr(failure, "graphcap_run", None), getattr(failure, "graphcap_batch", None)
+    if run is None or isinstance(failure, ReplayMismatchError):
+        return None
+    return f"{run} of {batch}" if batch is not None else run
 
 
 log = logging.getLogger("graphcap")
@@ -66,7 +101,7 @@ class FailurePolicy:
         self.index_hint = index_hint
         """Added to a failure that indexed out of range (an embedding given token ids past its vocabulary)."""
 
-    def settle(self, what: str, failure: BaseException | None, graph: Any = None) -> str | None:
+    def settle(self, what: str, failure: BaseException | None, graph: CapturedGraph | None = None) -> str | None:
         """None when `what` (a key, or its verification) succeeded on every rank; else release `graph`
         and raise (`on_error: raise`, or a sticky CUDA error) or return the reason to skip it."""
         failure = self._agree(what, failure)
@@ -80,8 +115,9 @@ class FailurePolicy:
                 sticky = True
         if failure is None:
             return None
-        where = PHASES.get(phase_of(failure) or "", (0, ""))[1]
+        where, run = PHASES.get(phase_of(failure) or "", (0, ""))[1], failed_in(failure)
         reason = describe_failure(failure) + (f" (in its {where} on this rank)" if where else "")
+        reason += f"; it failed in {run}" if run is not None else ""
         reason += self._collectives_hint(failure, graph)  # before the release
         if self.index_hint is not None and isinstance(failure, IndexError) and "out of range" in str(failure):
             reason = f"{reason}; {self.index_hint}"
@@ -99,11 +135,11 @@ class FailurePolicy:
         log.warning("skipping %s: %s", what, reason)
         return reason
 
-    def _collectives_hint(self, failure: BaseException, graph: Any) -> str:
+    def _collectives_hint(self, failure: BaseException, graph: CapturedGraph | None) -> str:
         """Why a replay can differ from eager when the forward holds collectives (a placeholder outside recording)."""
         from graphcap.communicators import holds_collectives
 
-        if "replay differs from eager" not in str(failure) or graph is None:
+        if not isinstance(failure, ReplayMismatchError) or graph is None:
             return ""
         holds = holds_collectives([graph], ())
         if not holds and not self.context:
@@ -121,7 +157,7 @@ class FailurePolicy:
         if self.peers is None:
             return failure
         # A mismatch may follow from a peer's failure (its forward failed part-way and issued placeholders).
-        derived = failure is not None and "replay differs from eager" in str(failure)
+        derived = isinstance(failure, ReplayMismatchError)
         code = PHASES.get(phase_of(failure) or "", (0, ""))[0]
         first = self.peers.first_failure(failure is not None, "key", what, derived=derived, phase=code)
         if first is None:

@@ -28,13 +28,13 @@ from typing import Any
 import torch
 
 from graphcap.backends import CapturedGraph, GraphBackend
+from graphcap.capture.outcome import KeyOutcome
 from graphcap.checks.guard import StaticGuard
 from graphcap.config import CaptureConfig
 from graphcap.errors import ConfigError, ConfigProblem
-from graphcap.keys import EAGER_REASONS, GraphKey, KeyRegistry, StepStats
+from graphcap.keys import GraphKey, KeyRegistry, StepStats
 from graphcap.memory.budget import MemoryBudget
 from graphcap.outputs import flatten_output
-from graphcap.report import GraphRecord
 
 __all__ = [
     "REUSED",
@@ -54,7 +54,7 @@ REUSED = ("key schedule", "persistent buffers", "block table rows", "registered 
 class LiveGraphs:
     """The graphs a manager serves with (`CaptureManager.graphs` is `graphs`), kept and let go of.
 
-    `install` keeps what a pass produced (`graphcap.capture.driver.run_pass` runs the pass) and marks the
+    `install` keeps what a pass produced (`graphcap.capture.capturer.Capturer` runs the pass) and marks the
     registry's keys; `reserve` holds `capture.memory_budget` in the pool; `release_all` frees every
     graph, forgets the guard's records and the registry's capture state, and frees the pool when
     the backend is the manager's own (later captures go to a fresh pool: never into one whose
@@ -86,15 +86,14 @@ class LiveGraphs:
                     ]
                 ) from exc
 
-    def install(self, records: list[GraphRecord], graphs: dict[GraphKey, CapturedGraph]) -> None:
+    def install(self, outcomes: list[KeyOutcome], graphs: dict[GraphKey, CapturedGraph]) -> None:
         """Keep what a pass produced: its graphs (captured and verified), and the keys it skipped."""
         self.graphs.update(graphs)
-        for record in records:
-            if record.key in graphs:
-                self._registry.mark_captured(record.key)
-            elif record.status == "skipped":
-                code = record.reason.partition(":")[0]  # a key left out by choice names its eager reason first
-                self._registry.mark_skipped(record.key, record.reason, code if code in EAGER_REASONS else "skipped")
+        for outcome in outcomes:
+            if outcome.key in graphs:
+                self._registry.mark_captured(outcome.key)
+            elif outcome.status == "skipped":
+                self._registry.mark_skipped(outcome.key, outcome.message, outcome.counted_as)
 
     def release_all(self, reason: str = "not_captured") -> int:
         """Drop every graph (steps then run eagerly with `reason`) and the pool they used; how many."""

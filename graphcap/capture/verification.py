@@ -2,7 +2,7 @@
 
 `compare_replay` is the one check: replay `graph` on the staged `inputs`, run `eager()` (the
 expected real rows), compare with `torch.testing.assert_close` at the configured tolerance, and
-raise `CaptureError(message(difference))` when they differ. A capture pass (`CapturePass`) runs it
+raise `ReplayMismatchError(message(difference))` when they differ. A capture pass's `Verifier` runs it
 per key, after the pass's context has exited: on the capture's own dummy batch, and on a
 `probe_batch` at each of `probe_fills(key)` (one real token, about half, all but one; requests
 likewise), each unlike the dummy in every value, so padded rows run in every share and a host value
@@ -22,8 +22,10 @@ from typing import Any
 import torch
 
 from graphcap.backends import CapturedGraph, GraphBackend
-from graphcap.errors import CaptureError
+from graphcap.capture.failures import failing_in
+from graphcap.errors import CaptureError, ReplayMismatchError
 from graphcap.inputs import ForwardInputs
+from graphcap.keys import GraphKey
 from graphcap.outputs import OutputRows, cloned, flatten_output
 from graphcap.piecewise import running
 
@@ -32,6 +34,7 @@ __all__ = [
     "NORM_TOLERANCE",
     "LastRun",
     "assert_close",
+    "axes_mismatch",
     "compare_replay",
     "differs",
     "probe_mismatch",
@@ -66,6 +69,19 @@ def probe_mismatch(
     )
 
 
+def axes_mismatch(key: GraphKey, lowered: tuple[tuple[str, int], ...]) -> Callable[[str], str]:
+    """The message of a key whose replay at `lowered` axis values differs from eager at those values."""
+    changed = [(name, dict(key.axes)[name], value) for name, value in lowered if value != dict(key.axes)[name]]
+    shown = ", ".join(f"{name} {value} (the graph holds {held})" for name, held, value in changed)
+    names = ", ".join(name for name, _, _ in changed)
+    return lambda diff: (
+        f"replay of {key} differs from eager on its dummy batch stating capture.axes {shown}: {diff}. The model "
+        f"is not neutral to padded {names} slots: a step pads each axis up to a captured value, so the slots "
+        f"beyond its own value run in the graph and must leave every real row unchanged (mask them, as padded "
+        f"rows are masked: e.g. an adapter slot no token uses must add nothing)"
+    )
+
+
 def compare_replay(
     graph: CapturedGraph,
     inputs: ForwardInputs,
@@ -83,7 +99,7 @@ def compare_replay(
 
     Returns the seconds `eager()` took (capture time that is not graph work); `timings`, when given,
     receives the seconds of the replay and of `eager()` (`replay`, `eager`). Raises
-    `CaptureError(message(first lines of the difference))` when the real rows differ beyond
+    `ReplayMismatchError(message(first lines of the difference))` when the real rows differ beyond
     `tolerance` (`torch.testing.assert_close` keywords); a str `message` is formatted with `diff`.
     `outputs` cuts both to their real rows; a replay whose real rows have another shape than the
     eager run's (a wrong cut) raises `CaptureError` naming the output and its declaration.
@@ -94,17 +110,17 @@ def compare_replay(
     """
     backend.synchronize()
     t0 = time.perf_counter()
-    with running(inputs):  # eager ops between pieces read the step through current_inputs()
+    with failing_in("the verification replay"), running(inputs):  # eager ops between pieces read current_inputs()
         output = graph.replay()
-    backend.synchronize()
+        backend.synchronize()
     replay_seconds = time.perf_counter() - t0
     output = cloned(output)
     replayed = outputs.real(output, inputs)
     backend.synchronize()
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    with failing_in("the eager reference run"), torch.inference_mode():
         expected = eager()
-    backend.synchronize()  # time the GPU work, not the launches
+        backend.synchronize()  # time the GPU work, not the launches
     seconds = time.perf_counter() - t0
     if timings is not None:  # one sample of each side, on the same inputs: what capture records as `speedup`
         timings.update(replay=replay_seconds, eager=seconds)
@@ -114,7 +130,8 @@ def compare_replay(
     diff = _difference(replayed, expected, tolerance, precision)
     if diff is not None:
         why = diagnose(replayed, expected) if diagnose is not None else None
-        raise CaptureError(why or (message.format(diff=diff) if isinstance(message, str) else message(diff)))
+        text = why or (message.format(diff=diff) if isinstance(message, str) else message(diff))
+        raise ReplayMismatchError(text, inputs.key, 0, "output")
     return seconds
 
 

@@ -72,7 +72,7 @@ class EventLog:
     def __enter__(self) -> EventLog:
         manager = self.manager
         self._patch(manager.buffers, "stage", "stage", pause=True)
-        self._patch(manager, "_forward", "run")
+        self._patch(manager.capturer.parts, "forward", "run")  # the forward every step and capture runs
         for graph in manager.graphs.values():
             self._patch(graph, "replay", "run")
         return self

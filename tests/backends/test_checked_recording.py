@@ -15,6 +15,7 @@ from graphcap.backends import check_capture_safe
 from graphcap.backends import generators as generators_module
 from graphcap.backends import preflight as preflight_module
 from graphcap.backends.preflight import in_preflight
+from graphcap.capture.recorder import Recorder
 from graphcap.models import build_model
 from graphcap.phases import phase
 from graphcap.testing import Wrapped, make_config
@@ -45,7 +46,7 @@ def test_an_unsafe_op_is_refused_by_the_recording_with_the_preflight_s_error():
     assert manager.model.phases == ["warmup", "capture"]  # one plain warmup, then the checked recording
     assert manager.graphs == {}
     # The preflight (check_capture_safe runs it) names the same op at the same line with the same words.
-    inner, inputs = manager.model, manager.buffers.stage(manager._pass_of((), {}).capture_batch(
+    inner, inputs = manager.model, manager.buffers.stage(Recorder(manager.capturer.parts).capture_batch(
         manager.registry.capture_order()[0]), manager.registry.capture_order()[0])  # fmt: skip
     with pytest.raises(CaptureUnsafeError) as preflight:
         check_capture_safe(lambda: inner(inputs), "cpu")

@@ -18,7 +18,7 @@ from graphcap.backends.cuda import CUDAGraphBackend, supports_input_liveness
 from graphcap.backends.cuda_pieces import CUDAPieceSession, release_pool_tensors
 from graphcap.backends.graph import record_input_ptrs
 from graphcap.backends.preflight import preflight
-from graphcap.capture.runner import WarmupSession
+from graphcap.capture.recorder import WarmupSession
 from graphcap.errors import CaptureError
 from graphcap.models import build_model
 from graphcap.piecewise import running

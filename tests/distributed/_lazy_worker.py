@@ -73,12 +73,12 @@ def _one_rank_too_slow(rank: int, config) -> dict[str, Any]:
     """A forced asymmetry: the last rank times every replay at 0.5x eager, rank 0 at 100x; every rank drops them."""
     import torch.distributed as dist
 
-    import graphcap.capture.runner
+    import graphcap.capture.verifier
     from graphcap import CaptureManager, Parallel
     from graphcap.models import build_model
 
     speedup = 0.5 if rank == dist.get_world_size() - 1 else 100.0
-    graphcap.capture.runner.replay_speedup = lambda *args, **kwargs: speedup
+    graphcap.capture.verifier.replay_speedup = lambda *args, **kwargs: speedup
     manager = CaptureManager(
         build_model(config), config, parallel=Parallel(dp_group=dist.group.WORLD, timeout=SLOW_S), progress=False
     )

@@ -46,7 +46,7 @@ def test_threads_never_interleave_staging_and_replay_and_outputs_are_exact(manag
 
 def test_the_detector_sees_interleaving_when_the_lock_is_gone(manager, expected, monkeypatch):
     """Proves the test above can fail: without the lock, steps interleave (and go wrong)."""
-    monkeypatch.setattr(manager, "_lock", NoLock())
+    monkeypatch.setattr(manager._scope, "lock", NoLock())
     with EventLog(manager) as log:
         mismatches, errors = run_threads(manager, expected, seed=1)
     assert log.interleavings() > 0 or mismatches or errors

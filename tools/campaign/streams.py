@@ -78,15 +78,15 @@ def thread_rows(scale: Scale) -> list[Row]:
         )
     ]
     control = Tally()
-    lock = manager._lock
+    lock = manager._scope.lock
     for round_ in range(scale.control_rounds):
-        manager._lock = NoLock()
+        manager._scope.lock = NoLock()
         with control.trial(f"control {round_}"):
             with EventLog(manager) as events:
                 mismatches, errors = run_threads(manager, expected, seed=100 + round_)
             if not (events.interleavings() or mismatches or errors):
                 raise AssertionError("nothing detected without the lock")
-        manager._lock = lock
+        manager._scope.lock = lock
     rows.append(
         control.row(
             "threads", "control: the same rounds with the lock removed", "interleaving or wrong output detected"
