@@ -107,12 +107,6 @@ class CaptureUnsafeError(CaptureError):
         self.reason = reason
         self.fix = fix
 
-    def with_context(self, context: str) -> CaptureUnsafeError:
-        """The same error (same fields) with `context` ("capturing KEY failed") in front."""
-        error = CaptureUnsafeError(self.op, self.location, self.reason, self.fix)
-        error.args = (f"{context}: {self}",)
-        return error
-
 
 class StaticInputMovedError(CaptureError):
     """A static input's address differs from the one recorded at capture (or it is missing/new).
@@ -139,8 +133,11 @@ class ReplayMismatchError(CaptureError):
     of the same batch: the graph of `key` no longer computes what the model does (a kernel reading a wrong
     slice at replay shapes, a host plan gone stale, memory an eager op read reused by a later capture).
 
-    Attributes: `key` (the `GraphKey` replayed), `step` (the manager's replayed-step count, from 1), `what`
-    (the output or KV cache that differs).
+    Also what capture-time verification raises when a replay of a key's graph and an eager run of the same batch
+    differ (`step` 0 there; the policy settles it, `capture.on_error`).
+
+    Attributes: `key` (the `GraphKey` replayed), `step` (the manager's replayed-step count, from 1; 0 at capture),
+    `what` (the output or KV cache that differs).
     """
 
     def __init__(self, message: str, key: Any, step: int, what: str) -> None:

@@ -208,8 +208,8 @@ class ForwardInputs:
     """Engine buffers (`BufferSpec`) by name: views of their padded rows."""
     kv_groups: Mapping[str, KVGroupView] = field(default_factory=dict)
     """Extra KV-cache groups (`kv_cache.groups`) by name: each one's `block_table` and `slot_mapping`."""
-    _basic: Any = field(default=None, init=False, repr=False, compare=False)
-    """Cached by `check_invariants`: the views and expected bytes of this step's basic rules."""
+    basic_plan: Any = field(default=None, init=False, repr=False, compare=False)
+    """graphcap's own cache (`graphcap.checks.plans`): the views and expected bytes of this step's basic rules."""
 
     @property
     def axes(self) -> dict[str, int]:

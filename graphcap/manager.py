@@ -31,7 +31,7 @@ from graphcap.communicators import Communicator, communicators_of, pass_context
 from graphcap.config import CaptureConfig
 from graphcap.distributed import StepAgreement, counts_buffers
 from graphcap.distributed.ledger import CollectiveLedger
-from graphcap.distributed.options import Parallel, parallel_of, refuse_moved
+from graphcap.distributed.options import Parallel, parallel_of
 from graphcap.errors import InvariantViolation
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
 from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode, StepStats
@@ -76,14 +76,11 @@ class CaptureManager:
         device: torch.device | str | None = None,
         communicators: Iterable[Communicator] = (),
         generators: Iterable[torch.Generator] = (),
-        **moved: Any,
     ) -> None:
         """`group`: the data-parallel group, shorthand for `parallel=Parallel(dp_group=group)`; `parallel`: every
-        data- and tensor-parallel option (`graphcap.Parallel`). The keyword arguments `tp_group=`, `dp_timeout=`,
-        `pad_eager=` and `dp_token_counts=` are refused with a `TypeError` naming their `Parallel` field.
+        data- and tensor-parallel option (`graphcap.Parallel`).
         `generators`: the engine's own `torch.Generator`s its forward draws from (a sampler's), registered with
         every graph before its capture begins (`graphcap.backends.backend_for`)."""
-        refuse_moved(moved)
         parallel = parallel_of(parallel, group)
         if not callable(getattr(model, "forward", None)):
             raise TypeError(f"model must have a callable forward(inputs); got {type(model).__name__}")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import strategies as st
 
 from graphcap.batch import StepBatch
@@ -14,6 +15,8 @@ from graphcap.keys import GraphKey
 from graphcap.staging import PersistentBuffers
 
 ASSETS = Path(__file__).parent / "assets"
+
+torch.set_num_threads(1)  # the test processes share few cores (pytest -n 2 on two): one torch thread each
 
 # Small enough that hypothesis explores the corners, big enough for padded tails.
 BLOCK_SIZE = 4

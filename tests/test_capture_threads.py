@@ -33,7 +33,7 @@ def _seen_threads(manager) -> list[int]:
 @pytest.mark.parametrize(("num_threads", "expected"), [(None, EMULATED_CAPTURE_THREADS), (3, 3)])
 def test_an_emulated_pass_runs_on_the_configured_threads_and_restores_torchs(two_threads, num_threads, expected):
     manager = make_manager(make_config(capture__num_threads=num_threads))
-    torch.set_num_threads(2)  # make_manager sets one thread: the engine's setting is 2 here
+    torch.set_num_threads(2)  # the engine's setting is 2 here
     seen = _seen_threads(manager)
     manager.capture()
     assert seen and set(seen) == {expected}

@@ -8,8 +8,10 @@ from hypothesis import strategies as st
 
 from graphcap.batch import StepBatch, dummy_batch
 from graphcap.config import load_config
+from graphcap.errors import BatchError
 from graphcap.keys import EAGER_REASONS, Dispatch, GraphKey, KeyRegistry, Mode, mixed_request_rows
 from graphcap.sizing.sizes import CaptureSizes
+from graphcap.testing import make_config, make_manager
 
 SIZES = CaptureSizes([1, 2, 4, 8, 16, 32], 64)
 
@@ -114,12 +116,25 @@ def test_skipped_uniform_key_falls_back_to_the_mixed_key():
         (registry(capture_all=False), decode(2), "not_captured"),
         (registry(capture_all=False), StepBatch([2, 1], [2, 1]), "not_captured"),
         (registry(mode="full_decode_only", capture_all=False), decode(2), "not_captured"),
-        (registry(max_num_seqs=2), StepBatch([1, 1, 2], [1, 1, 2]), "too_many_requests"),
     ],
 )
 def test_dispatch_runs_eagerly_with_the_reason(keys, batch, reason):
     assert key_for(keys, batch) == (None, reason)
     assert reason in EAGER_REASONS
+
+
+def test_more_requests_than_max_num_seqs_is_refused_by_dispatch_as_by_staging():
+    with pytest.raises(BatchError, match=r"batch has 3 requests, above batching.max_num_seqs 2; the scheduler must"):
+        key_for(registry(max_num_seqs=2), StepBatch([1, 1, 2], [1, 1, 2]))
+
+
+def test_a_manager_refuses_such_a_step_and_counts_no_eager_reason_for_it():
+    manager = make_manager(make_config(batching__max_num_seqs=2))
+    manager.capture()
+    for step in (manager.execute, manager.eager, manager.dispatch):
+        with pytest.raises(BatchError, match=r"batch has 3 requests, above batching.max_num_seqs 2"):
+            step(StepBatch([1, 1, 2], [1, 1, 2]))
+    assert not manager.stats.eager
 
 
 def test_skipped_key_runs_eagerly_with_reason_skipped():

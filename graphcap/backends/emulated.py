@@ -61,11 +61,6 @@ class EmulatedGraph(CapturedGraph):
     leaves: list[torch.Tensor] = field(default_factory=list, repr=False)
     """The output's tensors (one, or those of a tuple, list or dict), as `tape.result_slots`."""
 
-    @property
-    def owns_output(self) -> bool:
-        """Whether the (first) output is the graph's own memory (not a view of an external it writes)."""
-        return self.tape is not None and self.tape.result_slot >= 0
-
     def _replay(self) -> None:
         with torch.inference_mode():  # the outputs are inference tensors: copy_ needs it
             for leaf, value in zip(self.leaves, self.tape.run()):
@@ -76,7 +71,7 @@ class EmulatedGraph(CapturedGraph):
         self.tape = None
         self.leaves = []
 
-    def _invalidate_output(self) -> None:
+    def invalidate_output(self) -> None:
         # An output that views an external (the forward returned a slice of a buffer it
         # writes) lives outside the pool on CUDA too: nothing reuses it.
         if self.tape is not None:

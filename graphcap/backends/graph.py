@@ -192,7 +192,7 @@ class CapturedGraph:
     def _release(self) -> None:
         raise NotImplementedError
 
-    def _invalidate_output(self) -> None:
+    def invalidate_output(self) -> None:
         """Another graph of the pool replays: make the output read as reused memory would."""
 
     def __repr__(self) -> str:

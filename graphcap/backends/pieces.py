@@ -32,6 +32,7 @@ from graphcap.backends.pool import invalidate
 from graphcap.backends.preflight import in_preflight, unsafe_op_checker
 from graphcap.backends.tape import TapeRecorder, compile_tape
 from graphcap.errors import CaptureError
+from graphcap.fields import REQUEST_FIELDS
 from graphcap.outputs import flatten_output
 from graphcap.piecewise import current_inputs
 
@@ -110,7 +111,7 @@ class PiecewiseGraph(CapturedGraph):
             piece.release()
         self.pieces, self.calls, self.leaves = [], [], []
 
-    def _invalidate_output(self) -> None:
+    def invalidate_output(self) -> None:
         if not self.invalidates:
             return
         for leaf, owned in zip(self.leaves, self.owned):
@@ -283,7 +284,7 @@ def request_views(inputs: Any) -> dict[str, Any]:
     Their shape follows the step's request count, which a piecewise key does not fix: no piece
     may read them. Eager ops read them through `current_inputs()`.
     """
-    views = {name: getattr(inputs, name) for name in ("query_start_loc", "seq_lens", "block_table")}
+    views = {name: getattr(inputs, name) for name in REQUEST_FIELDS}
     views.update({f"extras[{s.name!r}]": inputs.extras[s.name] for s in inputs.limits.extras if s.rows == "reqs"})
     return views
 

@@ -48,7 +48,7 @@ class _Replayed(Protocol):
     @property
     def is_released(self) -> bool: ...
 
-    def _invalidate_output(self) -> None: ...
+    def invalidate_output(self) -> None: ...
 
 
 __all__ = ["GraphPool", "Reservation", "discard_capture", "invalidate", "unowned_alias"]
@@ -224,7 +224,7 @@ class GraphPool:
         """Record that `graph` replays next; the previous graph's output stops being valid."""
         last = self._last() if self._last is not None else None
         if last is not None and last is not graph and not last.is_released:
-            last._invalidate_output()
+            last.invalidate_output()
         self._last = weakref.ref(graph)
 
     def __repr__(self) -> str:

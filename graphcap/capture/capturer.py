@@ -49,8 +49,9 @@ __all__ = ["EMULATED_CAPTURE_THREADS", "Capturer", "progress_bar", "uncompiled_w
 log = logging.getLogger("graphcap")
 
 EMULATED_CAPTURE_THREADS = 1
-"""torch CPU threads while the emulated backend captures, unless `capture.num_threads` says otherwise: on a
-shared CPU a pass runs faster on one thread than on two (`tools/bench_capture.py --pass-threads` compares)."""
+"""torch CPU threads while the emulated backend captures, unless `capture.num_threads` says otherwise: on a loaded
+shared VM a pass on one thread took 0.11-0.20x the time of one on two (docs/BENCHMARKS.md, "Capture threads on
+the emulated backend"; idle, the two were within 0.8-1.2x)."""
 
 
 class Capturer:

@@ -36,6 +36,7 @@ __all__ = [
     "assert_close",
     "axes_mismatch",
     "compare_replay",
+    "difference",
     "differs",
     "probe_mismatch",
 ]
@@ -127,7 +128,7 @@ def compare_replay(
     wrong_cut = outputs.mismatch(output, expected, inputs)
     if wrong_cut is not None:
         raise CaptureError(wrong_cut)
-    diff = _difference(replayed, expected, tolerance, precision)
+    diff = difference(replayed, expected, tolerance, precision)
     if diff is not None:
         why = diagnose(replayed, expected) if diagnose is not None else None
         text = why or (message.format(diff=diff) if isinstance(message, str) else message(diff))
@@ -137,7 +138,7 @@ def compare_replay(
 
 def differs(tolerance: Mapping[str, float], precision: torch.dtype | None = None) -> Callable[[Any, Any], bool]:
     """Whether two real-row results differ as `compare_replay` judges them."""
-    return lambda a, b: _difference(a, b, tolerance, precision) is not None
+    return lambda a, b: difference(a, b, tolerance, precision) is not None
 
 
 class LastRun:
@@ -181,7 +182,7 @@ of millions of 16-bit logits is not a fair test; `|replay - eager| / |eager|` (F
 same holds for float32 outputs of a model that computes in 16 bits (its `precision`)."""
 
 
-def _difference(
+def difference(
     replayed: Any, expected: Any, tolerance: Mapping[str, float], precision: torch.dtype | None = None
 ) -> str | None:
     """None when `replayed` matches `expected`, else the first lines of what differs.

@@ -74,10 +74,6 @@ class StaticGuard:
         self._handles: list[Any] = []
         self._finalizer: weakref.finalize | None = None
 
-    @property
-    def is_armed(self) -> bool:
-        return self._armed
-
     def register(self, name: str, tensor: torch.Tensor) -> None:
         """Add `tensor` to the static inputs under `name` (see `CaptureManager.register_static`).
 

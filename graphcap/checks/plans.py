@@ -40,7 +40,7 @@ def basic_holds(inputs: ForwardInputs) -> bool:
     `ForwardInputs` (staging hands back the same object for the same key and counts). When
     it says False, `check_invariants` names the first broken rule.
     """
-    p = inputs._basic
+    p = inputs.basic_plan
     if (
         p is None
         or p.key is not inputs.key
@@ -52,7 +52,7 @@ def basic_holds(inputs: ForwardInputs) -> bool:
         p = BasicPlan.of(inputs)
         if p is None:
             return False
-        inputs._basic = p
+        inputs.basic_plan = p
     if p.uniform:
         if p.qsl.tobytes() != p.qsl_bytes:
             return False
@@ -127,7 +127,7 @@ def full_holds(inputs: ForwardInputs, kv_writes: bool = True, dummy: bool = Fals
     written twice are a min, three array ops and a sort. When it says False, `_check_full` and
     `_check_kv_writes` name the broken rule (or find none: False is allowed to be cautious).
     """
-    b = inputs._basic
+    b = inputs.basic_plan
     f = b.full
     if f is None:
         f = b.full = FullPlan.of(inputs, b)

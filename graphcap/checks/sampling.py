@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from graphcap.capture.verification import _difference
+from graphcap.capture.verification import difference
 from graphcap.errors import ReplayMismatchError
 from graphcap.inputs import ForwardInputs
 from graphcap.outputs import cloned
@@ -138,11 +138,11 @@ class StepSampler:
     def compare(self, key: Any, replayed: Any, expected: Expected, tolerance: Mapping[str, float], precision: Any):
         """`ReplayMismatchError` when the replay's real rows or KV slots differ from `expected`'s."""
         self.checked += 1
-        diff = _difference(replayed, expected.output, tolerance, precision)
+        diff = difference(replayed, expected.output, tolerance, precision)
         what = "its output"
         if diff is None:
             for cache, value, now in zip(expected.caches, expected.values, _gather(expected.caches, expected.index)):
-                diff = _difference(now, value, tolerance, precision)
+                diff = difference(now, value, tolerance, precision)
                 if diff is not None:
                     what = f"the KV slots its tokens write in {cache.name!r}" + (
                         f" (kv_cache.groups {cache.group!r})" if cache.group is not None else ""

@@ -3,18 +3,15 @@
     manager = CaptureManager(model, config, parallel=Parallel(dp_group=dp, tp_group=tp, timeout=60.0))
 
 `group=` stays on `CaptureManager` as the shorthand for `Parallel(dp_group=group)` (the common
-case: data parallel only). The keyword arguments these fields replaced (`tp_group=`,
-`dp_timeout=`, `pad_eager=`, `dp_token_counts=`) are refused with a `TypeError` naming the field
-(`refuse_moved`).
+case: data parallel only).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MOVED", "Parallel", "parallel_of", "refuse_moved"]
+__all__ = ["Parallel", "parallel_of"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,29 +60,6 @@ class Parallel:
     def has_peers(self) -> bool:
         """Whether any group is given (no group: the manager agrees with nobody)."""
         return self.dp_group is not None or self.tp_group is not None
-
-
-MOVED = {
-    "tp_group": "tp_group",
-    "dp_timeout": "timeout",
-    "pad_eager": "pad_eager",
-    "dp_token_counts": "token_counts",
-}
-"""A keyword argument `CaptureManager` no longer takes -> the `Parallel` field that holds it now."""
-
-
-def refuse_moved(kwargs: Mapping[str, Any]) -> None:
-    """`TypeError` for keyword arguments `CaptureManager` does not take: a moved one names its `Parallel` field."""
-    if not kwargs:
-        return
-    moved = [name for name in kwargs if name in MOVED]
-    if moved:
-        fields = ", ".join(f"{MOVED[name]}=..." for name in moved)
-        raise TypeError(
-            f"CaptureManager({', '.join(f'{name}=' for name in moved)}...) moved into one options object: pass "
-            f"parallel=Parallel({fields}) (from graphcap import Parallel)"
-        )
-    raise TypeError(f"CaptureManager() got an unexpected keyword argument {next(iter(kwargs))!r}")
 
 
 def parallel_of(parallel: Parallel | None, group: Any) -> Parallel:

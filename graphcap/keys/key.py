@@ -74,7 +74,6 @@ class Dispatch(NamedTuple):
 EAGER_REASONS = {
     "mode_none": "capture.mode is none",
     "above_max_size": "more tokens than the largest captured size (capture.max_size)",
-    "too_many_requests": "more requests than the key holds (batching.max_num_seqs)",
     "decode_only": "a mixed (not uniform) batch under capture.mode full_decode_only",
     "skipped": "its key failed to capture and was skipped (capture.on_error: skip)",
     "not_captured": "its key has not been captured yet (call capture() first)",

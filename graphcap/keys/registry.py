@@ -247,7 +247,8 @@ class KeyRegistry:
         step is uniform). A uniform step prefers its uniform key and falls back to the mixed
         (or piecewise) key of its size; a key that was skipped or not captured yet is never
         returned. `axes`: the step's key-axis values (`StepBatch.axes`), each padded to the
-        smallest captured value at or above it; `BatchError` for an axis `capture.axes` does not plan.
+        smallest captured value at or above it; `BatchError` for an axis `capture.axes` does not plan, and for
+        more requests than `batching.max_num_seqs` (staging refuses such a step too: no key holds it).
         `count`: a key with no graph yet counts the step in `demand` (False: a look that is not the
         step's key, such as a data-parallel rank's own before the agreement, or
         `CaptureManager.dispatch()`, a query). A step its graph would pad past `max_padding_factor`
@@ -338,8 +339,11 @@ class KeyRegistry:
                 if key in self.captured:
                     return Dispatch(Mode.FULL, key, "")
                 fits = fits or key
-        if fits is None:
-            return self._eager(num_tokens, num_reqs, "too_many_requests", values)
+        if fits is None:  # every size's mixed keys hold min(size, max_num_seqs) requests: only more than that
+            raise BatchError(
+                f"batch has {num_reqs} requests, above batching.max_num_seqs {self.max_num_seqs}; "
+                "the scheduler must split the step"
+            )
         return self._eager(num_tokens, num_reqs, self._state(fits, count=count), values)
 
     @staticmethod

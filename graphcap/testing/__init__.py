@@ -158,9 +158,13 @@ def make_config(overrides: Mapping[str, Any] | None = None, /, **kwargs: Any) ->
     return load_config(overrides={**TINY, **(overrides or {}), **extra})
 
 
-def make_manager(config: CaptureConfig, *, faulty: bool = False, **kwargs: Any) -> CaptureManager:
-    """A manager over the reference model (wrapped in `FaultyModel` when `faulty`); one thread."""
-    torch.set_num_threads(1)  # CI machines share few cores between jobs
+def make_manager(
+    config: CaptureConfig, *, faulty: bool = False, threads: int | None = None, **kwargs: Any
+) -> CaptureManager:
+    """A manager over the reference model (wrapped in `FaultyModel` when `faulty`). `threads`: torch's CPU threads
+    for the whole process, set first when given (None: torch's setting is left alone)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     model = build_model(config)
     kwargs.setdefault("progress", False)
     return CaptureManager(FaultyModel(model) if faulty else model, config, **kwargs)

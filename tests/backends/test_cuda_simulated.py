@@ -219,7 +219,7 @@ def test_a_cuda_piecewise_graph_keeps_no_pool_tensor_alive_and_never_nan_fills_i
     assert graph.owned == [True] and not graph.invalidates
     with torch.inference_mode():
         graph.leaves[0].copy_(torch.full((4,), 5.0))
-    graph._invalidate_output()  # what another graph's replay does
+    graph.invalidate_output()  # what another graph's replay does
     torch.testing.assert_close(graph.leaves[0], torch.full((4,), 5.0))
 
 

@@ -19,20 +19,6 @@ def config():
     return load_config(overrides={**SMALL, "model.num_layers": 1})
 
 
-@pytest.mark.parametrize(
-    ("moved", "field"),
-    [
-        ("tp_group", "tp_group"),
-        ("dp_timeout", "timeout"),
-        ("pad_eager", "pad_eager"),
-        ("dp_token_counts", "token_counts"),
-    ],
-)
-def test_a_moved_keyword_is_refused_naming_its_parallel_field(config, moved, field):
-    with pytest.raises(TypeError, match=rf"pass parallel=Parallel\({field}=\.\.\.\) \(from graphcap import Parallel\)"):
-        CaptureManager(build_model(config), config, **{moved: 1})
-
-
 def test_an_unknown_keyword_is_refused_as_python_does(config):
     with pytest.raises(TypeError, match="unexpected keyword argument 'groups'"):
         CaptureManager(build_model(config), config, groups=None)
