@@ -12,18 +12,19 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from graphcap.backends import CapturedGraph, GraphBackend, backend_for, resolve_device
+from graphcap.backends.pieces import PiecewiseGraph
 from graphcap.batch import StepBatch, step_or_idle
 from graphcap.block_table import BlockTable
 from graphcap.capture.capturer import Capturer
 from graphcap.capture.failures import FailurePolicy
 from graphcap.capture.lazy import LazyCapture
 from graphcap.capture.lifecycle import KeptOutputs, LiveGraphs, PassHistory, check_kv_fits, resize_plan
-from graphcap.capture.parts import CaptureParts, Forward
+from graphcap.capture.parts import CaptureParts, Forward, PartOf
 from graphcap.checks.guard import StaticGuard
 from graphcap.checks.invariants import check_invariants
 from graphcap.checks.sampling import Expected, StepSampler, locate
@@ -38,7 +39,7 @@ from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode, StepStats
 from graphcap.memory.budget import MemoryBudget
 from graphcap.memory.estimate import GraphMemory
 from graphcap.model_facts import VOCAB_HINT, is_built_in, precision_of, with_model_vocab
-from graphcap.outputs import OutputRows
+from graphcap.outputs import OutputRows, StepOutput
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
 from graphcap.report import CaptureReport
@@ -61,6 +62,12 @@ class CaptureManager:
     Does not schedule, sample or manage KV blocks: the engine owns those. `config.model.vocab_size` is
     read off the model when it declares its vocabulary (`graphcap.model_facts`); `manager.config` holds it.
     """
+
+    # Held by the capture parts (one place: a pass reads what is set here, `resize_kv`'s config too).
+    model: PartOf[Any] = PartOf("model")
+    config: PartOf[CaptureConfig] = PartOf("config")
+    _forward: PartOf[Forward] = PartOf("forward")
+    _ledger: PartOf[CollectiveLedger | None] = PartOf("ledger")
 
     def __init__(
         self,
@@ -153,41 +160,6 @@ class CaptureManager:
         )
         self.capturer = Capturer(self._parts)
         """The capture half: `capture()`, `capture_pending()` and `pending()` delegate to it."""
-
-    # The model, config, forward and ledger are the capture parts' (one place: a pass reads what is set here).
-    @property
-    def model(self) -> Any:
-        """The engine's model (its `forward(inputs)` is what every step and capture runs)."""
-        return self._parts.model
-
-    @model.setter
-    def model(self, model: Any) -> None:
-        self._parts.model = model
-
-    @property
-    def config(self) -> CaptureConfig:
-        """The config the manager runs with (`config.model.vocab_size` read off the model where it says it)."""
-        return self._parts.config
-
-    @config.setter
-    def config(self, config: CaptureConfig) -> None:
-        self._parts.config = config
-
-    @property
-    def _forward(self) -> Forward:
-        return self._parts.forward
-
-    @_forward.setter
-    def _forward(self, forward: Forward) -> None:
-        self._parts.forward = forward
-
-    @property
-    def _ledger(self) -> CollectiveLedger | None:
-        return self._parts.ledger
-
-    @_ledger.setter
-    def _ledger(self, ledger: CollectiveLedger | None) -> None:
-        self._parts.ledger = ledger
 
     @contextmanager
     def uncounted(self) -> Iterator[None]:
@@ -285,7 +257,7 @@ class CaptureManager:
             mode, key, _ = self._dispatch(batch, step, count=False)
             return None if mode is Mode.EAGER else key
 
-    def execute(self, batch: StepBatch | None, *, step: int | None = None) -> Any:
+    def execute(self, batch: StepBatch | None, *, step: int | None = None) -> StepOutput:
         """Run one step: dispatch, stage, prepare, check invariants, replay or run eagerly.
 
         Before every replay the static inputs are checked (`StaticInputMovedError` when one
@@ -304,7 +276,7 @@ class CaptureManager:
             peers = self._peers  # with peers: agreed first; a refused batch runs the step idle, then raises
             return self._run(batch, self._dispatch(batch)) if peers is None else peers.execute(batch, self._run, step)
 
-    def _run(self, batch: StepBatch, dispatch: Dispatch) -> Any:
+    def _run(self, batch: StepBatch, dispatch: Dispatch) -> StepOutput:
         mode, key, reason = dispatch
         if mode is Mode.EAGER:
             output = self._run_eager(batch, key)
@@ -312,8 +284,8 @@ class CaptureManager:
                 self.stats.eager[reason] += 1
             return output
         self.last_key = key
-        sampled = self._sampler is not None and self._sampler.due()
-        expected = self._sample_eager(batch, key) if sampled else None  # before the replay: it puts back its writes
+        sampler = self._sampler  # before the replay: the sampled eager run puts back its writes
+        expected = self._sample_eager(sampler, batch, key) if sampler is not None and sampler.due() else None
         inputs = self._stage(batch, key, phase="replay")
         graph = self.graphs[key]
         self._guard.check_before_replay()  # what the graph writes: before the launch
@@ -329,34 +301,35 @@ class CaptureManager:
             stats.real_tokens += batch.num_tokens
             stats.padded_tokens += key.num_tokens
             if mode is Mode.PIECEWISE:
-                stats.eager_op_calls += len(graph.calls)
-                stats.eager_op_copies += graph.copies_per_replay
+                pieces = cast(PiecewiseGraph, graph)  # a piecewise key's graph
+                stats.eager_op_calls += len(pieces.calls)
+                stats.eager_op_copies += pieces.copies_per_replay
         output = self._outputs.real(output, inputs)
-        if expected is not None:
-            self._sampler.compare(key, output, expected, self.config.checks.tolerance, precision_of(self.model))
+        if expected is not None and sampler is not None:
+            sampler.compare(key, output, expected, self.config.checks.tolerance, precision_of(self.model))
         self._kept.hold(graph, output)
         return output
 
-    def _sample_eager(self, batch: StepBatch, key: GraphKey) -> Expected:
+    def _sample_eager(self, sampler: StepSampler, batch: StepBatch, key: GraphKey) -> Expected:
         """The eager run of a sampled step (`checks.sample_every`), its KV writes put back (`graphcap.checks.sampling`).
 
         Unpadded as `eager()` runs; with peers at the replayed key's shape (every rank runs it in the same step)."""
         eager_key = key if self._peers is not None else self.registry.eager_key(batch.num_tokens, batch.num_reqs)
         kv = self.config.kv_cache
-        caches = [(None, kv.block_size, kv.num_blocks)]
+        caches: list[tuple[str | None, int, int]] = [(None, kv.block_size, kv.num_blocks)]
         caches += [(g.name, g.block_size, g.num_blocks) for g in self.buffers.limits.kv_groups]
         with in_phase("eager"):
             inputs = self._stage(batch, eager_key, phase="eager")
             found = locate(self._guard.collect(self.model, {}), caches)
-            return self._sampler.eager(inputs, self._forward, lambda out: self._outputs.real(out, inputs), found)
+            return sampler.eager(inputs, self._forward, lambda out: self._outputs.real(out, inputs), found)
 
-    def eager(self, batch: StepBatch) -> Any:
+    def eager(self, batch: StepBatch) -> StepOutput:
         """The reference: the model on the same staging path, unpadded, with no graph."""
         batch = step_or_idle(batch)
         with self._scope("eager"):
             return self._run_eager(batch)
 
-    def _run_eager(self, batch: StepBatch, key: GraphKey | None = None) -> Any:  # key: unpadded, or pad_eager's
+    def _run_eager(self, batch: StepBatch, key: GraphKey | None = None) -> StepOutput:  # key: unpadded, or pad_eager's
         key = key or self.registry.eager_key(batch.num_tokens, batch.num_reqs, self.registry.axis_values(batch.axes))
         self.last_key = key
         self._kept.drop()  # a step: the last replay's outputs are no longer valid

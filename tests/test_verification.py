@@ -199,7 +199,7 @@ def test_probe_batch_is_partly_filled_and_fits_its_key(T, R, uniform, seed):
 def test_16_bit_outputs_are_compared_by_norm_relative_error_unless_tolerances_are_given():
     """A replay at the padded shape runs other GEMM kernels than the eager run at the real shape: for
     16-bit logits one element off by a few ulps must not fail a correct graph; a wrong one still fails."""
-    from graphcap.capture.verification import _difference
+    from graphcap.capture.verification import difference
 
     torch.manual_seed(0)
     eager = torch.randn(64, 512).to(torch.bfloat16)
@@ -207,15 +207,15 @@ def test_16_bit_outputs_are_compared_by_norm_relative_error_unless_tolerances_ar
     near[3, 7] = near[3, 7] * 1.08  # one element 8% off: elementwise assert_close refuses it
     with pytest.raises(AssertionError):
         torch.testing.assert_close(near, eager)
-    assert _difference(near, eager, {}) is None
-    assert _difference((near, eager.float()), (eager, eager.float()), {}) is None  # mixed outputs
+    assert difference(near, eager, {}) is None
+    assert difference((near, eager.float()), (eager, eager.float()), {}) is None  # mixed outputs
     wrong = eager.clone()
     wrong[:8] = 0  # a wrong graph: an eighth of the rows missing
-    assert "norm-relative error" in _difference(wrong, eager, {})
+    assert "norm-relative error" in difference(wrong, eager, {})
     nan = near.clone()
     nan[0, 0] = float("nan")
-    assert "non-finite" in _difference(nan, eager, {})
-    assert _difference(near, eager, {"atol": 1e-5, "rtol": 1e-5}) is not None  # explicit: elementwise
+    assert "non-finite" in difference(nan, eager, {})
+    assert difference(near, eager, {"atol": 1e-5, "rtol": 1e-5}) is not None  # explicit: elementwise
 
 
 @given(
@@ -251,8 +251,8 @@ def test_the_fast_comparison_never_accepts_what_assert_close_refuses(dtype, n, n
     if a.is_floating_point() and a.shape == b.shape:
         assert surely == passes  # floats never need the slow path to pass
     if tolerance or dtype not in verification.NORM_TOLERANCE:  # 16-bit without tolerances: the norm check
-        assert (verification._difference(a, b, tolerance) is None) == passes
-        assert (verification._difference((a, a), (b, b), tolerance) is None) == passes
+        assert (verification.difference(a, b, tolerance) is None) == passes
+        assert (verification.difference((a, a), (b, b), tolerance) is None) == passes
 
 
 def test_float32_outputs_of_a_16_bit_model_are_judged_by_the_norm_relative_tolerance():
@@ -263,21 +263,21 @@ def test_float32_outputs_of_a_16_bit_model_are_judged_by_the_norm_relative_toler
     expected = torch.randn(31, 4096)
     rounding = expected.clone()
     rounding[3, 7] += 1e-3  # one element off, far below bfloat16's resolution of the whole
-    assert verification._difference(rounding, expected, {}) is not None  # elementwise (float32) refuses it
-    assert verification._difference(rounding, expected, {}, torch.bfloat16) is None
-    wrong = verification._difference(expected * 2, expected, {}, torch.bfloat16)
+    assert verification.difference(rounding, expected, {}) is not None  # elementwise (float32) refuses it
+    assert verification.difference(rounding, expected, {}, torch.bfloat16) is None
+    wrong = verification.difference(expected * 2, expected, {}, torch.bfloat16)
     assert wrong is not None and "computed in torch.bfloat16" in wrong
     # explicit checks.atol/rtol keep the elementwise comparison whatever the model's precision
-    assert verification._difference(rounding, expected, {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16) is not None
+    assert verification.difference(rounding, expected, {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16) is not None
 
 
 def test_the_norm_relative_error_needs_non_finite_values_at_the_same_places():
     expected = torch.ones(3, 70000, dtype=torch.bfloat16)
     expected[2, 69999] = float("inf")
-    assert verification._difference(expected.clone(), expected, {}) is None
+    assert verification.difference(expected.clone(), expected, {}) is None
     shifted = expected.clone()
     shifted[2, 69999], shifted[0, 0] = 1.0, float("inf")
-    assert "non-finite" in verification._difference(shifted, expected, {})
+    assert "non-finite" in verification.difference(shifted, expected, {})
 
 
 def test_assert_close_gives_torch_testing_assert_closes_verdict_without_its_imports():

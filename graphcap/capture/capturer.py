@@ -25,9 +25,9 @@ from graphcap.backends.sync_debug import beside_engine_threads
 from graphcap.capture.gc_hold import gc_frozen
 from graphcap.capture.lazy import check_time_limits
 from graphcap.capture.lifecycle import check_kv_fits
-from graphcap.capture.outcome import KeyOutcome, Verified
+from graphcap.capture.outcome import KeyOutcome, Recorded, Verified
 from graphcap.capture.parts import CaptureParts
-from graphcap.capture.recorder import Recorder
+from graphcap.capture.recorder import Recorder, capture_reqs
 from graphcap.capture.references import SharedReferences, expected_probes
 from graphcap.capture.verification import LastRun
 from graphcap.capture.verifier import Scratch, Verifier
@@ -169,8 +169,8 @@ class Capturer:
     def measure_key(self, key: GraphKey) -> GraphMemory:
         """`key`'s graph memory measured on this model: its dummy batch staged as a warmup's, one forward."""
         parts = self.parts
-        shape = parts.registry.capture_shape(key)
-        return measure_graph(key.num_tokens, shape.num_reqs, Recorder(parts).key_run(key), parts.backend)
+        num_reqs = capture_reqs(parts.registry, key)
+        return measure_graph(key.num_tokens, num_reqs, Recorder(parts).key_run(key), parts.backend)
 
     def check_ready(self, call: str = "capture") -> None:
         """`ConfigError`: `num_warmups: 0` where the backend needs warmups (cuda), or a KV cache that shrank
@@ -234,6 +234,7 @@ class Capturer:
         # its last warmup's output (an eager run of the same batch): one forward less per key.
         inline = verify and parts.context is contextlib.nullcontext and parts.failures.peers is None
         done: list[Verified] = []
+        deferred: list[Recorded] = []  # recorded, to verify after the context
         graphs: dict[GraphKey, CapturedGraph] = {}
         try:
             with parts.context():
@@ -245,11 +246,14 @@ class Capturer:
                         graphs[key] = recorded.graph
                         if on_captured is not None:
                             on_captured(key)
-                    done.append(
-                        self._settled(verifier.verify(recorded, reference), graphs) if inline else Verified(*recorded)
-                    )
+                    if inline:
+                        done.append(self._settled(verifier.verify(recorded, reference), graphs))
+                    else:
+                        deferred.append(recorded)
             if verify and not inline:  # after the context: the engine registered its buffers
-                done = [self._settled(verifier.verify(item), graphs) for item in done]
+                done = [self._settled(verifier.verify(recorded), graphs) for recorded in deferred]
+            elif not inline:
+                done = [Verified(*recorded) for recorded in deferred]
             if config.capture.min_speedup is not None:  # what each graph buys, timed again when a minimum decides
                 done = [self._settled(verifier.timed(item), graphs) for item in done]
         except BaseException:

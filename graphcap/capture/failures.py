@@ -192,7 +192,8 @@ def _drop_frames(exc: BaseException) -> None:
     forward left: GC is off since the pass (or the lazy key) began, so everything it made is
     young, and the engine's old heap is not walked.
     """
-    pending, seen = [exc], set()
+    pending: list[BaseException | None] = [exc]
+    seen: set[int] = set()
     while pending:
         error = pending.pop()
         if error is None or id(error) in seen:

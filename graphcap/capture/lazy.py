@@ -111,9 +111,9 @@ class LazyCapture:
                 captured += record.status == "captured"
         if taken:
             pending = self._registry.num_pending
-            seconds, memory = clock() - start, format_bytes(grew)
+            seconds, grown = clock() - start, format_bytes(grew)
             log.info(
-                "capture_pending: %d of %d keys in %.2f s (%s); %d pending", captured, taken, seconds, memory, pending
+                "capture_pending: %d of %d keys in %.2f s (%s); %d pending", captured, taken, seconds, grown, pending
             )
         return captured
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -266,7 +266,8 @@ def check_kv_fits(
         num_blocks, key = kv.num_blocks, "kv_cache.num_blocks"
     else:
         index = [g.name for g in kv.groups].index(group)
-        num_blocks, key = kv.groups[index].num_blocks, f"kv_cache.groups[{index}].num_blocks"
+        # A loaded config gives every group its count (None is refused).
+        num_blocks, key = cast(int, kv.groups[index].num_blocks), f"kv_cache.groups[{index}].num_blocks"
     seen = dict(_model_caches(model)) if group is None else {}
     for name, tensor in (tensors or {}).items():
         if not -tensor.dim() <= block_dim < tensor.dim():

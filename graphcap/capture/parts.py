@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -35,7 +35,9 @@ if TYPE_CHECKING:  # distributed/ sits beside capture/; only the annotations nee
     from graphcap.distributed.ledger import CollectiveLedger
     from graphcap.distributed.step import StepAgreement
 
-__all__ = ["CaptureParts", "Forward", "Stage"]
+__all__ = ["CaptureParts", "Forward", "PartOf", "Stage"]
+
+T = TypeVar("T")
 
 Forward = Callable[[ForwardInputs], StepOutput]
 """The model's forward: staged inputs in, its result out."""
@@ -110,3 +112,17 @@ class CaptureParts:
     def segment(self) -> AbstractContextManager[Any]:
         """The ledger's segment around one key's capture or verification (nothing without a ledger)."""
         return self.ledger.segment() if self.ledger is not None else contextlib.nullcontext()
+
+
+class PartOf(Generic[T]):
+    """An attribute of the manager that is its `CaptureParts`' field `name` (`owner._parts`), read and written there:
+    one place, so a pass reads what the manager (or an engine, or a test) set."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, owner: Any, kind: type | None = None) -> T:
+        return getattr(owner._parts, self.name)  # type: ignore[no-any-return]
+
+    def __set__(self, owner: Any, value: T) -> None:
+        setattr(owner._parts, self.name, value)

@@ -24,12 +24,12 @@ from graphcap.capture.parts import CaptureParts
 from graphcap.capture.verification import LastRun
 from graphcap.errors import CaptureError
 from graphcap.inputs import ForwardInputs
-from graphcap.keys import GraphKey, Mode
+from graphcap.keys import GraphKey, KeyRegistry, Mode
 from graphcap.outputs import StepOutput, cloned
-from graphcap.piecewise import running
+from graphcap.piecewise import Phase, running
 from graphcap.staging.extras import sampled
 
-__all__ = ["Recorder", "WarmupSession", "dummy_counts"]
+__all__ = ["Recorder", "WarmupSession", "capture_reqs", "dummy_counts"]
 
 Run = Callable[[], StepOutput]
 
@@ -136,7 +136,8 @@ class Recorder:
     def reference_run(self, inputs: ForwardInputs, mode: Mode) -> Run:
         """The forward a key's graph holds: a full graph runs the eager ops' capturable stand-ins;
         a piecewise key's reference is the plain eager forward."""
-        forward, phase = self.forward, "eager" if mode is Mode.PIECEWISE else "full"
+        forward = self.forward
+        phase: Phase = "eager" if mode is Mode.PIECEWISE else "full"
 
         def run() -> StepOutput:
             with running(inputs, phase):
@@ -171,6 +172,13 @@ class Recorder:
             extras = sampled(specs, rng, batch.num_tokens, batch.num_reqs, axes)
         q, s, ids, table = batch.query_lens, batch.seq_lens, batch.input_ids, batch.block_table
         return StepBatch(q, s, ids, table, extras=extras, kv_groups=batch.kv_groups, axes=axes)
+
+
+def capture_reqs(registry: KeyRegistry, key: GraphKey) -> int:
+    """The padded requests of the batches that capture and verify `key` (`KeyRegistry.capture_shape`: a piecewise
+    key's are as many as a step of its size can have)."""
+    num_reqs = registry.capture_shape(key).num_reqs
+    return key.num_tokens if num_reqs is None else num_reqs  # a capture shape always states it
 
 
 def dummy_counts(batch: StepBatch) -> str:

@@ -18,7 +18,7 @@ import torch
 
 from graphcap.batch import StepBatch
 from graphcap.keys import GraphKey, KeyRegistry
-from graphcap.outputs import flatten_output
+from graphcap.outputs import StepOutput, flatten_output
 from graphcap.probe import REFERENCE_BYTES, Fill, probe_fills, probes_of
 
 __all__ = ["SharedReferences", "batch_fingerprint", "expected_probes", "in_world", "key_probes"]
@@ -38,7 +38,7 @@ class SharedReferences:
     def __init__(self, enabled: bool, limit: int = REFERENCE_BYTES) -> None:
         self.enabled = enabled
         self.limit = limit
-        self.kept: dict[tuple, Any] = {}
+        self.kept: dict[tuple, StepOutput] = {}
         self.bytes = 0
         self.hits = 0
         """Eager runs not repeated: probes whose reference was kept."""
@@ -70,13 +70,13 @@ class SharedReferences:
         for made in self._left.pop(key, Counter()):
             self._drop_unread(made)
 
-    def get(self, fingerprint: tuple | None) -> Any:
+    def get(self, fingerprint: tuple | None) -> StepOutput | None:
         """The kept result of the batch `fingerprint` names, or None."""
         if fingerprint is None or not self.enabled:
             return None
         return self.kept.get(fingerprint)
 
-    def keep(self, fingerprint: tuple | None, output: Any, made: tuple) -> None:
+    def keep(self, fingerprint: tuple | None, output: StepOutput, made: tuple) -> None:
         """Keep a copy of `output` (the eager real rows of `made`'s batch, probed now) when a later probe will read
         it and the pass's budget allows."""
         if fingerprint is None or not self.enabled or fingerprint in self.kept or self._uses(made) <= 1:

@@ -204,7 +204,7 @@ def difference(
         if _same_structure(replayed, expected) and all(_surely_close(a, b, tolerance) for a, b in pairs):
             return None
         try:
-            torch.testing.assert_close(replayed, expected, **tolerance)
+            torch.testing.assert_close(replayed, expected, rtol=tolerance.get("rtol"), atol=tolerance.get("atol"))
         except AssertionError as exc:
             return "; ".join(str(exc).strip().splitlines()[:3])
         return None
@@ -272,7 +272,10 @@ def _surely_close(a: torch.Tensor, b: torch.Tensor, tolerance: Mapping[str, floa
         defaults = _ASSERT_CLOSE_DEFAULTS.get(a.dtype)
         if defaults is None and not tolerance:
             return False
-        rtol, atol = (tolerance["rtol"], tolerance["atol"]) if tolerance else defaults
+        if tolerance:
+            rtol, atol = tolerance["rtol"], tolerance["atol"]
+        elif defaults is not None:
+            rtol, atol = defaults
         return bool(torch.allclose(a, b, rtol=rtol, atol=atol))
     return not tolerance and torch.equal(a, b)
 
@@ -302,12 +305,16 @@ def assert_close(
     torch 2.13 its first call in a process imports the DTensor stack and sympy (seconds on a loaded
     machine), which every short-lived process (a tool, a rank of a multi-process test) would pay.
     """
-    tolerance = {} if rtol is None and atol is None else {"rtol": rtol, "atol": atol}
-    if None not in tolerance.values() and _same_structure(actual, expected):
+    given = rtol is not None and atol is not None
+    tolerance: dict[str, float] = {"rtol": rtol, "atol": atol} if rtol is not None and atol is not None else {}
+    if (given or (rtol is None and atol is None)) and _same_structure(actual, expected):
         try:
             left, right = flatten_output(actual, "comparison")[0], flatten_output(expected, "comparison")[0]
         except CaptureError:  # a structure the fast path does not judge: assert_close does
-            left, right = [], [None]
-        if len(left) == len(right) and all(_surely_close(a, b, tolerance) for a, b in zip(left, right)):
+            left, right = [], []
+            judged = False
+        else:
+            judged = len(left) == len(right)
+        if judged and all(_surely_close(a, b, tolerance) for a, b in zip(left, right)):
             return
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=msg)

@@ -28,7 +28,7 @@ from graphcap.capture.carried import carried_state
 from graphcap.capture.failures import failing_in
 from graphcap.capture.outcome import Recorded, Verified
 from graphcap.capture.parts import CaptureParts
-from graphcap.capture.recorder import Recorder, dummy_counts
+from graphcap.capture.recorder import Recorder, capture_reqs, dummy_counts
 from graphcap.capture.references import SharedReferences, batch_fingerprint, key_probes
 from graphcap.capture.timing import replay_speedup
 from graphcap.capture.verification import (
@@ -44,7 +44,7 @@ from graphcap.inputs import ForwardInputs
 from graphcap.keys import GraphKey, KeyRegistry, Mode
 from graphcap.outputs import StepOutput, cloned
 from graphcap.phases import in_phase
-from graphcap.piecewise import running
+from graphcap.piecewise import Phase, running
 from graphcap.probe import Fill, probe_batch
 
 __all__ = ["Scratch", "Verifier", "lowered_axes"]
@@ -93,7 +93,8 @@ class Verifier:
         outcome, graph = recorded
         key, parts = outcome.key, self.parts
         failure: Exception | None = None
-        start, eager_seconds, fills = time.perf_counter(), 0.0, ()
+        start, eager_seconds = time.perf_counter(), 0.0
+        fills: tuple[Fill, ...] = ()
         timings: dict[str, float] = {}
         with in_phase("verify"):
             if graph is not None:
@@ -209,14 +210,14 @@ class Verifier:
         batch's identity in the pass (`expected_probes`), whose eager result is then shared with the pass's later
         probes of it."""
         parts, references = self.parts, self.references
-        shape = parts.registry.capture_shape(key)
+        num_reqs = capture_reqs(parts.registry, key)
         counts = f"a probe batch of {batch.num_tokens} tokens and {batch.num_reqs} requests"
         with failing_in("the verification", counts):
             stage = lambda: parts.stage(batch, key, phase="capture", dummy=True, kv_writes=writes)  # noqa: E731
             inputs = stage()
-            phase = "eager" if parts.registry.mode_of(key) is Mode.PIECEWISE else "full"
+            phase: Phase = "eager" if parts.registry.mode_of(key) is Mode.PIECEWISE else "full"
             eager = self._eager_at(batch, parts.registry.axis_values(batch.axes), phase, writes)
-            message = probe_mismatch(batch.num_tokens, batch.num_reqs, key.num_tokens, shape.num_reqs, writes)
+            message = probe_mismatch(batch.num_tokens, batch.num_reqs, key.num_tokens, num_reqs, writes)
             fingerprint = batch_fingerprint(batch, phase, writes) if references.enabled and made is not None else None
             kept = references.get(fingerprint)
             if kept is not None and made is not None:
@@ -258,7 +259,7 @@ class Verifier:
         shown = ", ".join(f"{name} {value}" for name, value in axes)
         with failing_in("the verification", f"{dummy_counts(batch)} stating {shown}"):
             inputs = parts.stage(batch, key, phase="capture", dummy=True)
-            phase = "eager" if parts.registry.mode_of(key) is Mode.PIECEWISE else "full"
+            phase: Phase = "eager" if parts.registry.mode_of(key) is Mode.PIECEWISE else "full"
             return self.compare(graph, inputs, self._eager_at(batch, axes, phase), message=axes_mismatch(key, axes))
 
     def timed(self, verified: Verified) -> Verified:
@@ -308,7 +309,9 @@ class Verifier:
             **options,
         )
 
-    def _eager_at(self, batch: StepBatch, axes: tuple[tuple[str, int], ...], phase: str, writes: bool = True) -> Eager:
+    def _eager_at(
+        self, batch: StepBatch, axes: tuple[tuple[str, int], ...], phase: Phase, writes: bool = True
+    ) -> Eager:
         """An eager run of `batch` at its own counts and `axes`, on the graph's code path (`phase`: full graphs ran
         capturable stand-ins), cut to its real rows."""
         parts, forward = self.parts, self.recorder.forward
