@@ -94,7 +94,7 @@ def probe_fills(key: GraphKey, *, max_model_len: int) -> tuple[Fill, ...]:
 
 
 REFERENCE_BYTES = 64 << 20
-"""The most bytes of probe batches' eager results one pass keeps for later keys (`graphcap.capture.probing`)."""
+"""The most bytes of probe batches' eager results one pass keeps for later keys (`graphcap.capture.references`)."""
 
 
 def probe_identity(key: GraphKey, fill: Fill) -> tuple[int, int, int]:

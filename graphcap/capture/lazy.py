@@ -3,7 +3,7 @@
 With `capture.strategy: lazy` the manager serves from its first step: a step whose key has no
 graph yet runs eagerly (reason `pending`), and the engine hands graphcap idle time between steps
 with `CaptureManager.capture_pending(max_seconds)`. Each call captures pending keys one at a time,
-each verified exactly as upfront capture verifies it (one `CapturePass` per key), the key that
+each verified exactly as upfront capture verifies it (one pass of the `Capturer` per key), the key that
 paid most first: the most traffic seen for it (eager steps that wanted it, `KeyRegistry.demand`,
 plus replays before a release, `StepStats.graph_hits`), ties and the time before any traffic in
 the order upfront capture uses (largest first). A key captured, skipped by `capture.on_error`,

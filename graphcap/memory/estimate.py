@@ -25,7 +25,7 @@ How graph memory adds up depends on the backend:
   compiled, next to the outputs of the keys captured before it (largest first, so the first
   key's recording is usually the peak); then, with every output held, each key's verification
   copies its output, runs the forward eagerly and compares, beside the eager results of probe
-  batches the pass keeps for later keys (`graphcap.capture.probing.SharedReferences`). The
+  batches the pass keeps for later keys (`graphcap.capture.references.SharedReferences`). The
   capture transient is that peak above the outputs, which are all that stays between replays.
 
 This module does not import torch (`graphcap sizes` shows the estimate without it).
@@ -204,7 +204,7 @@ def _kept_references(
     config: Any, registry: Any, order: list, graphs: Mapping[Any, GraphMemory]
 ) -> list[tuple[int, int, int]]:
     """Per key of `order` (capture order): the bytes of probe results kept when its verification begins and while
-    its probes run (`graphcap.capture.probing.SharedReferences`: each probe batch's real rows of logits, the
+    its probes run (`graphcap.capture.references.SharedReferences`: each probe batch's real rows of logits, the
     built-in model's output, a row per token, from its first probe while a later key probes it; at most
     `REFERENCE_BYTES` at once), and the bytes of its largest probe's rows."""
     from graphcap.probe import REFERENCE_BYTES, probe_fills, probes_of

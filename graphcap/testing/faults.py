@@ -72,7 +72,7 @@ class FaultyModel(Wrapped):
     of a key is its plain warmup, call 2 its capture (the recording, which runs the preflight's checks: no
     separate checked run) and call 3 the first eager run of its verification (`PHASES`), so `on_call` picks
     the phase that fails. A key whose every probe batch an earlier key of the pass probed runs no eager run in
-    its verification (the kept results, `graphcap.capture.probing`): with `FAULT_SIZES`, size 4's keys each run
+    its verification (the kept results, `graphcap.capture.references`): with `FAULT_SIZES`, size 4's keys each run
     one, size 2's none. A verification forward counts for the key it verifies: its own key (a dummy batch
     run again), else the key verified by the verification forward before it, else the key captured last (a
     key verified right after its capture: the probe batch, staged at an eager key of its own size).

@@ -92,7 +92,7 @@ def fault_rows(scale: Scale, workdir: Path) -> list[Row]:
         tally = Tally()
         for trial in range(scale.faults):
             on_call = 1 + trial % len(PHASES)  # warmup, capture (the checked recording), verify
-            # Size 2's probes are all kept results of size 4's (graphcap.capture.probing): no eager run to fail.
+            # Size 2's probes are all kept results of size 4's (graphcap.capture.references): no eager run to fail.
             verify = PHASES[on_call] == "verify"
             size = 4 if kind == "oom" or verify else (2, 4)[(trial // len(PHASES)) % 2]
             old = OLD_REPORT if trial % 2 == 0 else None
