@@ -43,6 +43,7 @@ from graphcap.testing.faults import (
     hostile_batches,
     kv_cache,
     leftover_temp_files,
+    remember_freeze_count,
     snapshot,
 )
 from graphcap.testing.fuzz import (
@@ -105,6 +106,7 @@ __all__ = [
     "make_manager",
     "nested",
     "random_plan",
+    "remember_freeze_count",
     "run_threads",
     "snapshot",
     "stress",
@@ -163,4 +165,4 @@ def make_manager(config: CaptureConfig, *, faulty: bool = False, **kwargs: Any) 
     torch.set_num_threads(1)  # CI machines share few cores between jobs
     model = build_model(config)
     kwargs.setdefault("progress", False)
-    return CaptureManager(FaultyModel(model) if faulty else model, config, **kwargs)
+    return remember_freeze_count(CaptureManager(FaultyModel(model) if faulty else model, config, **kwargs))

@@ -4,6 +4,7 @@ CUDA error keeps the memory hint, and a backend that needs warmups refuses zero.
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import pytest
@@ -63,6 +64,7 @@ def test_a_failed_pass_does_not_pin_the_failed_forward_through_the_error_the_cal
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
 def test_a_sticky_cuda_error_stops_the_pass_with_one_clear_message(on_error):
     manager = _leaky_manager(on_error, lambda: torch.AcceleratorError(ASSERT))
+    frozen = gc.get_freeze_count()
     with pytest.raises(CaptureError) as info:
         manager.capture()
     message = str(info.value)
@@ -70,7 +72,7 @@ def test_a_sticky_cuda_error_stops_the_pass_with_one_clear_message(on_error):
     for hint in ("sticky", "restart the process", "CUDA_LAUNCH_BLOCKING=1", "checks.invariants: full"):
         assert hint in message
     assert list(manager.model.alive_at) == [LARGEST]  # no later key was tried (and blamed)
-    assert_nothing_left(manager)
+    assert_nothing_left(manager, frozen_before=frozen)
 
 
 def test_sticky_cuda_errors_are_told_from_recoverable_ones():
