@@ -63,7 +63,7 @@ def run_pass(
         set_aside(),
         _capture_threads(backend, job.config),
     ):
-        live.reserve(budget)  # the backend empties the allocator's cache before each capture itself
+        live.reserve(budget)  # the backend empties the allocator's cache before each capture, this holder's too
         memory_before = backend.memory_in_use()
         records, graphs = job.run(admitted, context=context, progress=progress) if admitted else ([], {})
     live.install(records + declined, graphs)
