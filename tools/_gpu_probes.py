@@ -75,15 +75,28 @@ def invalidated_capture(device: str, quick: bool) -> dict:
 
     def fault(inputs, call):
         if torch.cuda.is_current_stream_capturing():  # a path only capture takes: the preflight cannot see it
-            inputs.input_ids.add_(torch.tensor([0], dtype=torch.int32, device=device))  # pageable H2D: error 900
+            torch.cuda.synchronize()  # error 900: CUDA invalidates the capture (a pageable copy torch refuses first)
 
     manager = _faulty_manager(device, 1, fault)  # the pool already holds a graph
     report = manager.capture()
     usable = _context_usable(device)
+    draws = _generators_draw(device)
     reason = report.skipped[0].reason[:120] if report.skipped else "none"
     planned = len(report.records)
-    observed = f"{len(report.captured)} of {planned} captured (skipped: {reason}); afterwards {usable}"
-    return {"ok": len(report.captured) == planned - 1 and usable == "CUDA usable", "observed": observed}
+    invalidated = "CUDA invalidated the capture" in reason
+    observed = f"{len(report.captured)} of {planned} captured (skipped: {reason}); afterwards {usable}, {draws}"
+    ok = len(report.captured) == planned - 1 and invalidated and usable == "CUDA usable" and draws == "generators draw"
+    return {"ok": ok, "observed": observed}
+
+
+def _generators_draw(device: str) -> str:
+    """Whether the default CUDA generator draws eagerly (a failed capture_end can leave it in capture mode)."""
+    try:
+        torch.rand(4, device=device)
+        torch.cuda.synchronize(device)
+    except RuntimeError as exc:
+        return f"generators refuse: {str(exc).strip().splitlines()[0][:100]}"
+    return "generators draw"
 
 
 def _context_usable(device: str) -> str:
