@@ -113,7 +113,7 @@ def run_tests(files: Sequence[str], seconds: float, per_test: float, cwd: Path =
         dumped = watchdog.read_text() if watchdog.exists() else ""
         timed_out = WATCHDOG in dumped
         outcomes[running] = f"TIMEOUT after {per_test:g} s" if timed_out else f"CRASHED (exit {done.returncode})"
-        stacks[running] = (dumped if timed_out else done.stderr)[-1500:]
+        stacks[running] = dumped[:1500] if timed_out else done.stderr[-1500:]  # the innermost frames first
     return {"outcomes": outcomes, "finished": finished, "rounds": rounds, "stacks": stacks}
 
 
