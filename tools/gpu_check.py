@@ -143,8 +143,8 @@ PHASES = (
         "preflight table on real CUDA; the waits sync-debug mode refuses",
         20,
         "every capture-illegal form named; x[mask] = 0.0 not flagged and captured; raw illegal captures "
-        "invalidated, and the next capture works; .item(), .cpu(), .tolist(), Stream.synchronize() refused "
-        "by sync-debug, stream waits allowed",
+        "invalidated by CUDA or refused by torch (pageable copies), and the next capture works; .item(), "
+        ".cpu(), .tolist(), Stream.synchronize() refused by sync-debug, stream waits allowed",
         ("preflight_table", "sync_debug_waits"),
     ),
     Phase(

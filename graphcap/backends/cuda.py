@@ -15,7 +15,10 @@ with no Python mode active, so a torch.compile'd forward is captured compiled.
 A failed capture leaves nothing behind, whichever order the running torch ends a failed
 capture in (`graphcap.backends.pool.discard_capture`): the allocator stops recording to the
 pool, the capture's use of it is released once, and later captures go to a fresh pool (a
-failed forward's tensors may still pin the old one).
+failed forward's tensors may still pin the old one). Where `capture_end` did not complete (CUDA
+invalidated the capture), the CUDA generators are taken out of capture mode again
+(`restore_generators`); CUDA's capture errors and torch's refusal of a pageable copy get a hint
+(`graphcap.backends.cuda_recovery`).
 
 Captures use `capture_error_mode="thread_local"` by default (`capture.capture_error_mode`):
 capture happens inside a living engine (lazily, beside its other threads), and under
