@@ -289,8 +289,9 @@ class CUDAGraphBackend(GraphBackend):
                     del held  # freed at once, kept by the pool
                 finally:
                     graph.capture_end()
-        except BaseException:  # out of memory: the holder's use of the pool goes back now, not at its GC
-            discard_capture(graph, self.device, handle)
+        except BaseException as error:  # out of memory: the holder's use of the pool goes back now, not at its GC
+            if not discard_capture(graph, self.device, handle):
+                self.restore_generators(error)
             raise
         caller.wait_stream(stream)
         return graph.reset, torch.cuda.memory_reserved(self.device) - before

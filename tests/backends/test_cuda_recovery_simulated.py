@@ -14,6 +14,7 @@ from graphcap.backends import cuda as cuda_backend
 from graphcap.backends.cuda import CUDAGraphBackend
 from graphcap.backends.cuda_recovery import COPY_REFUSED, INVALIDATED, capture_failure
 from graphcap.errors import CaptureError
+from tests.backends.fake_allocator import FakeCUDAGraph
 from tests.backends.simulated_cuda import CUDA0, SimulatedCUDA
 
 MiB = 1 << 20
@@ -147,3 +148,19 @@ def test_the_reservation_empties_the_cache_before_its_holder_captures(monkeypatc
     calls = cuda.allocator.calls
     begin = calls.index(next(c for c in calls if c[0:1] == ("capture_begin",)))
     assert "host_empty_cache" in calls[:begin]  # the pinned host cache too, as before every capture
+
+
+def test_a_reservation_whose_holder_capture_cuda_invalidated_leaves_the_generators_drawing(monkeypatch):
+    cuda = SimulatedCUDA(monkeypatch)
+    backend = cuda.backend()
+    real_end, ends = FakeCUDAGraph.capture_end, []
+
+    def first_one_invalidated(self, invalidated: bool = False) -> None:
+        ends.append(self)
+        real_end(self, invalidated=len(ends) == 1)
+
+    monkeypatch.setattr(FakeCUDAGraph, "capture_end", first_one_invalidated)
+    with pytest.raises(RuntimeError, match="operation not permitted when stream is capturing"):
+        backend.reserve(64 * MiB)
+    cuda.allocator.draw()  # the restore's empty capture ended the default generator's capture mode
+    assert len(ends) == 2 and backend.reserved_bytes is None
