@@ -273,6 +273,8 @@ def environment(device: str) -> dict[str, Any]:
     """Versions and the device's name, for a report: what a bug report or a comparison needs."""
     import torch
 
+    from graphcap.backends.cuda_driver import cuda_driver_api
+
     out: dict[str, Any] = {
         "graphcap": version(),
         "python": platform.python_version(),
@@ -283,8 +285,9 @@ def environment(device: str) -> dict[str, Any]:
     if device.startswith("cuda") and torch.cuda.is_available():
         index = torch.device(device).index
         out["device_name"] = torch.cuda.get_device_name(torch.cuda.current_device() if index is None else index)
-        driver_api = getattr(torch._C, "_cuda_getDriverVersion", None)  # CUDA driver API version, e.g. 12040
-        out["cuda_driver_api"] = driver_api() if callable(driver_api) else None
+        out["cuda_driver_api"], missing = cuda_driver_api()  # the driver's CUDA API version, e.g. 13000
+        if missing is not None:
+            out["cuda_driver_api_missing"] = missing
         out["nvidia_driver"] = _nvidia_driver()
     else:
         out["device_name"] = _cpu_name()

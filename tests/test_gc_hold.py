@@ -59,8 +59,9 @@ def test_gc_that_was_off_stays_off():
 
 
 def test_no_hold_freezes_the_heap_or_thaws_the_engines():
+    before = gc.get_freeze_count()  # not 0 on Python 3.12 (objects frozen at start-up)
     with gc_frozen(), gc_paused():
-        assert gc.get_freeze_count() == 0
+        assert gc.get_freeze_count() <= before
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()

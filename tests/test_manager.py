@@ -186,12 +186,13 @@ def test_capture_report_records_every_key_largest_first(tmp_path):
 
 def test_capture_disables_gc_for_the_pass_and_restores_it():
     manager = make_manager()
+    frozen = gc.get_freeze_count()  # not 0 on Python 3.12, nor in an engine that froze its heap
     seen = []
     forward = manager._forward
     manager._forward = lambda inputs: seen.append(gc.isenabled()) or forward(inputs)
     manager.capture()
     assert seen and not any(seen)
-    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert gc.isenabled() and gc.get_freeze_count() <= frozen  # nothing frozen (refcounts may free some)
 
 
 def test_capture_leaves_a_heap_the_engine_froze_frozen():

@@ -44,10 +44,12 @@ class KeyTimes:
     for the pass (private hooks: a measuring tool, not an API); each step ends with a device sync.
     """
 
-    def __init__(self, manager: CaptureManager) -> None:
+    def __init__(self, manager: CaptureManager, figures=None) -> None:
         self.manager = manager
         self.seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self._key = "?"
+        self.figures = figures
+        """() -> dict saved with the per-key seconds as each key starts (the pool against the estimate)."""
 
     @contextlib.contextmanager
     def installed(self):
@@ -101,7 +103,8 @@ class KeyTimes:
         def timed(*args, **kwargs):
             if key_from_arg:  # a capture stage's method: (self, key, ...)
                 self._key = str(args[1])
-                checkpoint({"seconds_per_key": self.table()})  # a pass cut short keeps the keys it did
+                figures = self.figures() if self.figures is not None else {}
+                checkpoint({"seconds_per_key": self.table(), **figures})  # a pass cut short keeps the keys it did
             if step is None:
                 return fn(*args, **kwargs)
             with self._timed(step):
@@ -131,6 +134,11 @@ def pool_segments(handles) -> dict:
     return {"segments": count, "reserved_bytes": reserved, "allocated_bytes": allocated}
 
 
+def pool_figures(pool: dict, estimated_graphs: int) -> dict:
+    """The graph pool so far against the estimate's graphs: what P3 saves after every key."""
+    return {"pool": pool, "pool_vs_estimate": round(pool["reserved_bytes"] / max(1, estimated_graphs), 3)}
+
+
 def _handles(manager: CaptureManager) -> set:
     handles = {getattr(graph, "pool_handle", None) for graph in manager.graphs.values()}
     return {h for h in handles if h is not None} | {manager.backend.pool.handle}
@@ -148,11 +156,12 @@ def llama8b(device: str, quick: bool) -> dict:
     manager = CaptureManager(model, config, progress=False)
     torch.cuda.reset_peak_memory_stats(device)
     reserved_before = torch.cuda.memory_reserved(device)
-    times = KeyTimes(manager)
+    times = KeyTimes(manager, lambda: pool_figures(pool_segments(_handles(manager)), estimate.parts["graphs"]))
     with times.installed():
         report = manager.capture()
     pool = pool_segments(_handles(manager))
-    checkpoint({"seconds_per_key": times.table(), "pool": pool, "captured": len(report.captured)})
+    figures = pool_figures(pool, estimate.parts["graphs"])
+    checkpoint({"seconds_per_key": times.table(), **figures, "captured": len(report.captured)})
     timed = {}
     for key in manager.graphs:
         if key.num_tokens in (1, 8, 32, 128, 256, 512):

@@ -75,15 +75,29 @@ def invalidated_capture(device: str, quick: bool) -> dict:
 
     def fault(inputs, call):
         if torch.cuda.is_current_stream_capturing():  # a path only capture takes: the preflight cannot see it
-            inputs.input_ids.add_(torch.tensor([0], dtype=torch.int32, device=device))  # pageable H2D: error 900
+            torch.cuda.synchronize()  # error 900: CUDA invalidates the capture (a pageable copy torch refuses first)
 
     manager = _faulty_manager(device, 1, fault)  # the pool already holds a graph
     report = manager.capture()
     usable = _context_usable(device)
-    reason = report.skipped[0].reason[:120] if report.skipped else "none"
+    draws = _generators_draw(device)
+    full_reason = report.skipped[0].reason if report.skipped else "none"
+    reason = full_reason[:120]
     planned = len(report.records)
-    observed = f"{len(report.captured)} of {planned} captured (skipped: {reason}); afterwards {usable}"
-    return {"ok": len(report.captured) == planned - 1 and usable == "CUDA usable", "observed": observed}
+    invalidated = "CUDA invalidated the capture" in full_reason
+    observed = f"{len(report.captured)} of {planned} captured (skipped: {reason}); afterwards {usable}, {draws}"
+    ok = len(report.captured) == planned - 1 and invalidated and usable == "CUDA usable" and draws == "generators draw"
+    return {"ok": ok, "observed": observed}
+
+
+def _generators_draw(device: str) -> str:
+    """Whether the default CUDA generator draws eagerly (a failed capture_end can leave it in capture mode)."""
+    try:
+        torch.rand(4, device=device)
+        torch.cuda.synchronize(device)
+    except RuntimeError as exc:
+        return f"generators refuse: {str(exc).strip().splitlines()[0][:100]}"
+    return "generators draw"
 
 
 def _context_usable(device: str) -> str:
@@ -163,7 +177,7 @@ def preflight_table(device: str, quick: bool) -> dict:
         result["sync_debug_alone"] = {name: _syncs(fn) for name, (fn, _) in forms.items()}
         result["raw_capture"] = _raw_captures(forms, device)
     raw_ok = all(
-        v in ("captured, equals eager", "invalidated, next capture works")
+        v in ("captured, equals eager", "invalidated, next capture works", "refused by torch, next capture works")
         for v in result.get("raw_capture", {}).values()
     )
     flagged = sum(v is not None for v in verdicts.values())
@@ -202,7 +216,8 @@ def _raw_captures(forms: dict, device: str) -> dict:
         except Exception as exc:
             good = backend.capture(lambda: x + 1, {}, name="next")
             works = torch.equal(good.replay(), x + 1)
-            out[name] = "invalidated, next capture works" if works else f"{type(exc).__name__}, next capture broken"
+            how = "refused by torch" if "torch refused" in str(exc) else "invalidated"  # a pageable copy: torch 2.11
+            out[name] = f"{how}, next capture works" if works else f"{type(exc).__name__}, next capture broken"
     backend.reset()
     return out
 

@@ -49,8 +49,16 @@ def environment(device: str, torch) -> dict:
             cuda=torch.version.cuda,
             nccl=_nccl_version(torch),
             driver=_driver_version(),
+            cuda_driver_api=_driver_api(),
         )
     return env
+
+
+def _driver_api() -> int | str:
+    from graphcap.backends.cuda_driver import cuda_driver_api
+
+    value, missing = cuda_driver_api()
+    return value if value is not None else f"none: {missing}"
 
 
 def _nccl_version(torch) -> str | None:

@@ -1,4 +1,4 @@
-"""One GPU run that settles the CUDA backend: phases named P0-P17, run most telling first, each printing its
+"""One GPU run that settles the CUDA backend: phases named P0-P18, run most telling first, each printing its
 prediction next to what it saw. The plan is docs/gpu/README.md.
 
 The command (on a CUDA machine, from the repository root; nothing to install):
@@ -9,11 +9,13 @@ With `OUT` set (the device machine returns only what is under `$OUT`) the JSON g
 `$OUT/gpu_check.json` and the log to `$OUT/gpu_check.log`, both rewritten as the run goes, so a
 run cut short keeps what it saw. On CUDA it runs the first plan, whose phase budgets sum to the
 450 s deadline (7.5 minutes, within 8 on an H200): the environment, the CUDA test files (most of
-the GPU tests), release and recapture, the founding bug, the tiny config and lazy capture
-within a memory budget, the failure paths, piecewise capture (keys replayed out of capture
-order), the 8B-shaped passes, NCCL in a graph, the preflight table and the output probe. The
-second plan (`--plan second`, about 150 s: torch.compile, bf16 tolerances, pipelining,
-data-parallel agreement, inductor timing) is the rerun the first run's verdict prints.
+the GPU tests, each under its own timeout), release and recapture, the founding bug, the tiny
+config and lazy capture within a memory budget, the failure paths (a capture a sync invalidates
+and the generators after it, the reservation under a full cache), piecewise capture (keys
+replayed out of capture order), NCCL in a graph, the preflight table and the waits sync-debug
+mode refuses, the output probe, `graphcap capture` of the default config, then the 8B-shaped
+passes. The second plan (`--plan second`, about 150 s: torch.compile, bf16 tolerances,
+pipelining, data-parallel agreement, inductor timing) is the rerun the first run's verdict prints.
 
 - A phase that no longer fits the deadline (its predecessors overran) is skipped, and the
   verdict names it and prints the rerun's command (`--only ...`).
@@ -33,14 +35,9 @@ data-parallel agreement, inductor timing) is the rerun the first run's verdict p
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +45,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]  # the case modules beside this file, and graphcap
 
-from _gpu_report import PARTIAL, Log, environment, verdict  # noqa: E402  (found through the path set above)
+from _gpu_report import Log, environment, verdict  # noqa: E402  (found through the path set above)
+from _gpu_run import run_case_here, run_phase, write  # noqa: E402
 
 DEFAULT_DEADLINE = 450.0
 """Seconds a run may take: 7.5 minutes, within 8 on an H200 with the final write. Each plan's phase
@@ -81,10 +79,11 @@ PHASES = (
     Phase(
         "P10",
         "pytest tests/backends/test_cuda.py tests/backends/test_cuda_engine.py",
-        110,
-        "all pass (replay == eager, pools, preflight, failed captures; the budget reservation used by lazy "
-        "captures and following the pool, sync-debug beside an engine thread, capture error modes, "
-        "generators, piecewise keys replayed out of order)",
+        115,
+        "all pass, each within its own timeout (replay == eager, pools, preflight, captures broken by a sync "
+        "and by a refused copy, the generators after them, the reservation from cached memory; the budget "
+        "reservation used by lazy captures and following the pool, sync-debug beside an engine thread, capture "
+        "error modes, generators, piecewise keys replayed out of order)",
         ("cuda_tests",),
         True,
     ),
@@ -115,37 +114,21 @@ PHASES = (
     ),
     Phase(
         "P13",
-        "failure paths: real OOM, invalidated capture, sticky assert",
-        40,
-        "the rest of the pass captures after an OOM and after an invalidated capture; a device assert stops "
-        "the pass with one message",
-        ("oom_first_key", "invalidated_capture", "sticky_assert"),
+        "failure paths: real OOM, a capture a sync invalidates, the reservation under a full cache, sticky assert",
+        45,
+        "the rest of the pass captures after an OOM and after a capture CUDA invalidated (named so), whose "
+        "generators then draw eagerly; a budget above the free memory is reserved from the cache; a device "
+        "assert stops the pass with one message",
+        ("oom_first_key", "invalidated_capture", "reserve_full_cache", "sticky_assert"),
     ),
     Phase(
         "P4",
         "piecewise capture around eager per-request attention; keys replayed out of capture order",
-        30,
+        25,
         "every key captured and verified (pieces on one pool, .item() attention between them, sync-debug off "
         "inside it); every step up to the max replays a graph and equals eager; piecewise keys replayed out of "
         "capture order bitwise equal to eager and to their own first replay",
         ("piecewise", "piecewise_order"),
-    ),
-    Phase(
-        "P3",
-        "Llama-3-8B-shaped capture: every key, per-key seconds, graph pool from allocator segments",
-        100,
-        "103 keys captured and verified; the pool's segments within 0.5-2x of the estimate's graphs (4.6 GiB); "
-        "decode replay several times faster",
-        ("llama8b",),
-        True,
-    ),
-    Phase(
-        "P5",
-        "piecewise vs full vs eager at 8B decode shapes",
-        45,
-        "piecewise keys captured; a piecewise pass leaves < 1/4 of what pinned eager-op tensors took allocated",
-        ("llama8b_piecewise",),
-        True,
     ),
     Phase(
         "P1",
@@ -157,11 +140,12 @@ PHASES = (
     ),
     Phase(
         "P14",
-        "preflight table on real CUDA",
-        15,
+        "preflight table on real CUDA; the waits sync-debug mode refuses",
+        20,
         "every capture-illegal form named; x[mask] = 0.0 not flagged and captured; raw illegal captures "
-        "invalidated, and the next capture works",
-        ("preflight_table",),
+        "invalidated by CUDA or refused by torch (pageable copies), and the next capture works; .item(), "
+        ".cpu(), .tolist(), Stream.synchronize() refused by sync-debug, stream waits allowed",
+        ("preflight_table", "sync_debug_waits"),
     ),
     Phase(
         "P12",
@@ -169,6 +153,31 @@ PHASES = (
         10,
         "a view kept past another graph's replay changes within a pool; another manager's step leaves it intact",
         ("clobber",),
+    ),
+    Phase(
+        "P18",
+        "graphcap capture of the embedded default config on the device",
+        20,
+        "every key captured and verified; the report names the GPU and the CUDA driver API version",
+        ("cli_capture",),
+    ),
+    Phase(
+        "P3",
+        "Llama-3-8B-shaped capture: every key, per-key seconds, graph pool from allocator segments",
+        80,
+        "103 keys captured and verified; the pool's segments within 0.5-2x of the estimate's graphs (4.6 GiB, "
+        "saved after every key); "
+        "decode replay several times faster",
+        ("llama8b",),
+        True,
+    ),
+    Phase(
+        "P5",
+        "piecewise vs full vs eager at 8B decode shapes",
+        35,
+        "piecewise keys captured; a piecewise pass leaves < 1/4 of what pinned eager-op tensors took allocated",
+        ("llama8b_piecewise",),
+        True,
     ),
     Phase(
         "P8",
@@ -221,7 +230,7 @@ FIRST, LAST = PHASES[0].name, PHASES[-1].name
 def main() -> int:
     args = _parse()
     if args.case:
-        return _run_case_here(args)
+        return run_case_here(args.case, args.device, args.quick, args.result)
     if args.list:
         for phase in PHASES:
             need = " (needs CUDA)" if phase.needs_cuda else ""
@@ -263,16 +272,16 @@ def main() -> int:
 
             def progress(cases: dict, name: str = phase.name) -> None:  # a run cut short keeps every case
                 results["phases"][name]["cases"] = cases
-                _write(out, results)
+                write(out, results)
 
             budget = phase.budget * (1 if on_cuda else CPU_BUDGET_SCALE)
             seconds = min(budget, deadline - started)
-            record = _run_phase(phase, device, args.quick, isolate, seconds, progress)
+            record = run_phase(phase, device, args.quick, isolate, seconds, progress)
         record["seconds"] = round(time.monotonic() - started, 2)
         results["phases"][phase.name] = {"title": phase.title, "prediction": phase.prediction, **record}
         _print(say, phase, record)
         results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-        _write(out, results)
+        write(out, results)
     final = results["phases"][LAST]
     say(f"\nresults written to {out} (log: {say.path})")
     say(f"gpu_check: {final['final']}")
@@ -320,114 +329,11 @@ def _device(requested: str, torch) -> str:
     return str(device)
 
 
-def _run_phase(phase: Phase, device: str, quick: bool, isolate: bool, seconds: float, progress) -> dict:
-    cases, ends = {}, time.monotonic() + seconds
-    for name in phase.cases:
-        left = ends - time.monotonic()
-        if left < 3:
-            cases[name] = {"ok": False, "observed": "skipped: the phase ran out of its budget"}
-        elif isolate:
-            cases[name] = _case_in_subprocess(name, device, quick, left)
-        else:
-            cases[name] = _case_here(name, device, quick)
-        progress(cases)
-    ok = all(c.get("ok") for c in cases.values())
-    observed = "; ".join(str(c.get("observed", "")) for c in cases.values())
-    return {"status": "ok" if ok else "failed", "observed": observed, "cases": cases}
-
-
-def _case_here(name: str, device: str, quick: bool) -> dict:
-    try:
-        result = _case_function(name)(device, quick)
-        if device.startswith("cuda") and not result.get("poisoned"):
-            import torch
-
-            torch.cuda.synchronize(device)  # an asynchronous error of the case shows here, in its case
-        return result
-    except Exception as exc:  # a case that breaks reports it; the run goes on
-        lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
-        return {
-            "ok": False,
-            "observed": f"error: {type(exc).__name__}: {str(exc).strip()[:300]}",
-            "traceback": lines[-6:],
-        }
-
-
-def _case_in_subprocess(name: str, device: str, quick: bool, timeout: float) -> dict:
-    """Run one case in a fresh process group; past `timeout` the whole group is killed (pytest's too)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "case.json"
-        command = [sys.executable, str(Path(__file__).resolve()), "--case", name, "--device", device]
-        command += ["--result", str(result)] + (["--quick"] if quick else [])
-        partial = Path(tmp) / "partial.json"
-        child = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, PARTIAL: str(partial)},
-            start_new_session=True,
-        )
-        try:
-            _, stderr = child.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(child)
-            try:  # a process outside the group (a compile worker of its own session) may hold the pipes
-                _, stderr = child.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
-                stderr = "(the case's pipes stayed open after it was killed)"
-            return _timed_out(timeout, stderr, partial)
-        if result.exists():
-            return json.loads(result.read_text())
-        return {"ok": False, "observed": f"crashed (exit {child.returncode})", "stderr": (stderr or "")[-1500:]}
-
-
-def _timed_out(timeout: float, stderr: str | None, partial: Path) -> dict:
-    """The record of a case stopped at its timeout, with what it checkpointed (`_gpu_report.checkpoint`)."""
-    record = {"ok": False, "observed": f"timeout after {timeout:.0f} s", "stderr": (stderr or "")[-400:]}
-    if partial.exists():
-        record["partial"] = json.loads(partial.read_text())
-        record["observed"] += f"; it had checkpointed: {', '.join(record['partial'])}"
-    return record
-
-
-def _kill_group(child: subprocess.Popen) -> None:
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        child.kill()
-
-
-def _run_case_here(args: argparse.Namespace) -> int:
-    record = _case_here(args.case, args.device, args.quick)
-    Path(args.result).write_text(json.dumps(record, default=str))
-    return 0
-
-
-def _case_function(name: str):
-    import _gpu_cases
-    import _gpu_llama
-    import _gpu_probes
-    import _gpu_steps
-
-    for module in (_gpu_cases, _gpu_llama, _gpu_steps, _gpu_probes):
-        if name in module.CASES:
-            return module.CASES[name]
-    raise KeyError(f"no case {name!r}")
-
-
 def _print(say: Log, phase: Phase, record: dict) -> None:
     say(f"{phase.name:<4} {phase.title}  [{record['status']}, {record['seconds']:.1f} s]")
     if phase.prediction != "-":
         say(f"     predicted: {phase.prediction}")
     say(f"     saw:       {record['observed']}")
-
-
-def _write(path: Path, results: dict) -> None:
-    from graphcap.report_files import atomic_write
-
-    atomic_write(path, json.dumps(results, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@ with no Python mode active, so a torch.compile'd forward is captured compiled.
 A failed capture leaves nothing behind, whichever order the running torch ends a failed
 capture in (`graphcap.backends.pool.discard_capture`): the allocator stops recording to the
 pool, the capture's use of it is released once, and later captures go to a fresh pool (a
-failed forward's tensors may still pin the old one).
+failed forward's tensors may still pin the old one). Where `capture_end` did not complete (CUDA
+invalidated the capture), the CUDA generators are taken out of capture mode again
+(`restore_generators`); CUDA's capture errors and torch's refusal of a pageable copy get a hint
+(`graphcap.backends.cuda_recovery`).
 
 Captures use `capture_error_mode="thread_local"` by default (`capture.capture_error_mode`):
 capture happens inside a living engine (lazily, beside its other threads), and under
@@ -49,6 +52,7 @@ import torch
 from graphcap.backends.base import Forward, GraphBackend
 from graphcap.backends.compiled import eager_only
 from graphcap.backends.cuda_pieces import CUDAPieceSession
+from graphcap.backends.cuda_recovery import capture_failure, restore_generators
 from graphcap.backends.generators import check_generators, register_generators, supports_generator_registration
 from graphcap.backends.graph import CapturedGraph
 from graphcap.backends.pool import GraphPool, discard_capture, unowned_alias
@@ -68,9 +72,6 @@ SMALL_REQUEST = 1 << 20
 """The largest request the caching allocator serves from a pool's small blocks (`kSmallSize`)."""
 SMALL_SEGMENT = 2 << 20
 """The size of every small-block segment (`kSmallBuffer`): two `SMALL_REQUEST` blocks."""
-
-# Texts of the CUDA errors a capture-illegal call raises (900: unsupported, 901: invalidated).
-_INVALIDATED = ("operation not permitted when stream is capturing", "operation failed due to a previous error")
 
 
 @dataclass(eq=False, repr=False, kw_only=True)
@@ -194,15 +195,11 @@ class CUDAGraphBackend(GraphBackend):
             leaves, rebuild = flatten_output(output, name)
             self.synchronize()
         except BaseException as error:
-            discard_capture(graph, self.device, handle, began=began[0])
-            if any(text in str(error) for text in _INVALIDATED):
-                raise CaptureError(
-                    f"CUDA invalidated the capture of {name}: the forward called something a CUDA graph cannot "
-                    f"hold that the preflight did not name ({str(error).strip().splitlines()[0]}). Find it with "
-                    "graphcap.backends.check_capture_safe(forward, device) or checks.sync_debug: true; common "
-                    "causes: a host sync in a code path the first warmup did not take, a side stream not joined "
-                    "back, another thread using CUDA during capture"
-                ) from error
+            if not discard_capture(graph, self.device, handle, began=began[0]):
+                self.restore_generators(error)
+            hinted = capture_failure(name, error)
+            if hinted is not None:
+                raise hinted from error
             raise
         reserved_delta = torch.cuda.memory_reserved(self.device) - reserved_before
         free_delta = free_before - torch.cuda.mem_get_info(self.device)[0]
@@ -242,6 +239,19 @@ class CUDAGraphBackend(GraphBackend):
         caller.wait_stream(stream)
         return output
 
+    def restore_generators(self, error: BaseException | None = None) -> None:
+        """After a capture whose `capture_end` did not complete: the CUDA generators out of capture mode.
+
+        Without it every eager random draw of the default or a registered generator fails until a
+        capture succeeds (`graphcap.backends.cuda_recovery`). If CUDA refuses (a sticky error), `error`
+        (the capture's own, which propagates) gets a note saying so.
+        """
+        try:
+            restore_generators(self.device, self.pool.stream, self.generators, self.capture_error_mode)
+        except Exception as exc:
+            if error is not None and hasattr(error, "add_note"):  # Python 3.11 and later
+                error.add_note(f"graphcap could not take the CUDA generators out of capture mode: {exc}")
+
     def _piece_session(self, name: str) -> CUDAPieceSession:
         self.synchronize()  # staged uploads and warmups are done; nothing else runs during capture
         return CUDAPieceSession(self, name)
@@ -254,9 +264,12 @@ class CUDAGraphBackend(GraphBackend):
         engine's life included, take memory the pool already holds. The bytes are split as
         `reservation_layout` says: most in one large block (what requests over 1 MiB are carved from),
         the rest as small-block segments (what requests of 1 MiB or less take), all allocated together.
+        The cache (device and pinned host) is emptied first, as before every capture: the allocator
+        cannot free cached blocks while the holder captures, so with free memory below the budget but
+        enough of it cached the reservation would fail out of memory.
         Returns (give it back, the growth of `torch.cuda.memory_reserved()`).
         """
-        self.synchronize()
+        self.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         large, small_segments = reservation_layout(num_bytes)
         graph = torch.cuda.CUDAGraph()
@@ -276,8 +289,9 @@ class CUDAGraphBackend(GraphBackend):
                     del held  # freed at once, kept by the pool
                 finally:
                     graph.capture_end()
-        except BaseException:  # out of memory: the holder's use of the pool goes back now, not at its GC
-            discard_capture(graph, self.device, handle)
+        except BaseException as error:  # out of memory: the holder's use of the pool goes back now, not at its GC
+            if not discard_capture(graph, self.device, handle):
+                self.restore_generators(error)
             raise
         caller.wait_stream(stream)
         return graph.reset, torch.cuda.memory_reserved(self.device) - before

@@ -70,11 +70,12 @@ class CUDAPieceSession(PieceSession):
             return
         try:
             graph.capture_end()
-        except BaseException:
+        except BaseException as error:
             self._graph = None
             with contextlib.suppress(Exception):
                 self._leave_stream()
-            discard_capture(graph, self.backend.device, self._handle, began=self._began)
+            if not discard_capture(graph, self.backend.device, self._handle, began=self._began):
+                self.backend.restore_generators(error)  # capture_end threw before it ended their capture
             raise
         self._graph = None
         self.graphs.append(graph)
@@ -114,7 +115,8 @@ class CUDAPieceSession(PieceSession):
                 graph.capture_end()
             with contextlib.suppress(Exception):
                 self._leave_stream()
-            discard_capture(graph, self.backend.device, self._handle, began=self._began)
+            if not discard_capture(graph, self.backend.device, self._handle, began=self._began):
+                self.backend.restore_generators()
         with contextlib.suppress(Exception):
             self._leave_stream()
         for done in self.graphs:

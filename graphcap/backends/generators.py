@@ -9,7 +9,8 @@ backend then calls `CUDAGraph.register_generator_state(g)` on every graph and ev
 its capture begins (feature-detected: torch without that method refuses `generators=` when the
 backend is made). Without it, torch 2.11 raises "Attempt to increase offset for a CUDA generator
 not in capture mode" at capture; the preflight names the op and line first
-(`unregistered_generator`).
+(`unregistered_generator`). After a capture CUDA invalidated, the backend takes the default and the
+registered generators out of capture mode again (`graphcap.backends.cuda_recovery.restore_generators`).
 """
 
 from __future__ import annotations

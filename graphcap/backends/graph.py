@@ -37,14 +37,36 @@ _STICKY_CUDA_ERRORS = (
 )
 
 
+# What cuBLAS reports when a kernel failed: its own fault, or the first report of a sticky CUDA error
+# ("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm(...)`").
+_CUBLAS_KERNEL_FAILED = ("CUBLAS_STATUS_EXECUTION_FAILED", "CUBLAS_STATUS_INTERNAL_ERROR")
+
+
 def is_sticky_cuda_error(exc: BaseException) -> bool:
     """Whether `exc` is a CUDA error that leaves the process's CUDA context unusable.
 
     A device-side assert or an illegal address is sticky: every later CUDA call fails with
-    it, and, kernels being asynchronous, it surfaces at some later sync, not at its cause.
+    it, and, kernels being asynchronous, it surfaces at some later sync, not at its cause,
+    possibly first in cuBLAS, which names only its own status (`CUBLAS_STATUS_EXECUTION_FAILED`).
+    For those CUDA itself is asked: a device sync raises the sticky error if there is one.
     """
     text = str(exc)
-    return "CUDA error" in text and any(marker in text for marker in _STICKY_CUDA_ERRORS)
+    if "CUDA error" not in text:
+        return False
+    if any(marker in text for marker in _STICKY_CUDA_ERRORS):
+        return True
+    return any(status in text for status in _CUBLAS_KERNEL_FAILED) and _context_poisoned()
+
+
+def _context_poisoned() -> bool:
+    """Whether a device sync raises a sticky CUDA error (the context is unusable)."""
+    if not torch.cuda.is_initialized():
+        return False
+    try:
+        torch.cuda.synchronize()
+    except Exception as exc:
+        return any(marker in str(exc) for marker in _STICKY_CUDA_ERRORS)
+    return False
 
 
 def record_input_ptrs(static_inputs: Mapping[str, torch.Tensor]) -> dict[str, int]:

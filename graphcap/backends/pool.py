@@ -261,8 +261,11 @@ def unowned_alias(tensor: torch.Tensor) -> torch.Tensor:
     return alias
 
 
-def discard_capture(graph: torch.cuda.CUDAGraph, device: torch.device, handle: Any, *, began: bool = True) -> None:
+def discard_capture(graph: torch.cuda.CUDAGraph, device: torch.device, handle: Any, *, began: bool = True) -> bool:
     """Drop a failed capture: nothing of it stays recording, its use of the pool is released exactly once.
+
+    Returns whether `capture_end` had completed (when it had not, the CUDA generators are still in
+    capture mode: `graphcap.backends.cuda_recovery.restore_generators`).
 
     `began`: whether `capture_begin` returned (the caller tracks it). What is left to undo
     depends on where the capture failed and on the torch version, and is read from the
@@ -310,6 +313,7 @@ def discard_capture(graph: torch.cuda.CUDAGraph, device: torch.device, handle: A
         torch.cuda.synchronize(device)
     with contextlib.suppress(Exception):
         torch.cuda.empty_cache()  # what the failed capture held (an OOM's retry needs it)
+    return completed
 
 
 def _torch_release() -> tuple[int, int]:

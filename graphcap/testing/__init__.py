@@ -43,6 +43,7 @@ from graphcap.testing.faults import (
     hostile_batches,
     kv_cache,
     leftover_temp_files,
+    remember_freeze_count,
     snapshot,
 )
 from graphcap.testing.fuzz import (
@@ -105,6 +106,7 @@ __all__ = [
     "make_manager",
     "nested",
     "random_plan",
+    "remember_freeze_count",
     "run_threads",
     "snapshot",
     "stress",
@@ -167,4 +169,4 @@ def make_manager(
         torch.set_num_threads(threads)
     model = build_model(config)
     kwargs.setdefault("progress", False)
-    return CaptureManager(FaultyModel(model) if faulty else model, config, **kwargs)
+    return remember_freeze_count(CaptureManager(FaultyModel(model) if faulty else model, config, **kwargs))

@@ -8,6 +8,7 @@ step wrote nothing; `hostile_batches` is a catalogue of steps that must be refus
 from __future__ import annotations
 
 import gc
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,7 @@ __all__ = [
     "hostile_batches",
     "kv_cache",
     "leftover_temp_files",
+    "remember_freeze_count",
     "snapshot",
 ]
 
@@ -136,10 +138,33 @@ def leftover_temp_files(path: Path) -> list[Path]:
     return sorted(path.parent.glob(f".{path.name}.*"))
 
 
-def assert_nothing_left(manager: CaptureManager) -> None:
-    """After a failed or interrupted pass: GC restored, no graph registered or holding memory."""
+_FROZEN_WHEN_MADE: weakref.WeakKeyDictionary[CaptureManager, int] = weakref.WeakKeyDictionary()
+
+
+def remember_freeze_count(manager: CaptureManager) -> CaptureManager:
+    """Note `gc.get_freeze_count()` now, as `manager`'s count before any pass (`make_manager` calls it)."""
+    _FROZEN_WHEN_MADE[manager] = gc.get_freeze_count()
+    return manager
+
+
+def assert_nothing_left(manager: CaptureManager, *, frozen_before: int | None = None) -> None:
+    """After a failed or interrupted pass: GC restored, no graph registered or holding memory.
+
+    GC "left frozen" means the permanent generation grew past `frozen_before`, its size
+    (`gc.get_freeze_count()`) before the pass; by default the size when `make_manager` made `manager`.
+    Never compared with 0: CPython 3.12 starts with objects there, and an engine may freeze its own heap
+    (vLLM calls `gc.freeze()` after start-up). Refcounting may free frozen objects, so it may shrink.
+    """
+    if frozen_before is None:
+        frozen_before = _FROZEN_WHEN_MADE.get(manager)
+    if frozen_before is None:
+        raise ValueError(
+            "assert_nothing_left: frozen_before is None and make_manager did not make this manager; pass "
+            "frozen_before=gc.get_freeze_count() taken before the pass"
+        )
     expect(gc.isenabled(), "GC left disabled")
-    expect(gc.get_freeze_count() == 0, "GC left frozen")
+    frozen = gc.get_freeze_count()
+    expect(frozen <= frozen_before, f"GC left frozen: {frozen} objects frozen, {frozen_before} before the pass")
     expect(manager.graphs == {}, f"graphs left registered: {list(manager.graphs)}")
     expect(manager.registry.captured == set(), f"keys left marked captured: {manager.registry.captured}")
     expect(manager.backend.graphs == (), "the backend still holds live graphs")

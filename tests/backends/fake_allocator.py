@@ -6,7 +6,10 @@ zero when the pool exists: `TORCH_INTERNAL_ASSERT(use_count > 0)`), `endAllocate
 recording (and raises when nothing records to that pool), `releasePool` decrements it (asserting
 it stays >= 0), and a pool whose count reached zero stays known until `empty_cache()` frees it.
 `FakeCUDAGraph` plays `torch.cuda.CUDAGraph` against it in the order a given torch version ends a
-failed capture.
+failed capture, CUDA generators included (at::cuda::CUDAGraph, torch 2.11): `capture_begin` puts the
+default generator and every registered one in capture mode (`capture_prologue`), `capture_end` takes
+them out (`capture_epilogue`) only after `cudaStreamEndCapture` succeeded, and an eager draw from a
+generator in capture mode raises (`draw`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,12 @@ class FakeAllocator:
         self.use_count: dict = {}
         self.recording: set = set()
         self.calls: list = []
+        self.capturing_generators: list = []  # generators in capture mode ("default": the device's own)
+
+    def draw(self, generator="default") -> None:
+        """An eager random draw from `generator` (torch 2.11's CUDAGeneratorState::increase, no capture under way)."""
+        if any(generator is g for g in self.capturing_generators):
+            raise RuntimeError("Offset increment outside graph capture encountered unexpectedly.")
 
     def begin(self, device: int, handle) -> None:
         self.calls.append(("begin", handle))
@@ -76,15 +85,20 @@ class FakeCUDAGraph:
         self.completed = False
         self.invalidated = False  # set by a test: CUDA invalidated the capture under way
         self.replays = 0
+        self.generators: list = ["default"]  # torch registers the device's default generator itself
 
     def register_generator_state(self, generator) -> None:
         self.allocator.calls.append(("register_generator_state", generator))
+        self.generators.append(generator)
 
     def capture_begin(self, pool, capture_error_mode: str = "global", fail_after_recording: bool = False) -> None:
         self.handle = pool
         self.allocator.calls.append(("capture_begin", pool, capture_error_mode))
         self.allocator.begin(0, pool)
         self.began = True
+        self.allocator.capturing_generators += [
+            g for g in self.generators if g not in self.allocator.capturing_generators
+        ]
         if fail_after_recording:  # cudaStreamBeginCapture failed after the allocator began recording
             raise RuntimeError("CUDA error: operation not permitted")
 
@@ -95,6 +109,9 @@ class FakeCUDAGraph:
         self.allocator.end(0, self.handle)
         if invalidated:
             raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+        self.allocator.capturing_generators = [
+            g for g in self.allocator.capturing_generators if not any(g is mine for mine in self.generators)
+        ]  # capture_epilogue: after cudaStreamEndCapture succeeded
         self.completed = True
 
     def replay(self) -> None:

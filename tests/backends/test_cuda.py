@@ -135,8 +135,14 @@ def test_preflight_names_the_unsafe_op_before_capture(sync_debug):
     assert torch.cuda.get_sync_debug_mode() == mode_before
 
 
+def _sync_forward(t):
+    y = t["x"] + 1
+    torch.cuda.synchronize()  # unsafe: CUDA refuses it during capture (error 900) and invalidates the capture
+    return y
+
+
 def _upload_forward(t):
-    return t["x"] + torch.tensor([1.0], device="cuda")  # unsafe
+    return t["x"] + torch.tensor([1.0], device="cuda")  # a pageable copy: torch refuses it before CUDA sees it
 
 
 def _end_capture_left(handle) -> bool:
@@ -148,7 +154,7 @@ def _end_capture_left(handle) -> bool:
     return True
 
 
-@pytest.mark.parametrize("forward", [_upload_forward, _nonzero_forward], ids=["upload", "nonzero"])
+@pytest.mark.parametrize("forward", [_sync_forward, _nonzero_forward], ids=["sync", "nonzero"])
 def test_a_capture_cuda_invalidates_leaves_nothing_recording_and_later_captures_work(cuda_backend, forward):
     """Capture runs without the checker (so compiled code stays compiled): CUDA itself refuses the op (error 900)."""
     t = _persistent()
@@ -165,6 +171,43 @@ def test_a_capture_cuda_invalidates_leaves_nothing_recording_and_later_captures_
     cuda_backend.warmup(lambda: t["x"] + 1, num_warmups=1)
     graph = cuda_backend.capture(lambda: t["x"] + 1, {}, name="good")
     torch.testing.assert_close(graph.replay(), t["x"] + 1, rtol=0, atol=0)
+
+
+def test_a_refused_host_device_copy_gets_the_staging_hint_and_the_next_capture_works(cuda_backend):
+    t = _persistent()
+    with pytest.raises(CaptureError, match=r"torch refused a host-device copy during the capture of up \(Cannot copy"):
+        cuda_backend.capture(lambda: _upload_forward(t), {}, name="up")
+    graph = cuda_backend.capture(lambda: t["x"] + 1, {}, name="good")
+    torch.testing.assert_close(graph.replay(), t["x"] + 1, rtol=0, atol=0)
+
+
+def test_after_a_capture_cuda_invalidated_the_generators_draw_eagerly_and_in_graphs():
+    sampler = torch.Generator(device="cuda").manual_seed(0)
+    backend = get_backend("cuda", "cuda", generators=[sampler])
+    t = _persistent()
+    with pytest.raises(CaptureError, match="CUDA invalidated the capture of bad"):
+        backend.capture(lambda: _sync_forward(t), {}, name="bad")
+    torch.rand(4, device="cuda")  # the default generator: no "Offset increment outside graph capture"
+    torch.rand(4, device="cuda", generator=sampler)  # the registered one too
+    graph = backend.capture(lambda: torch.rand(4, device="cuda", generator=sampler), {}, name="draws")
+    first = graph.replay().clone()
+    assert not torch.equal(graph.replay(), first)  # the registered generator advances every replay
+    backend.reset()
+
+
+def test_the_reservation_is_taken_from_memory_the_cache_held():
+    backend = get_backend("cuda", "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    filler = torch.empty(int(free * 0.9), dtype=torch.uint8, device="cuda")
+    del filler  # cached by the allocator, not free on the device
+    budget = int(torch.cuda.mem_get_info()[0] + free * 0.5)  # more than is free, less than is cached
+    try:
+        assert backend.reserve(budget) > 0
+    finally:
+        backend.reset()
+        torch.cuda.empty_cache()
 
 
 def test_a_failed_first_capture_does_not_break_the_next_one_while_its_tensors_live(cuda_backend):
@@ -324,7 +367,7 @@ def test_an_invalidated_capture_leaves_no_memory_behind_once_its_pool_is_release
     backend.warmup(lambda: x * 2, num_warmups=1)
     backend.capture(lambda: x * 2, {}, name="good")  # the pool holds memory now
     with pytest.raises(CaptureError, match="CUDA invalidated"):
-        backend.capture(lambda: _upload_forward({"x": x}), {}, name="bad")
+        backend.capture(lambda: _sync_forward({"x": x}), {}, name="bad")
     backend.reset()
     gc.collect()  # nothing of the failed forward's frames may hold a block of the pool
     torch.cuda.synchronize()

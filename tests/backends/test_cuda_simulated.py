@@ -160,6 +160,8 @@ def _simulated_piece_session(monkeypatch, allocator: FakeAllocator, pool_tensors
     backend = SimpleNamespace(
         device=CUDA0, pool=pool, synchronize=lambda: None, generators=(), capture_error_mode="thread_local"
     )
+    backend.restored = []  # restore_generators calls: the error each was given
+    backend.restore_generators = lambda error=None: backend.restored.append(error)
     return CUDAPieceSession(backend, "piecewise(tokens=4)")
 
 
@@ -177,8 +179,9 @@ def test_a_piece_whose_capture_end_fails_is_discarded_at_once(monkeypatch):
     handle = session.backend.pool.handle
     session.begin_piece()
     session._graph.invalidated = True  # CUDA invalidated the capture of this piece
-    with pytest.raises(RuntimeError, match="CUDA error"):
+    with pytest.raises(RuntimeError, match="CUDA error") as caught:
         session.end_piece()
+    assert session.backend.restored == [caught.value]  # the generators were taken out of capture mode
     assert handle not in allocator.recording  # the allocator does not stay recording to the pool
     assert allocator.use_count.get(handle, 0) == 0  # the piece's use released once (empty_cache freed it)
     assert allocator.calls.count(("release", handle)) == 1

@@ -55,12 +55,38 @@ def _capture(manager: CaptureManager):
     return report
 
 
+def _bare_compiled(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def _bare_caller(fn, x: torch.Tensor) -> torch.Tensor:
+    return fn(x)
+
+
+def _cprofile_sees_callers_of_compiled_code() -> bool:
+    """Whether cProfile, with bare torch (no graphcap), records a function that calls a torch.compile'd one.
+
+    It does on Python 3.11 (torch 2.13). On Python 3.12 with torch 2.11 it does not: cProfile runs on
+    `sys.monitoring` there, and a caller of a compiled function goes missing from its stats.
+    """
+    profile = cProfile.Profile()
+    compiled = torch.compile(_bare_compiled, backend="eager")
+    profile.runctx("caller(fn, x)", {"caller": _bare_caller, "fn": compiled, "x": torch.ones(2)}, {})
+    torch._dynamo.reset()
+    return "_bare_caller" in {func[2] for func in pstats.Stats(profile).stats}
+
+
 def test_capture_under_cprofile_run_profiles_the_capture():
+    sees_callers = _cprofile_sees_callers_of_compiled_code()  # before the pass: torch's own behaviour here
     manager = _manager()
     profile = cProfile.Profile()
     profile.runctx("report = capture(manager)", {"capture": _capture, "manager": manager}, {})
     names = {func[2] for func in pstats.Stats(profile).stats}  # (file, line, function name) keys
-    assert {"capture", "_capture", "replay"} <= names  # the profiler saw the whole pass
+    # The pass completed and verified under the profiler (`_capture` checks it) on every stack, and the
+    # per-key work is profiled; the whole pass, its entry point included, wherever bare torch lets
+    # cProfile see callers of compiled code (Python 3.11; not Python 3.12 with torch 2.11).
+    assert {"capture_batch", "replay"} <= names
+    assert ("capture" in names) == sees_callers
 
 
 def test_capture_under_a_python_profile_function_passes_every_event_on():

@@ -4,6 +4,7 @@ CUDA error keeps the memory hint, and a backend that needs warmups refuses zero.
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import pytest
@@ -63,6 +64,7 @@ def test_a_failed_pass_does_not_pin_the_failed_forward_through_the_error_the_cal
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
 def test_a_sticky_cuda_error_stops_the_pass_with_one_clear_message(on_error):
     manager = _leaky_manager(on_error, lambda: torch.AcceleratorError(ASSERT))
+    frozen = gc.get_freeze_count()
     with pytest.raises(CaptureError) as info:
         manager.capture()
     message = str(info.value)
@@ -70,7 +72,7 @@ def test_a_sticky_cuda_error_stops_the_pass_with_one_clear_message(on_error):
     for hint in ("sticky", "restart the process", "CUDA_LAUNCH_BLOCKING=1", "checks.invariants: full"):
         assert hint in message
     assert list(manager.model.alive_at) == [LARGEST]  # no later key was tried (and blamed)
-    assert_nothing_left(manager)
+    assert_nothing_left(manager, frozen_before=frozen)
 
 
 def test_sticky_cuda_errors_are_told_from_recoverable_ones():
@@ -79,6 +81,35 @@ def test_sticky_cuda_errors_are_told_from_recoverable_ones():
     assert not is_sticky_cuda_error(torch.AcceleratorError("CUDA error: out of memory"))
     assert not is_sticky_cuda_error(RuntimeError("CUDA error: operation not permitted when stream is capturing"))
     assert not is_sticky_cuda_error(RuntimeError("device-side assert triggered"))  # not a CUDA error
+
+
+CUBLAS_FAILED = "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle, opa, opb, m, n, k)`"
+
+
+@pytest.mark.parametrize("poisoned", [True, False])
+def test_a_sticky_error_cublas_reports_first_is_told_from_a_failure_of_its_own(monkeypatch, poisoned):
+    def synchronize(device=None) -> None:
+        if poisoned:  # the context holds the sticky error: every CUDA call returns it
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    assert is_sticky_cuda_error(torch.AcceleratorError(CUBLAS_FAILED)) is poisoned
+    internal = CUBLAS_FAILED.replace("EXECUTION_FAILED", "INTERNAL_ERROR")
+    assert is_sticky_cuda_error(RuntimeError(internal)) is poisoned
+    assert not is_sticky_cuda_error(RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLt`"))
+
+
+def test_a_sticky_error_cublas_reports_first_stops_the_pass(monkeypatch):
+    def synchronize(device=None) -> None:
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    manager = _leaky_manager("skip", lambda: torch.AcceleratorError(CUBLAS_FAILED))
+    with pytest.raises(CaptureError, match=r"failed: AcceleratorError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED"):
+        manager.capture()
+    assert list(manager.model.alive_at) == [LARGEST]  # under on_error: skip too, no later key was tried
 
 
 def test_an_out_of_memory_cuda_error_gets_the_memory_hint():

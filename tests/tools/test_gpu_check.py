@@ -9,9 +9,9 @@ import sys
 
 from tests.tools import TOOLS, run_tool
 
-PHASES = ["P0", "P10", "P7", "P6", "P2", "P13", "P4", "P3", "P5", "P1", "P14", "P12"]
+PHASES = ["P0", "P10", "P7", "P6", "P2", "P13", "P4", "P1", "P14", "P12", "P18", "P3", "P5"]
 PHASES += ["P8", "P9", "P11", "P15", "P16", "P17"]  # the second plan, then the verdict
-NEEDS_CUDA = ["P10", "P3", "P5", "P1", "P16"]
+NEEDS_CUDA = ["P10", "P1", "P3", "P5", "P16"]
 H200_MINUTES = 8  # what one command may take on an H200
 
 
@@ -26,13 +26,14 @@ def test_gpu_check_quick_on_cpu_runs_every_phase_it_can_and_says_what_did_not_ru
     for name, phase in phases.items():
         assert f"{name:<4} {phase['title']}  [{phase['status']}," in result.stdout
         assert phase["status"] in ("ok", "skipped"), (name, phase)
-    assert result.stdout.count("     predicted: ") == 16 and result.stdout.count("     saw:       ") == 18
+    assert result.stdout.count("     predicted: ") == 17 and result.stdout.count("     saw:       ") == 19
     verdict = phases["P17"]["observed"]
     assert "all as predicted" not in verdict and "as predicted where run" in verdict
-    assert "not run: P10 (no CUDA), P3 (no CUDA), P5 (no CUDA), P1 (no CUDA), P16 (no CUDA)" in verdict
-    assert "cases not run: invalidated_capture (no CUDA), sticky_assert (no CUDA)" in verdict
+    assert "not run: P10 (no CUDA), P1 (no CUDA), P3 (no CUDA), P5 (no CUDA), P16 (no CUDA)" in verdict
+    not_run = ("invalidated_capture", "reserve_full_cache", "sticky_assert", "sync_debug_waits")
+    assert "cases not run: " + ", ".join(f"{case} (no CUDA)" for case in not_run) in verdict
     assert result.stdout.rstrip().endswith(
-        "gpu_check: ok where run; 5 phases and 2 cases did not run (see the verdict)"
+        "gpu_check: ok where run; 5 phases and 4 cases did not run (see the verdict)"
     )
     cases = {name: case for phase in phases.values() for name, case in phase.get("cases", {}).items()}
     assert cases["pipelined"]["mismatches"] == 0
@@ -45,6 +46,7 @@ def test_gpu_check_quick_on_cpu_runs_every_phase_it_can_and_says_what_did_not_ru
     assert "query_start_loc [0, 3, 5, 0, 0" in cases["founding_bug_raw"]["observed"]
     assert cases["release_recapture"]["ok"] and cases["compiled_model"]["ok"] and cases["bf16_tolerance"]["ok"]
     assert "agreement on gloo" in cases["agreement"]["observed"]
+    assert cases["cli_capture"]["ok"] and "keys captured and verified" in cases["cli_capture"]["observed"]
 
 
 def test_list_prints_each_phase_with_its_prediction_and_runs_nothing():
@@ -60,17 +62,23 @@ def test_list_prints_each_phase_with_its_prediction_and_runs_nothing():
 
 def test_each_plans_phase_budgets_fit_the_deadline_and_the_deadline_fits_eight_minutes(monkeypatch):
     gpu_check = _load_gpu_check(monkeypatch)
-    import _gpu_steps
+    import _gpu_pytest
 
     first = [p for p in gpu_check.PHASES if not p.second]
     second = [p for p in gpu_check.PHASES if p.second or p.name in (gpu_check.FIRST, gpu_check.LAST)]
     assert sum(p.budget for p in first) <= gpu_check.DEFAULT_DEADLINE
     assert sum(p.budget for p in second) <= gpu_check.DEFAULT_DEADLINE
     assert gpu_check.DEFAULT_DEADLINE + 30 <= H200_MINUTES * 60  # the last case's write and the exit fit too
-    assert [p.name for p in first][:6] == ["P0", "P10", "P7", "P6", "P2", "P13"]  # most telling first
+    names = [p.name for p in first]
+    assert names[:6] == ["P0", "P10", "P7", "P6", "P2", "P13"]  # most telling first
+    assert max(map(names.index, ["P1", "P14", "P12", "P18"])) < min(map(names.index, ["P3", "P5"]))  # 8B last
     (cuda_tests,) = [p for p in gpu_check.PHASES if p.cases == ("cuda_tests",)]
-    assert cuda_tests.budget > _gpu_steps.CUDA_TESTS_SECONDS  # pytest reports what ran before the phase ends
-    assert "tests/backends/test_cuda_engine.py" in _gpu_steps.CUDA_TEST_FILES
+    assert cuda_tests.budget > _gpu_pytest.CUDA_TESTS_SECONDS  # pytest reports what ran before the phase ends
+    assert _gpu_pytest.PER_TEST_SECONDS * 4 < _gpu_pytest.CUDA_TESTS_SECONDS  # a hung test leaves time for the rest
+    assert "tests/backends/test_cuda_engine.py" in _gpu_pytest.CUDA_TEST_FILES
+    cases = [case for p in first for case in p.cases]
+    for case in ("invalidated_capture", "reserve_full_cache", "sync_debug_waits", "cli_capture"):
+        assert case in cases
 
 
 def test_a_cuda_run_defers_the_second_plan_and_its_verdict_prints_the_rerun(monkeypatch):
@@ -111,18 +119,21 @@ def _load_gpu_check(monkeypatch):
 
 
 def test_a_case_past_its_timeout_is_reported_not_waited_for(monkeypatch):
-    gpu_check = _load_gpu_check(monkeypatch)
-    record = gpu_check._case_in_subprocess("tiny", "cpu", True, timeout=0.2)  # cannot even import torch
+    _load_gpu_check(monkeypatch)
+    import _gpu_run
+
+    record = _gpu_run._case_in_subprocess("tiny", "cpu", True, timeout=0.2)  # cannot even import torch
     assert record["ok"] is False and record["observed"] == "timeout after 0 s"
 
 
 def test_a_timed_out_case_reports_what_it_checkpointed(monkeypatch, tmp_path):
-    gpu_check = _load_gpu_check(monkeypatch)
+    _load_gpu_check(monkeypatch)
     import _gpu_report
+    import _gpu_run
 
     partial = tmp_path / "partial.json"
     monkeypatch.setenv(_gpu_report.PARTIAL, str(partial))
     _gpu_report.checkpoint({"seconds_per_key": {"uniform(tokens=512, reqs=512)": {"capture": 0.4}}})
-    record = gpu_check._timed_out(150.0, "", partial)
+    record = _gpu_run._timed_out(150.0, "", partial)
     assert record["observed"] == "timeout after 150 s; it had checkpointed: seconds_per_key"
     assert record["partial"]["seconds_per_key"]["uniform(tokens=512, reqs=512)"] == {"capture": 0.4}
