@@ -39,6 +39,7 @@ from graphcap.model_facts import VOCAB_HINT, is_built_in, precision_of, with_mod
 from graphcap.outputs import OutputRows
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
+from graphcap.postmortem.hook import PostMortem, flight_recorder
 from graphcap.staging import PersistentBuffers
 from graphcap.staging.extras import merged_specs
 from graphcap.step_scope import StepScope
@@ -125,6 +126,9 @@ class CaptureManager(CaptureCalls):
         self._history = PassHistory()
         self._kept = KeptOutputs()  # the last replay's outputs, kept valid across capture_pending()
         self._scope = StepScope(threading.RLock())
+        self._flight = flight_recorder(config, self.buffers)  # the last staged steps, for a post-mortem
+        if self._flight is not None:
+            self._scope.on_failure = PostMortem(self, self._flight)
         every = config.checks.sample_every
         self._sampler = StepSampler(every) if every else None  # None: no cost on the replay path
         self.last_key: GraphKey | None = None
@@ -194,6 +198,8 @@ class CaptureManager(CaptureCalls):
 
     def _run(self, batch: StepBatch, dispatch: Dispatch) -> Any:
         mode, key, reason = dispatch
+        if self._flight is not None:
+            self._flight.note(mode, reason)
         if mode is Mode.EAGER:
             output = self._run_eager(batch, key)
             if self._counting:  # after the run: a refused batch is no step
@@ -280,6 +286,8 @@ class CaptureManager(CaptureCalls):
         except InvariantViolation:
             buffers.forget_padding()  # something other than staging wrote the rows
             raise
+        if self._flight is not None:
+            self._flight.record(inputs, dummy or batch.block_table is None, kv_writes)
         buffers.upload()  # the rows just staged and checked
         return inputs
 
