@@ -20,6 +20,7 @@ from graphcap.staging.layout import PackedLayout
 __all__ = ["FlightRecorder", "RecordedStep", "Span"]
 
 _MAX_PLANS = 1024
+_MODES = {"full": "replay"}  # `Mode.FULL` replays the whole graph
 _concatenate = np.concatenate
 
 
@@ -48,7 +49,7 @@ class RecordedStep(NamedTuple):
     key: Any
     """The key it was staged for (with peers: the agreed key)."""
     mode: str
-    """`full` or `piecewise` (a replay), `eager`, or `capture` (a batch of a capture pass)."""
+    """`replay` (a full graph), `piecewise` (a replay of pieces), `eager`, or `capture` (a capture pass's batch)."""
     reason: str
     """Why it ran eagerly (an `EAGER_REASONS` key), "" otherwise."""
     phase: str
@@ -141,8 +142,9 @@ class FlightRecorder:
                 continue
             step, key, mode, reason, phase_, n, r, plan, dummy, kv_writes = meta
             total = sum(span.nbytes for span in plan.spans)
-            yield RecordedStep(step, key, str(mode), reason, phase_, n, r, plan.shape, dummy, kv_writes, plan.spans,
-                               self._rows[slot, :total].copy())  # fmt: skip
+            rows = self._rows[slot, :total].copy()
+            mode = _MODES.get(str(mode), str(mode))
+            yield RecordedStep(step, key, mode, reason, phase_, n, r, plan.shape, dummy, kv_writes, plan.spans, rows)
 
     def _plan(self, T: int, R: int) -> _Plan:
         if len(self._plans) >= _MAX_PLANS:
