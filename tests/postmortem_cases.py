@@ -63,3 +63,26 @@ def prefill(num_tokens: int = 3) -> StepBatch:
         np.arange(num_tokens, dtype=np.int32),
         np.array([[1, 2]], np.int32),
     )
+
+
+FOUNDING_BUG_ASSET = "tests/assets/founding-bug-postmortem.json"
+"""The post-mortem of `founding_bug_postmortem`, committed: the README's `graphcap inspect` transcript reads it."""
+
+
+def founding_bug_postmortem(directory) -> str:
+    """Two decodes, then one 3-token prefill whose `query_start_loc` tail `prepare` zeroes: the replay's
+    device-side assert leaves `graphcap-postmortem.json` in `directory`; its path."""
+    import pytest
+
+    from graphcap.testing import make_config, make_manager
+
+    overrides = {"report.postmortem": str(directory), "report.flight_steps": 3, "checks.invariants": "off"}
+    manager = make_manager(make_config(overrides))
+    manager.capture()
+    device_asserts(manager)
+    manager.execute(decode(2))
+    manager.execute(decode(3))
+    founding_bug(manager)
+    with pytest.raises(RuntimeError, match=CUDA_ASSERT):
+        manager.execute(prefill())
+    return f"{directory}/graphcap-postmortem.json"

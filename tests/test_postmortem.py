@@ -12,17 +12,29 @@ import base64
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from graphcap import ConfigError, InvariantViolation
+from graphcap import BatchError, ConfigError, InvariantViolation
 from graphcap.backends.preflight import preflight
 from graphcap.phases import failed_in
 from graphcap.postmortem.file import POSTMORTEM_MARKER
 from graphcap.postmortem.recheck import load_postmortem, recheck
 from graphcap.testing import FAULT_SIZES, make_config, make_manager
-from tests.postmortem_cases import CUDA_ASSERT, cuda_error, decode, device_asserts, founding_bug, prefill
+from tests.postmortem_cases import (
+    CUDA_ASSERT,
+    FOUNDING_BUG_ASSET,
+    cuda_error,
+    decode,
+    device_asserts,
+    founding_bug,
+    founding_bug_postmortem,
+    prefill,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def manager_for(tmp_path, invariants: str = "off", steps: int = 4, **overrides):
@@ -75,7 +87,7 @@ def test_the_recorded_rows_are_the_rows_the_step_staged(tmp_path):
     rows = np.frombuffer(base64.b64decode(step["rows"]), np.uint8)
     for name, start, nbytes in step["spans"]:
         view = host[name]
-        assert rows[start : start + view.nbytes].tobytes() == view.tobytes(), name
+        assert nbytes == view.nbytes and rows[start : start + nbytes].tobytes() == view.tobytes(), name
     assert {name for name, _, _ in step["spans"]} == set(host)
 
 
@@ -166,7 +178,7 @@ def test_the_preflight_is_named_as_the_failing_phase():
 def test_an_invariant_violation_or_a_refused_batch_writes_no_postmortem(tmp_path):
     manager = manager_for(tmp_path, invariants="basic")
     manager.capture()
-    with pytest.raises(Exception, match="num_reqs|requests"):
+    with pytest.raises(BatchError, match="max_num_seqs"):
         manager.execute(decode(9))  # more requests than batching.max_num_seqs: refused
     assert not list(tmp_path.iterdir())
 
@@ -267,3 +279,10 @@ def test_the_file_is_json_with_the_marker_first(tmp_path):
     document = json.loads((tmp_path / "graphcap-postmortem.json").read_text())
     assert next(iter(document)) == POSTMORTEM_MARKER and document["rank"] is None
     assert document["limits"]["pad"]["slot"] == -1 and document["invariants"] == "off"
+
+
+def test_the_committed_founding_bug_postmortem_is_what_the_crash_writes(tmp_path):
+    # The README's `graphcap inspect` transcript reads the committed file: it must be the real one.
+    written = json.loads(Path(founding_bug_postmortem(tmp_path)).read_text())
+    committed = json.loads((ROOT / FOUNDING_BUG_ASSET).read_text())
+    assert written == committed

@@ -45,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
     what = f"{error.get('type')} left {error.get('call')}() in phase {error.get('phase')}{where}"
     print(f"{what}: {_first_line(error.get('message'))}")
     total = document.get("num_recorded", len(checks))
-    print(f"{len(checks)} staged steps recorded (of {total} staged), oldest first; they ran under invariants "
-          f"{document.get('invariants')}, re-checked at full with the KV-write rules")  # fmt: skip
+    print(f"the last {len(checks)} of {total} stagings (real steps and capture batches), oldest first; staged under "
+          f"invariants {document.get('invariants')}, re-checked here at full with the KV-write rules")  # fmt: skip
     print(f"{'#':>3} {'step':>5}  {'key':<30} {'mode':<16} {'phase':<7} {'tokens':>6} {'reqs':>5}  re-check")
     for check in checks:
         s = check.step
@@ -60,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
         s, v = broken.step, broken.violation
         step = f"step {s['step']}" if s["step"] is not None else f"the capture batch #{broken.index}"
         print(f"first broken: {step} ({s['key_text']}, {s['phase']}): {v}")
+        rows = broken.rows.get(v.field)
+        if rows is not None and rows.size <= 64:
+            print(f"  its staged {v.field}: {rows.tolist()}")
         raise CommandFailed(f"{step} breaks an invariant: {v.field}" + (f"[{v.index}]" if v.index is not None else ""))
     last = checks[-1].step if checks else None
     print("every recorded step holds its invariants: the staged rows are not what failed")

@@ -40,6 +40,8 @@ class StepCheck(NamedTuple):
     """Its place in the file (0: the oldest recorded)."""
     step: dict[str, Any]
     violation: InvariantViolation | None
+    rows: dict[str, np.ndarray]
+    """The step's host rows by packed field name, at its padded shape."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ def recheck(document: dict[str, Any], path: str | Path = "the file") -> list[Ste
     try:
         limits = _limits_of(document["limits"])
         fields = {f["name"]: f for f in document["fields"]}
-        return [StepCheck(i, step, _check_step(step, fields, limits)) for i, step in enumerate(document["steps"])]
+        return [StepCheck(i, step, *_check_step(step, fields, limits)) for i, step in enumerate(document["steps"])]
     except (KeyError, TypeError, ValueError, binascii.Error) as exc:
         if isinstance(exc, InvariantViolation):
             raise
@@ -141,7 +143,9 @@ def _limits_of(raw: dict[str, Any]) -> _Limits:
                    raw["max_model_len"], PadRules(**raw["pad"]), extras, groups)  # fmt: skip
 
 
-def _check_step(step: dict[str, Any], fields: dict[str, dict], limits: _Limits) -> InvariantViolation | None:
+def _check_step(
+    step: dict[str, Any], fields: dict[str, dict], limits: _Limits
+) -> tuple[InvariantViolation | None, dict[str, np.ndarray]]:
     rows = np.frombuffer(base64.b64decode(step["rows"], validate=True), np.uint8)
     T, R = step["padded"]
     views = {}
@@ -163,7 +167,8 @@ def _check_step(step: dict[str, Any], fields: dict[str, dict], limits: _Limits) 
     counts = views.get(COUNTS_ENTRY)
     if counts is not None and (int(counts[0]), int(counts[1])) != (n, r):
         actual = f"[{int(counts[0])}, {int(counts[1])}]"
-        return InvariantViolation(COUNTS_ENTRY, None, f"[{n}, {r}]", actual, "the staged counts are the step's", key)
+        why = "the staged counts are the step's"
+        return InvariantViolation(COUNTS_ENTRY, None, f"[{n}, {r}]", actual, why, key), views
     host = SimpleNamespace(
         **{name: views[name] for name in FIELDS},
         extras=MappingProxyType({e.name: views[e.name] for e in limits.extras}),
@@ -177,5 +182,5 @@ def _check_step(step: dict[str, Any], fields: dict[str, dict], limits: _Limits) 
     try:
         check_invariants(_Inputs(host, key, limits, n, r), "full", dummy=step["dummy"], kv_writes=step["kv_writes"])
     except InvariantViolation as violation:
-        return violation
-    return None
+        return violation, views
+    return None, views
