@@ -286,3 +286,19 @@ def test_the_committed_founding_bug_postmortem_is_what_the_crash_writes(tmp_path
     written = json.loads(Path(founding_bug_postmortem(tmp_path)).read_text())
     committed = json.loads((ROOT / FOUNDING_BUG_ASSET).read_text())
     assert written == committed
+
+
+def test_a_postmortem_path_from_a_config_file_stays_under_its_directory_or_the_working_directory(tmp_path, monkeypatch):
+    from graphcap import load_config
+
+    work, project = tmp_path / "work", tmp_path / "project"
+    work.mkdir()
+    project.mkdir()
+    monkeypatch.chdir(work)
+    config = project / "c.yaml"
+    config.write_text("device: cpu\nreport:\n  postmortem: ../../crashes\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:3: report\.postmortem: \.\./\.\./crashes resolves to .*, outside"):
+        load_config(config)
+    assert load_config(config, {"report.postmortem": "../../crashes"}).report.postmortem == "../../crashes"
+    config.write_text("device: cpu\nreport:\n  postmortem: crashes\n")
+    assert load_config(config).report.postmortem == "crashes"
