@@ -87,9 +87,10 @@ def main(argv: list[str] | None = None) -> int:
             medians[name][round_] = np.median(measure(cases[name], calls, warmup=calls // 10))
     manager._flight = recorder
     print(f"# bench_recorder: torch {torch.__version__}, numpy {np.__version__}, python {platform.python_version()}")
-    print(f"# decode of {NUM_REQS} requests ({inputs.host.block_table.shape[1]} block-table columns), "
-          f"{recorder.num_steps} steps in the ring, slot copy {sum(s.nbytes for s in recorder._plan(key.num_tokens, NUM_REQS).spans)} bytes; "
-          f"{rounds} rounds x {calls} calls; 1 torch thread")  # fmt: skip
+    copied = sum(span.nbytes for span in recorder._plan(key.num_tokens, NUM_REQS).spans)
+    width = inputs.host.block_table.shape[1]
+    print(f"# decode of {NUM_REQS} requests ({width} block-table columns), {recorder.num_steps} steps in the ring, "
+          f"slot copy {copied} bytes; {rounds} rounds x {calls} calls; 1 torch thread")  # fmt: skip
     header = f"{'per step':<24} {'median':>9} {'p10':>8} {'p90':>8}"
     print(header)
     print("-" * len(header))
