@@ -16,11 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from graphcap import BatchError, ConfigError, InvariantViolation
+from graphcap import BatchError, ConfigError, InvariantViolation, StepBatch, check_invariants
 from graphcap.backends.preflight import preflight
+from graphcap.fields import FIELDS
 from graphcap.phases import failed_in
-from graphcap.postmortem.file import POSTMORTEM_MARKER
+from graphcap.postmortem.file import POSTMORTEM_MARKER, write_postmortem
 from graphcap.postmortem.recheck import load_postmortem, recheck
 from graphcap.testing import FAULT_SIZES, make_config, make_manager
 from tests.postmortem_cases import (
@@ -302,3 +305,102 @@ def test_a_postmortem_path_from_a_config_file_stays_under_its_directory_or_the_w
     assert load_config(config, {"report.postmortem": "../../crashes"}).report.postmortem == "../../crashes"
     config.write_text("device: cpu\nreport:\n  postmortem: crashes\n")
     assert load_config(config).report.postmortem == "crashes"
+
+
+def test_engine_buffers_and_kv_groups_are_recorded_and_their_rules_rechecked(tmp_path):
+    window = {"name": "window", "block_size": 2, "num_blocks": 90, "sliding_window": 5}
+    temperature = {"name": "temperature", "rows": "reqs", "dtype": "float32", "pad": 1.0}
+    manager = manager_for(tmp_path, **{"kv_cache.groups": [window], "buffers": [temperature]})
+    manager.capture()
+    device_asserts(manager, at=3)
+    step = decode(3)
+    window_table = np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]], np.int32)  # 3 blocks of 2 slots per request
+    batch = type(step)(step.query_lens, step.seq_lens, step.input_ids, step.block_table,
+                       extras={"temperature": [0.7, 1.3, 1.0]}, kv_groups={"window": window_table})  # fmt: skip
+    manager.execute(batch)
+    corrupt = iter([
+        lambda host, r: host.extras["temperature"].__setitem__(slice(r, None), 5.0),  # a stale engine tail
+        lambda host, r: host.kv_groups["window"].slot_mapping.__setitem__(1, host.kv_groups["window"].slot_mapping[0]),
+    ])  # fmt: skip
+    manager._prepare = lambda inputs, phase: next(corrupt)(inputs.host, inputs.num_reqs)
+    manager.execute(batch)
+    with pytest.raises(RuntimeError, match=CUDA_ASSERT):
+        manager.execute(batch)
+    document = load_postmortem(tmp_path / "graphcap-postmortem.json")
+    names = {name for name, _, _ in document["steps"][-1]["spans"]}
+    assert {"temperature", "kv_groups.window.slot_mapping", "kv_groups.window.block_table"} <= names
+    found = [c.violation.field if c.violation else None for c in recheck(document)][-3:]
+    assert found == [None, "temperature", "kv_groups['window'].slot_mapping"]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A captured manager whose recorder keeps 1 step, invariants off (the rows reach the replay as staged)."""
+    manager = manager_for(tmp_path_factory.mktemp("recorded"), steps=1)
+    manager.capture()
+    for graph in manager.graphs.values():  # rows the checks would refuse never reach a kernel, not even on the CPU
+        graph._replay = lambda: None
+    return manager
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lens=st.lists(st.tuples(st.integers(1, 2), st.integers(0, 4)), min_size=1, max_size=4),
+    field=st.sampled_from(["none", *FIELDS]),
+    where=st.integers(0, 10**6),
+    value=st.integers(-3, 80),
+)
+def test_the_recheck_of_a_recorded_step_finds_what_the_live_check_finds(recorded, tmp_path, lens, field, where, value):
+    """Any step, any one entry of any field overwritten after staging: the file's re-check names the same
+    field and index as `check_invariants` at `full` on the live rows (or passes where it passes)."""
+    q = np.array([n for n, _ in lens], np.int32)
+    s = q + np.array([c for _, c in lens], np.int32)
+    tables = np.array([[1 + 2 * i, 2 + 2 * i] for i in range(len(lens))], np.int32)
+    batch = StepBatch(q, s, np.arange(int(q.sum()), dtype=np.int32) % 128, tables)
+    assert recorded.dispatch(batch) is not None  # a replay (hollow): no forward reads the corrupted rows
+    live = []
+
+    def prepare(inputs, phase):
+        if field != "none":
+            rows = getattr(inputs.host, field).reshape(-1)
+            rows[where % rows.size] = value
+        try:
+            check_invariants(inputs, "full")
+            live.append(None)
+        except InvariantViolation as exc:
+            live.append((exc.field, str(exc.index)))
+
+    recorded._prepare = prepare
+    try:
+        recorded.execute(batch)
+    finally:
+        recorded._prepare = None
+    path = write_postmortem(
+        RuntimeError(CUDA_ASSERT), "execute", "replay", recorded._flight.steps(), setting=str(tmp_path),
+        fields=recorded.buffers.layout.entries, limits=recorded.buffers.limits, invariants="off",
+    )  # fmt: skip
+    (check,) = recheck(load_postmortem(path))
+    found = None if check.violation is None else (check.violation.field, str(check.violation.index))
+    assert found == live[-1]
+
+
+def test_a_cuda_error_leaving_capture_pending_writes_the_postmortem(tmp_path):
+    manager = manager_for(tmp_path, **FAULT_SIZES, **{"capture.strategy": "lazy"})
+    manager.capture()  # lazy: captures nothing
+    manager.model.arm(4, cuda_error, on_call=1, uniform=True)
+    with pytest.raises(Exception, match=CUDA_ASSERT) as info:
+        manager.capture_pending()
+    document = load_postmortem(tmp_path / "graphcap-postmortem.json")
+    assert document["error"]["call"] == "capture_pending" and document["error"]["phase"] == "warmup"
+    assert str(tmp_path / "graphcap-postmortem.json") in info.value.__notes__[-1]
+
+
+def test_without_exception_notes_the_path_goes_to_the_log(caplog):
+    from graphcap.postmortem.file import _note
+
+    class NoNotes:  # Python 3.10's exceptions have no add_note
+        pass
+
+    with caplog.at_level("ERROR", logger="graphcap"):
+        _note(NoNotes(), "graphcap: post-mortem of the last 2 staged steps in x.json")
+    assert caplog.messages == ["graphcap: post-mortem of the last 2 staged steps in x.json"]
