@@ -32,8 +32,11 @@ class PostMortem:
         if call not in CALLS or not isinstance(exc, Exception) or isinstance(exc, EXCEPTED):
             return
         manager = self.manager
-        rank, world = environment_rank(manager._peers)
-        write_postmortem(
+        try:
+            rank, world = environment_rank(manager._peers)
+        except Exception:  # a peer object half torn down: the file names no rank
+            rank, world = None, None
+        write_postmortem(  # never raises: a failure to write is a note on `exc`
             exc,
             call,
             call_phase,
