@@ -43,6 +43,7 @@ from graphcap.outputs import OutputRows, StepOutput
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
 from graphcap.report import CaptureReport
+from graphcap.postmortem.hook import PostMortem, flight_recorder
 from graphcap.staging import PersistentBuffers
 from graphcap.staging.extras import merged_specs
 from graphcap.step_scope import StepScope
@@ -127,6 +128,9 @@ class CaptureManager:
         self._history = PassHistory()
         self._kept = KeptOutputs()  # the last replay's outputs, kept valid across capture_pending()
         self._scope = StepScope(threading.RLock())
+        self._flight = flight_recorder(config, self.buffers)  # the last staged steps, for a post-mortem
+        if self._flight is not None:
+            self._scope.on_failure = PostMortem(self, self._flight)
         every = config.checks.sample_every
         self._sampler = StepSampler(every) if every else None  # None: no cost on the replay path
         self.last_key: GraphKey | None = None
@@ -278,6 +282,8 @@ class CaptureManager:
 
     def _run(self, batch: StepBatch, dispatch: Dispatch) -> StepOutput:
         mode, key, reason = dispatch
+        if self._flight is not None:
+            self._flight.note(mode, reason)
         if mode is Mode.EAGER:
             output = self._run_eager(batch, key)
             if self._counting:  # after the run: a refused batch is no step
@@ -365,6 +371,8 @@ class CaptureManager:
         except InvariantViolation:
             buffers.forget_padding()  # something other than staging wrote the rows
             raise
+        if self._flight is not None:
+            self._flight.record(inputs, dummy or batch.block_table is None, kv_writes)
         buffers.upload()  # the rows just staged and checked
         return inputs
 

@@ -36,9 +36,11 @@ __all__ = [
     "STEP_PHASES",
     "Phase",
     "enter_phase",
+    "failed_in",
     "in_phase",
     "is_capturing",
     "leave_phase",
+    "mark_failure",
     "phase",
     "recording",
 ]
@@ -76,6 +78,9 @@ def in_phase(name: Phase) -> Iterator[None]:
     token = _STATE.set((name, False))
     try:
         yield
+    except BaseException as exc:
+        mark_failure(exc, name)
+        raise
     finally:
         _STATE.reset(token)
 
@@ -96,5 +101,24 @@ def recording(active: bool = True) -> Iterator[None]:
     token = _STATE.set(("capture", active))
     try:
         yield
+    except BaseException as exc:
+        mark_failure(exc, "recording" if active else "capture")
+        raise
     finally:
         _STATE.reset(token)
+
+
+_FAILED_IN = "_graphcap_failed_in"
+
+
+def mark_failure(exc: BaseException, where: str) -> None:
+    """Remember on `exc` the innermost phase it left (`failed_in`); an outer phase keeps the inner one's mark."""
+    if getattr(exc, _FAILED_IN, None) is None:
+        with contextlib.suppress(AttributeError, TypeError):  # an exception type with no instance dict: no mark
+            setattr(exc, _FAILED_IN, where)
+
+
+def failed_in(exc: BaseException) -> str | None:
+    """The innermost graphcap phase `exc` left: `warmup`, `preflight` (the checked first warmup), `recording`
+    (a graph recording), `capture`, `verify` or `eager`; None when it left none of them (a replay)."""
+    return getattr(exc, _FAILED_IN, None)

@@ -60,10 +60,10 @@ def _path_problem(path: str | os.PathLike, target: Path, not_same_as: tuple[str 
     return None
 
 
-def may_overwrite(path: str | os.PathLike) -> bool:
+def may_overwrite(path: str | os.PathLike, marker: str = REPORT_MARKER) -> bool:
     """Whether graphcap may replace the file at `path`: it does not exist, is empty, or is a report
-    graphcap wrote (a regular file whose first key is `REPORT_MARKER`). Anything else, a link, a
-    device or a file some other program wrote, is left alone."""
+    graphcap wrote (a regular file whose first key is `marker`: `REPORT_MARKER`, or a post-mortem's).
+    Anything else, a link, a device or a file some other program wrote, is left alone."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -74,10 +74,12 @@ def may_overwrite(path: str | os.PathLike) -> bool:
         return True
     with open(path, "rb") as handle:
         head = handle.read(256)
-    return _MARKED.match(head) is not None
+    return _marked(marker).match(head) is not None
 
 
-_MARKED = re.compile(rb'\s*(\{\s*"' + REPORT_MARKER.encode() + rb'"\s*:|' + REPORT_MARKER.encode() + rb"\s*:)")
+def _marked(marker: str) -> re.Pattern[bytes]:
+    """A file's head that starts with `marker` as its first key (JSON or YAML)."""
+    return re.compile(rb'\s*(\{\s*"' + marker.encode() + rb'"\s*:|' + marker.encode() + rb"\s*:)")
 
 
 def _os_reason(exc: OSError) -> str:

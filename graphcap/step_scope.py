@@ -21,7 +21,7 @@ __all__ = ["StepScope"]
 class StepScope:
     """`with scope("eager"):` runs one step under `lock`, refusing a nested one."""
 
-    __slots__ = ("execute", "lock", "running", "token")
+    __slots__ = ("execute", "lock", "on_failure", "running", "token")
 
     def __init__(self, lock: threading.RLock) -> None:
         self.lock = lock
@@ -29,6 +29,9 @@ class StepScope:
         self.running: str | None = None
         """The step running now (None between steps)."""
         self.token = None  # the phase to go back to when the step ends
+        self.on_failure = None
+        """Called as `on_failure(call, phase, exc)` when an exception leaves a step, before it propagates
+        unchanged (the manager's post-mortem, `graphcap.postmortem`); None: nothing."""
         self.execute = _Step(self, "execute")
         """The scope of `execute`, made once (entered on every step)."""
 
@@ -60,6 +63,8 @@ class _Step:
 
     def __exit__(self, *exc: object) -> None:
         scope = self.scope
+        if exc[1] is not None and scope.on_failure is not None:
+            scope.on_failure(self.what, self.phase, exc[1])  # under the lock, before the phase is left
         scope.running = None
         leave_phase(scope.token)
         scope.lock.__exit__(None, None, None)

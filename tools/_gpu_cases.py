@@ -58,9 +58,9 @@ def nccl_graph(device: str, quick: bool) -> dict:
     return {"ok": ok, "observed": observed, "max_abs_diff": max(diffs)}
 
 
-def _founding_setup(device: str, quick: bool) -> tuple[CaptureManager, object, StepBatch]:
+def _founding_setup(device: str, quick: bool, **overrides) -> tuple[CaptureManager, object, StepBatch]:
     """A captured manager, its mixed key of 8 tokens with the most request rows, and a 2-request batch."""
-    config = tiny_config(device, True, **{"capture.sizes": [8], "capture.mode": "full"})
+    config = tiny_config(device, True, **{"capture.sizes": [8], "capture.mode": "full", **overrides})
     manager = CaptureManager(build_model(config), config, progress=False)
     manager.capture()
     key = max((k for k in manager.graphs if k.num_tokens == 8 and not k.uniform), key=lambda k: k.num_reqs)
@@ -73,12 +73,19 @@ def founding_bug_raw(device: str, quick: bool) -> dict:
 
     Query lengths go negative and `repeat_interleave(..., output_size=T)` asserts on the device
     (a sticky error: this case runs in its own subprocess on CUDA)."""
-    manager, key, batch = _founding_setup(device, quick)
-    inputs = manager.buffers.stage(batch, key)
-    inputs.query_start_loc[batch.num_reqs + 1 :] = 0  # the dummy run's stale tail, bypassing every check
-    tail = inputs.query_start_loc.tolist()
+    directory = tempfile.mkdtemp(prefix="graphcap-p6-")  # the post-mortem of the crash goes here
+    pm = {"report.flight_steps": 2, "report.postmortem": directory, "checks.invariants": "off"}
+    manager, key, batch = _founding_setup(device, quick, **pm)
+    tails = []
+
+    def stale(inputs, phase) -> None:  # the dummy run's stale tail, after staging filled it (no check: off)
+        inputs.host.query_start_loc[inputs.num_reqs + 1 :] = 0
+        tails.append(inputs.host.query_start_loc.tolist())
+
+    manager._prepare = stale
     try:
-        manager.graphs[key].replay()
+        manager.execute(batch)  # the replay reads the stale tail; the assert surfaces here or at the next step
+        manager.execute(batch)
         manager.backend.synchronize()
         what = "no error"
     except RuntimeError as exc:
@@ -86,8 +93,27 @@ def founding_bug_raw(device: str, quick: bool) -> dict:
     on_cuda = device.startswith("cuda")
     # CUDA: the kernel asserts on a negative repeat; the CPU kernel refuses the mismatched output size.
     ok = "device-side assert" in what if on_cuda else what != "no error"
-    observed = f"{key} replayed with query_start_loc {tail}: {what}"
-    return {"ok": ok, "observed": observed, "poisoned": on_cuda and what != "no error"}
+    found = _postmortem_of(Path(directory) / "graphcap-postmortem.json")
+    observed = f"{manager.last_key} replayed with query_start_loc {tails[0] if tails else None}: {what}; {found}"
+    return {
+        "ok": ok and found.startswith("post-mortem: "),
+        "observed": observed,
+        "poisoned": on_cuda and what != "no error",
+    }
+
+
+def _postmortem_of(path: Path) -> str:
+    """What the post-mortem a crash left says (re-checked as `graphcap inspect` does), in a few words."""
+    from graphcap.postmortem.recheck import load_postmortem, recheck
+
+    if not path.exists():
+        return f"no post-mortem at {path}"
+    document = load_postmortem(path)
+    broken = [c for c in recheck(document) if c.violation is not None]
+    if not broken:
+        return f"a post-mortem at {path} whose {len(document['steps'])} steps all hold"
+    step, v = broken[0].step, broken[0].violation
+    return f"post-mortem: {document['error']['phase']} failed, step {step['step']} broke {v.field}[{v.index}]"
 
 
 def founding_bug_execute(device: str, quick: bool) -> dict:

@@ -33,6 +33,7 @@ from graphcap.backends.locations import user_location as _user_location
 from graphcap.backends.sync_debug import SYNC_DEBUG_TEXT, sync_debug_errors, sync_debug_off, sync_error
 from graphcap.backends.unsafe import PYTHON_UPLOADS, SYNC_FUNCTIONS, UNSAFE_OPS, UnsafeOp, python_upload_row
 from graphcap.errors import CaptureUnsafeError
+from graphcap.phases import mark_failure
 
 __all__ = [
     "UnsafeOpMode",
@@ -298,6 +299,9 @@ def preflight(
             sync_debug_errors(sync_debug),
         ):
             yield uncompiled
+    except BaseException as exc:
+        mark_failure(exc, "preflight")  # what a post-mortem names as the failing phase
+        raise
     finally:
         _preflights.depth -= 1
 

@@ -207,7 +207,7 @@ class Capturer:
             parts.buffers.table_set_aside(),
             _capture_threads(backend, parts.config),
         ):
-            live.reserve(budget)  # the backend empties the allocator's cache before each capture itself
+            live.reserve(budget)  # the backend empties the allocator's cache before each capture, this holder's too
             memory_before = backend.memory_in_use()
             outcomes, graphs = self._run_keys(scratch, admitted, progress) if admitted else ([], {})
         live.install(outcomes + declined, graphs)

@@ -10,7 +10,24 @@
 | `sampling.py` | `StepSampler`: every Nth replayed step compared with an eager run (`checks.sample_every`) |
 """
 
-from graphcap.checks.guard import StaticGuard
-from graphcap.checks.invariants import check_invariants
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from graphcap.checks.guard import StaticGuard
+    from graphcap.checks.invariants import check_invariants
 
 __all__ = ["StaticGuard", "check_invariants"]
+
+_EXPORTS = {"StaticGuard": "graphcap.checks.guard", "check_invariants": "graphcap.checks.invariants"}
+
+
+def __getattr__(name: str) -> Any:
+    """Load on first use: the invariants are numpy alone (`graphcap inspect` runs them without torch)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'graphcap.checks' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

@@ -26,14 +26,16 @@ Address checks (a static input replaced after capture) live with the graphs (`ba
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from graphcap.checks.kv_writes import check_group_rows, check_writes
 from graphcap.checks.plans import basic_holds, full_holds, qsl_tail
 from graphcap.errors import InvariantViolation
-from graphcap.inputs import ForwardInputs
+
+if TYPE_CHECKING:  # numpy alone at run time (`graphcap inspect` re-checks without torch)
+    from graphcap.inputs import ForwardInputs
 
 __all__ = ["LEVELS", "InvariantViolation", "check_invariants"]
 

@@ -10,12 +10,14 @@ slots are the pad slot; `full`: block ids in range, padded table rows the pad bl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from graphcap.errors import InvariantViolation
-from graphcap.inputs import ForwardInputs
+
+if TYPE_CHECKING:  # numpy alone at run time (`graphcap inspect` re-checks without torch)
+    from graphcap.inputs import ForwardInputs
 
 __all__ = ["check_group_rows", "check_writes"]
 

@@ -16,10 +16,14 @@ so a step allocates almost nothing. At 256 decodes, at the sizes of `tools/bench
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from graphcap._fastnp import ONES_BYTES, amax, amin
-from graphcap.inputs import ForwardInputs
+
+if TYPE_CHECKING:  # numpy alone at run time (`graphcap inspect` re-checks without torch)
+    from graphcap.inputs import ForwardInputs
 
 __all__ = ["BasicPlan", "FullPlan", "basic_holds", "full_holds", "qsl_tail"]
 

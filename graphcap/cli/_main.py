@@ -12,11 +12,11 @@ import os
 import sys
 from typing import Any, TextIO
 
-from graphcap.cli import _common, bench, capture, sizes, validate, verify
+from graphcap.cli import _common, bench, capture, inspect, sizes, validate, verify
 
 __all__ = ["COMMANDS", "OutputError", "build_parser", "run_command"]
 
-COMMANDS = (capture, verify, sizes, bench, validate)
+COMMANDS = (capture, verify, sizes, bench, validate, inspect)
 """The subcommand modules, in the order `--help` lists them."""
 
 

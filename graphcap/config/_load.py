@@ -191,6 +191,10 @@ def _from_text(
         outside = report_outside(config.report.path, directory)
         if outside:
             problems.append(ConfigProblem("report.path", outside))
+    if config is not None and config.report.postmortem and "report.postmortem" not in override_keys:
+        outside = report_outside(config.report.postmortem, directory, "--set report.postmortem=...")
+        if outside:
+            problems.append(ConfigProblem("report.postmortem", outside))
     if problems:
         located = [p._replace(where=p.where or where(p.key)) for p in problems]
         located.sort(key=lambda p: _line_of(p.where))
@@ -232,7 +236,7 @@ def _entries(value: Any, cls: type, key: str, problems: list[ConfigProblem]) -> 
     return tuple(out)
 
 
-def report_outside(path: str, directory: Any) -> str | None:
+def report_outside(path: str, directory: Any, given: str = "--report, --set report.path=...") -> str | None:
     """Why a `report.path` that a config gives may not be written (None: it may).
 
     A config is data, yet its report path makes graphcap write a file: that path must resolve
@@ -249,7 +253,7 @@ def report_outside(path: str, directory: Any) -> str | None:
     where = " or ".join(str(home) for home in reversed(homes))
     return (
         f"{path} resolves to {target}, outside {where}; a config may write its report only under its own "
-        "directory or the working directory: give this path on the command line (--report, --set report.path=...)"
+        f"directory or the working directory: give this path on the command line ({given})"
     )
 
 

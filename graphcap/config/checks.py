@@ -59,8 +59,18 @@ class ReportConfig(Section):
     _key: ClassVar[str] = "report"
     path: str | None = None
     """Write the `CaptureReport` here (`.json`, `.yaml` or `.yml`), atomically; null: don't."""
+    flight_steps: int = spec(0, min=0, max=1024)
+    """The flight recorder: the host rows of the last N staged steps (real steps and capture batches), written
+    to a post-mortem file when an error leaves `execute`, `capture` or `capture_pending`; 0 (the default): off,
+    no file (about 3.5 us per step at 256 decodes, docs/BENCHMARKS.md)."""
+    postmortem: str | None = None
+    """Where the post-mortem goes: a `.json` path, or a directory for `graphcap-postmortem.json` (with peers
+    `graphcap-postmortem.rankN.json`); null: the working directory. Never over a file graphcap did not write."""
 
     def _check(self) -> list[ConfigProblem]:
         if self.path is not None and Path(self.path).suffix not in (".json", ".yaml", ".yml"):
             return [problem("path", f"must end in .json, .yaml or .yml; got {self.path!r}")]
+        if self.postmortem is not None and (not self.postmortem or Path(self.postmortem).suffix not in ("", ".json")):
+            why = "a .json file or a directory (a name with no suffix)"
+            return [problem("postmortem", f"must be {why}; got {self.postmortem!r}")]
         return []

@@ -73,7 +73,8 @@ def test_backend_choices_are_the_backends_names():
 
 
 def test_subcommands_are_listed_in_pipeline_order():
-    assert [m.__name__.rsplit(".", 1)[1] for m in _main.COMMANDS] == ["capture", "verify", "sizes", "bench", "validate"]
+    names = [m.__name__.rsplit(".", 1)[1] for m in _main.COMMANDS]
+    assert names == ["capture", "verify", "sizes", "bench", "validate", "inspect"]
 
 
 @pytest.mark.parametrize("stage", STAGES)
