@@ -20,6 +20,8 @@ for every production step; `full` adds the O(tokens) checks on real rows.
 | `block_table` in `[0, num_blocks)`; padded rows per rule | full | an out-of-range block is an illegal access |
 | own block, no slot twice; real requests never read or write block 0 | full | `graphcap.checks.kv_writes` |
 | every KV-cache group (`kv_cache.groups`): the same slot and table rules | basic, full | `graphcap.checks.kv_writes` |
+| a `reqs+1` engine buffer: `[0] == 0`, non-decreasing, padded entries per its pad | basic | as `query_start_loc` |
+| other engine buffers: padded rows hold their pad; each buffer's own `check` | full; basic | their own |
 
 Address checks (a static input replaced after capture) live with the graphs (`backends`).
 """
@@ -33,7 +35,8 @@ import numpy as np
 from graphcap.checks.kv_writes import check_group_rows, check_writes
 from graphcap.checks.plans import basic_holds, full_holds, qsl_tail
 from graphcap.errors import InvariantViolation
-from graphcap.inputs import ForwardInputs
+from graphcap.inputs import BufferSpec, ForwardInputs
+from graphcap.staging.extras import cumulative_tail, real_rows
 
 __all__ = ["LEVELS", "InvariantViolation", "check_invariants"]
 
@@ -81,11 +84,14 @@ def check_invariants(
 
 
 def _check_extras(inputs: ForwardInputs, level: str) -> None:
-    """Engine buffers: padded rows hold their pad (`full`); each buffer's own check (any level)."""
+    """Engine buffers: a cumulative (`reqs+1`) one's offsets (any level), padded rows hold their pad (`full`);
+    each buffer's own check (any level)."""
     for spec in inputs.limits.extras:
         view = inputs.host.extras[spec.name]
-        real = {"tokens": inputs.num_tokens, "reqs": inputs.num_reqs, "none": None}[spec.rows]
-        if level == "full" and real is not None:
+        real = real_rows(spec, inputs.num_tokens, inputs.num_reqs)
+        if spec.is_cumulative:
+            _check_cumulative(spec, view, inputs.num_reqs, inputs.key)
+        elif level == "full" and real is not None:
             tail = view[(slice(None),) * spec.row_dim + (slice(real, None),)]
             bad = np.argwhere(tail != spec.pad)
             if bad.size:
@@ -103,6 +109,27 @@ def _check_extras(inputs: ForwardInputs, level: str) -> None:
                     f"the buffer's check ({getattr(spec.check, '__name__', 'check')}) refused the staged rows",
                     inputs.key,
                 ) from exc  # fmt: skip
+
+
+def _check_cumulative(spec: BufferSpec, view: np.ndarray, r: int, key: Any) -> None:
+    """A `reqs+1` buffer holds offsets as `query_start_loc` does: entry 0 is 0, no entry below the one before,
+    entries past the `r` real requests' follow the pad rule. A few numpy calls when they hold."""
+    R = len(view) - 1
+    if view[0] != 0:
+        _fail(spec.name, 0, 0, view[0].item(), "cumulative offsets start at 0", key)
+    if r > R:
+        return  # the counts do not fit the key: the built-in rules name that
+    drops = np.flatnonzero(view[1 : r + 1] < view[:r])
+    if drops.size:
+        i = int(drops[0]) + 1
+        _fail(spec.name, i, f">= {view[i - 1].item()}", view[i].item(),
+              "cumulative offsets never decrease (a drop is a negative length)", key)  # fmt: skip
+    tail = cumulative_tail(spec, int(view[r]), R - r)
+    bad = np.flatnonzero(view[r + 1 :] != tail)
+    if bad.size:
+        i = r + 1 + int(bad[0])
+        rule = f"adds {spec.pad} to the entry before" if spec.pad else "repeats the last real entry"
+        _fail(spec.name, i, int(tail[bad[0]]), view[i].item(), f"each padded entry {rule} (BufferSpec pad)", key)
 
 
 def _check_basic(inputs: ForwardInputs) -> None:
