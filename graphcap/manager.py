@@ -228,8 +228,11 @@ class CaptureManager(CaptureCalls):
     def _sample_eager(self, batch: StepBatch, key: GraphKey) -> Expected:
         """The eager run of a sampled step (`checks.sample_every`), its KV writes put back (`graphcap.checks.sampling`).
 
-        Unpadded as `eager()` runs; with peers at the replayed key's shape (every rank runs it in the same step)."""
-        eager_key = key if self._peers is not None else self.registry.eager_key(batch.num_tokens, batch.num_reqs)
+        Unpadded as `eager()` runs, at the step's own key-axis values; with peers at the replayed key's shape (every
+        rank runs it in the same step)."""
+        registry = self.registry
+        axes = registry.axis_values(batch.axes)
+        eager_key = key if self._peers is not None else registry.eager_key(batch.num_tokens, batch.num_reqs, axes)
         kv = self.config.kv_cache
         caches = [(None, kv.block_size, kv.num_blocks)]
         caches += [(g.name, g.block_size, g.num_blocks) for g in self.buffers.limits.kv_groups]
