@@ -141,7 +141,7 @@ def sampled(
 def default_sample(
     spec: BufferSpec, rng: np.random.Generator, shape: tuple[int, ...], *, unlike_capture: bool = False
 ) -> np.ndarray:
-    """Rows of `shape` for a float or bool buffer without a `sample`, unlike the pad and unlike each other.
+    """Rows of `shape` for a float or bool buffer without a `sample`, unlike each other.
 
     Floats: uniform within the buffer's `domain`, or else within `pad * [0.5, 2]` (a pad of 0 or not
     finite: `[0.5, 2]`) cut to half the dtype's largest value, as the dtype stores them. Booleans at random.
@@ -153,19 +153,29 @@ def default_sample(
         if out.size:
             out.flat[0] = unlike_capture
         return out
-    low, high = _sample_interval(spec)
-    out = rng.uniform(low, high, shape).astype(spec.np_dtype)
+    low, high = _stored_within(spec.np_dtype.type, *_sample_interval(spec))
+    out = np.clip(rng.uniform(low, high, shape).astype(spec.np_dtype), low, high)
     if out.size:
-        first = out.dtype.type(low)
         if not unlike_capture:
-            out.flat[0] = first
-        elif out.flat[0] == first:
-            out.flat[0] = out.dtype.type(high)
+            out.flat[0] = low
+        elif out.flat[0] == low:
+            out.flat[0] = high
     return out
 
 
+def _stored_within(kind: type, low: float, high: float) -> tuple[np.floating, np.floating]:
+    """The smallest and largest values of float type `kind` within `[low, high]` (rounding may step outside)."""
+    lo, hi = kind(low), kind(high)
+    if lo < low:
+        lo = np.nextafter(lo, kind(np.inf))
+    if hi > high:
+        hi = np.nextafter(hi, kind(-np.inf))
+    return lo, hi
+
+
 def _sample_interval(spec: BufferSpec) -> tuple[float, float]:
-    """`[low, high]` of a float buffer's default samples, both stored alike by its dtype (and unequal)."""
+    """`[low, high]` of a float buffer's default samples: its domain, else around its pad (two values its dtype
+    stores apart)."""
     if spec.domain is not None:
         return spec.domain
     scale = float(spec.pad) if spec.pad and np.isfinite(float(spec.pad)) else 1.0
