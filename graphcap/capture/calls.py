@@ -105,7 +105,9 @@ class CaptureCalls:
         `StaticInputMovedError` (naming it, before anything is captured) while a static input differs from what
         the live graphs captured (an object replaced, a storage swapped, a `register_static` name re-registered):
         put back what was captured (or `copy_` new values into it), or `capture()` again to capture every key
-        anew. Tensors the model reaches that appeared since are recorded and checked from then on.
+        anew. With no graph alive (every key so far failed or was dropped) nothing is refused: the keys are
+        captured against the tensors as they are now. Tensors the model reaches that appeared since are recorded
+        and checked from then on.
 
         Fits an engine's idle gap: `max_seconds` counts from this call's first line, a key starts only while time
         is left (the call ends at most one key's capture past it), GC is paused around each key and never
@@ -119,8 +121,10 @@ class CaptureCalls:
             group_scratch = group_scratch_ids(group_scratch_blocks, self.buffers.limits.kv_groups)
             if self._peers is None and not self.registry.num_pending:  # peers must still agree that every rank stops
                 return 0
-            # A key captured now must read what the live graphs read: one record checks them all.
-            self._guard.check_before_capture("capture_pending()", self.model, self.buffers.storage())
+            if self.graphs:  # a key captured now must read what the live graphs read: one record checks them all
+                self._guard.check_before_capture("capture_pending()", self.model, self.buffers.storage())
+            else:  # no graph alive (the first keys failed or were dropped): nothing reads the old record
+                self._guard.disarm()
             self._check_ready("capture_pending")
             job = self._pass_of(scratch, group_scratch)
             capture_key = lambda key: self._capture_keys(job, [key], False)  # noqa: E731
