@@ -45,9 +45,14 @@ def test_a_float_buffer_with_a_domain_is_sampled_within_it_and_every_key_verifie
     torch.testing.assert_close(manager.execute(batch).clone(), manager.eager(batch))
 
 
-def test_canary_without_the_domain_samples_leave_it_and_capture_is_refused():
+def test_without_a_domain_samples_leave_it_and_the_refusal_names_the_buffer_and_the_fix():
     spec = BufferSpec("p", "reqs", dtype="float32", pad=0.9)  # 0.9 * uniform(0.5, 2): above 1 in most rows
-    with pytest.raises(CaptureError, match=r"replay differs from eager"):
+    with pytest.raises(
+        CaptureError,
+        match=r"replay and eager both hold NaN or inf at the same \d+ places: the values graphcap sampled for the "
+        r"float engine buffer\(s\) 'p' \(within pad \* \[0\.5, 2\], no domain declared\).*"
+        r"Declare BufferSpec\(domain=\(low, high\)\)",
+    ):
         _capture(ProbabilityModel, spec)
 
 

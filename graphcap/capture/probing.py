@@ -36,6 +36,7 @@ from graphcap.keys import GraphKey, Mode
 from graphcap.outputs import cloned, flatten_output
 from graphcap.piecewise import running
 from graphcap.probe import REFERENCE_BYTES, Fill, probe_batch, probe_fills, probes_of
+from graphcap.staging.extras import domain_hint
 
 if TYPE_CHECKING:
     from graphcap.capture.runner import CapturePass
@@ -306,6 +307,9 @@ def diagnosis(
             return job.outputs.real(cloned(graph.replay()), staged)
 
     def diagnose(replayed: Any, expected: Any) -> str | None:
+        hint = domain_hint(job.extras, flatten_output(replayed, "replay")[0], flatten_output(expected, "eager")[0])
+        if hint is not None:
+            return hint
         staged = set(inputs.tensors())
         state = {
             name: tensor

@@ -20,6 +20,7 @@ __all__ = [
     "check_extras_fit",
     "cumulative_tail",
     "default_sample",
+    "domain_hint",
     "full_shape",
     "merged_specs",
     "pad_extra",
@@ -184,6 +185,34 @@ def _sample_interval(spec: BufferSpec) -> tuple[float, float]:
     if spec.np_dtype.type(low) == spec.np_dtype.type(high):  # a pad too small to tell its halves apart
         return 0.5, 2.0
     return low, high
+
+
+def domain_hint(extras: tuple[BufferSpec, ...], replayed: list, expected: list) -> str | None:
+    """Why a replay and its eager run differ when both hold NaN or inf at the same places and some float buffer
+    was sampled without a `domain`: the samples may have left the values' domain (None: not that case).
+    `replayed`, `expected`: the two runs' output tensors, in order."""
+    guessed = [
+        spec.name for spec in extras if spec.sample is None and spec.domain is None and spec.np_dtype.kind == "f"
+    ]
+    if not guessed or len(replayed) != len(expected):
+        return None
+    both = 0
+    for a, b in zip(replayed, expected):
+        if not (a.is_floating_point() and b.is_floating_point()) or a.shape != b.shape:
+            continue
+        bad_a, bad_b = ~a.isfinite(), ~b.isfinite()
+        if bool((bad_a != bad_b).any()):
+            return None
+        both += int(bad_a.sum())
+    if not both:
+        return None
+    names = ", ".join(map(repr, guessed))
+    return (
+        f"replay and eager both hold NaN or inf at the same {both} places: the values graphcap sampled for the float "
+        f"engine buffer(s) {names} (within pad * [0.5, 2], no domain declared) may lie outside what the forward "
+        "accepts (a probability above 1). Declare BufferSpec(domain=(low, high)) (buffers: domain: [low, high]), or "
+        "give the buffer a sample"
+    )
 
 
 def _takes_axes(sample) -> bool:
