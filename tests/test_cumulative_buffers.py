@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphcap import BatchError, BufferSpec, CaptureManager, GraphKey, InvariantViolation, StepBatch
+from graphcap import BatchError, BufferSpec, CaptureError, CaptureManager, GraphKey, InvariantViolation, StepBatch
 from graphcap.checks.invariants import check_invariants
 from graphcap.config import ConfigError, config_from_text
 from graphcap.staging import PersistentBuffers
@@ -238,3 +238,21 @@ def test_a_forward_reading_the_cumulative_buffer_on_the_host_is_refused_at_captu
     manager = CaptureManager(_FrozenIndptrModel(config), config, progress=False, buffers=[spec])
     with pytest.raises(Exception, match=r"replay differs from eager"):
         manager.capture()
+
+
+def test_a_piecewise_forward_reading_a_cumulative_buffer_between_eager_ops_is_refused_naming_it():
+    config = make_config({"capture.mode": "piecewise", "capture.sizes": [4]})
+    manager = CaptureManager(_IndptrModel(config), config, progress=False, buffers=[INDPTR])
+    with pytest.raises(
+        CaptureError, match=r"the forward reads inputs\.extras\['paged_kv_indptr'\] .* outside any eager_op"
+    ):
+        manager.capture()
+
+
+def test_one_upload_prefix_covers_the_cumulative_entries_of_a_key():
+    buffers = _buffers()
+    start = buffers.layout.offsets["cu_seqlens_k"]
+    for R in (1, 3, MAX_REQS):
+        key = GraphKey(8, R, False)
+        assert buffers.layout.views(8, R).host["cu_seqlens_k"].shape == (R + 1,)
+        assert buffers.upload_nbytes(key) >= start + (R + 1) * 8  # int64 entries
