@@ -229,6 +229,8 @@ class ForwardInputs:
     """Extra KV-cache groups (`kv_cache.groups`) by name: each one's `block_table` and `slot_mapping`."""
     _basic: Any = field(default=None, init=False, repr=False, compare=False)
     """Cached by `check_invariants`: the views and expected bytes of this step's basic rules."""
+    _cumulative: Any = field(default=None, init=False, repr=False, compare=False)
+    """Cached by `check_invariants`: the same for each cumulative (`reqs+1`) engine buffer, by name."""
 
     @property
     def axes(self) -> dict[str, int]:

@@ -90,7 +90,7 @@ def _check_extras(inputs: ForwardInputs, level: str) -> None:
         view = inputs.host.extras[spec.name]
         real = real_rows(spec, inputs.num_tokens, inputs.num_reqs)
         if spec.is_cumulative:
-            _check_cumulative(spec, view, inputs.num_reqs, inputs.key)
+            _check_cumulative(inputs, spec, view, inputs.num_reqs, inputs.key)
         elif level == "full" and real is not None:
             tail = view[(slice(None),) * spec.row_dim + (slice(real, None),)]
             bad = np.argwhere(tail != spec.pad)
@@ -111,13 +111,13 @@ def _check_extras(inputs: ForwardInputs, level: str) -> None:
                 ) from exc  # fmt: skip
 
 
-def _check_cumulative(spec: BufferSpec, view: np.ndarray, r: int, key: Any) -> None:
+def _check_cumulative(inputs: ForwardInputs, spec: BufferSpec, view: np.ndarray, r: int, key: Any) -> None:
     """A `reqs+1` buffer holds offsets as `query_start_loc` does: entry 0 is 0, no entry below the one before,
     entries past the `r` real requests' follow the pad rule. A few numpy calls when they hold."""
     R = len(view) - 1
     if r > R:
         return  # the counts do not fit the key: the built-in rules name that
-    if _cumulative_holds(spec, view, r):
+    if _cumulative_holds(inputs, spec, view, r):
         return  # the per-step cost
     if view[0] != 0:
         _fail(spec.name, 0, 0, view[0].item(), "cumulative offsets start at 0", key)
@@ -135,7 +135,6 @@ def _check_cumulative(spec: BufferSpec, view: np.ndarray, r: int, key: Any) -> N
 
 
 _less, _subtract = np.less, np.subtract
-_PLANS: dict[tuple[int, int], _CumulativePlan] = {}  # (id(view), r) -> its plan; the plan holds the view
 
 
 class _CumulativePlan:
@@ -152,13 +151,15 @@ class _CumulativePlan:
         self.steps = cumulative_tail(spec, 0, R - r).astype(view.dtype).tobytes()  # pad * (1, 2, ...)
 
 
-def _cumulative_holds(spec: BufferSpec, view: np.ndarray, r: int) -> bool:
-    """True only when every rule of `_check_cumulative` holds, in a few byte compares (the per-step cost)."""
-    plan = _PLANS.get((id(view), r))
-    if plan is None or plan.view is not view:
-        if len(_PLANS) > 4096:
-            _PLANS.clear()
-        plan = _PLANS[(id(view), r)] = _CumulativePlan(spec, view, r)
+def _cumulative_holds(inputs: ForwardInputs, spec: BufferSpec, view: np.ndarray, r: int) -> bool:
+    """True only when every rule of `_check_cumulative` holds, in a few byte compares (the per-step cost).
+    The plan lives with `inputs` (staging hands back the same object for the same key and counts)."""
+    plans = inputs._cumulative
+    if plans is None:
+        plans = inputs._cumulative = {}
+    plan = plans.get(spec.name)
+    if plan is None or plan.view is not view or len(plan.ok) != r:
+        plan = plans[spec.name] = _CumulativePlan(spec, view, r)
     if view[0] != 0 or _less(plan.hi, plan.lo, out=plan.ok).tobytes() != plan.none:
         return False
     return not plan.steps or _subtract(plan.tail, plan.last, out=plan.scratch).tobytes() == plan.steps
