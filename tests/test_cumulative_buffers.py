@@ -155,8 +155,12 @@ def test_bad_cumulative_declarations_are_refused_naming_the_field(kwargs, match)
 
 def test_last_is_a_pad_of_cumulative_buffers_only():
     assert BufferSpec("x", "reqs+1", pad="last") == BufferSpec("x", "reqs+1")
-    with pytest.raises(ValueError, match=r"pad: 'last' is not a value of dtype int32"):
+    with pytest.raises(ValueError, match=r"pad: 'last' is not a value of dtype int32$"):
         BufferSpec("x", "reqs", pad="last")
+    with pytest.raises(
+        ConfigError, match=r"buffers\[0\]\.pad: '1\.5' is not a value of dtype float32 \(a quoted number"
+    ):
+        config_from_text("buffers:\n  - {name: x, rows: reqs, dtype: float32, pad: '1.5'}\n")
 
 
 def test_cumulative_buffers_from_yaml_match_buffer_specs_and_reach_the_manager():

@@ -61,7 +61,10 @@ def buffer_problems(
     elif rows == "reqs+1":
         out += _cumulative_problems(shape, dtype, pad)
     elif not _pad_fits(pad, dtype):
-        out.append(("pad", f"{pad!r} is not a value of dtype {dtype}"))
+        quoted = isinstance(pad, str) and pad.strip().lstrip("+-").replace(".", "", 1).isdigit()
+        out.append(
+            ("pad", f"{pad!r} is not a value of dtype {dtype}" + (" (a quoted number: drop the quotes)" * quoted))
+        )
     max_dim = len(shape) if dims_ok and rows in ("tokens", "reqs") else 0
     if isinstance(row_dim, bool) or not isinstance(row_dim, int) or not 0 <= row_dim <= max_dim:
         out.append(("row_dim", f"must be an integer in 0..{max_dim} (where the row axis sits); got {row_dim!r}"))
