@@ -148,7 +148,7 @@ def _output_rows_example(namespace: dict, out: str) -> None:
 CHECKS = {
     '"checks.sample_every": 2': _sampling_example,
     "class FirstModel(": _first_model_example,
-    '"paged_kv_indptr", "reqs+1"': _cumulative_example,
+    "def plan(seq_lens, block_size": _cumulative_example,
     "choose_sizes(counts, 30": _size_choice_example,
     "choose_with_axes(steps, 20": _axis_choice_example,
     'output_rows = {"hidden": "tokens"': _output_rows_example,
