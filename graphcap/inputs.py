@@ -40,18 +40,26 @@ verified (`capture`), a real step's replay (`replay`), or an eager run (`eager`)
 class BufferSpec:
     """An engine-declared persistent buffer, staged, padded, checked and uploaded like the built-ins.
 
-    `rows`: `tokens` (one row per padded token), `reqs` (one per padded request) or `none`
+    `rows`: `tokens` (one row per padded token), `reqs` (one per padded request), `reqs+1` (a
+    cumulative int array of offsets, `query_start_loc`'s shape: FlashInfer's `paged_kv_indptr`,
+    flash-attention's `cu_seqlens_k`; a step gives its `num_reqs + 1` real entries) or `none`
     (a fixed-shape tensor given whole every step). `shape`: the trailing dims. `row_dim`:
     where the row axis sits among the dims (0: first; mrope positions `[3, T]` use
     `shape=(3,), row_dim=1`). `pad` fills padded rows (and the whole tensor of a `none`
-    buffer a step does not give). `check(host_view, num_real_rows)` runs at the configured
+    buffer a step does not give); a `reqs+1` buffer's pad is the rule of its padded entries, as
+    `padding.query_len` is `query_start_loc`'s: each adds `pad` to the entry before it (`"last"`, the
+    default 0: the last real entry repeated). The `basic` invariants check a `reqs+1` buffer as they
+    check `query_start_loc`: entry 0 is 0, no entry is below the one before, padded entries follow the
+    rule. `domain=(low, high)`: the values a float buffer may hold (a probability: `(0, 1)`), within
+    which graphcap samples it. `check(host_view, num_real_rows)` runs at the configured
     invariant level (`basic` and `full`) on the staged host rows and raises to refuse them.
     `sample(rng, num_real_rows)`: the real rows of the batches graphcap makes for capture and
     verification (a numpy `Generator`; `num_real_rows` is 0 for a `none` buffer, which returns
     the whole tensor), so verification runs the buffer with real values, not only its pad, and a
     forward that reads it as a host value (frozen at capture) is refused. Without it
-    (`sample=None`) a float buffer is sampled around its pad (`pad * uniform(0.5, 2)`, or
-    `uniform(0.5, 2)` for a pad of 0) and a bool buffer at random; an integer buffer holds its pad
+    (`sample=None`) a float buffer is sampled within its `domain`, or else around its pad (`pad *
+    uniform(0.5, 2)`, or `uniform(0.5, 2)` for a pad of 0), and a bool buffer at random, each verification
+    batch unlike the capture's batch in its first real row; an integer buffer holds its pad
     in every row, since an integer may index engine state (a slot, a state row, a LoRA) and a value
     graphcap made up could write what the engine owns or read out of range: give it a `sample`
     whose values name rows the engine lets graphcap write (the capture pass writes what the model
@@ -62,16 +70,17 @@ class BufferSpec:
     """
 
     name: str
-    rows: Literal["tokens", "reqs", "none"]
+    rows: Literal["tokens", "reqs", "reqs+1", "none"]
     shape: tuple[int, ...] = ()
     dtype: str = "int32"
-    pad: int | float | bool = 0
+    pad: int | float | bool | Literal["last"] = 0
     row_dim: int = 0
     check: Callable[[np.ndarray, int], Any] | None = field(default=None, compare=False)
     sample: Callable[[np.random.Generator, int], Any] | Literal["pad"] | None = field(default=None, compare=False)
+    domain: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
-        problems = buffer_problems(self.name, self.rows, self.shape, self.dtype, self.pad, self.row_dim)
+        problems = buffer_problems(self.name, self.rows, self.shape, self.dtype, self.pad, self.row_dim, self.domain)
         if self.check is not None and not callable(self.check):
             problems.append(("check", f"must be callable(host_view, num_real_rows); got {type(self.check).__name__}"))
         if self.sample is not None and self.sample != "pad" and not callable(self.sample):
@@ -82,15 +91,25 @@ class BufferSpec:
             detail = "; ".join(f"{key}: {message}" for key, message in problems)
             raise ValueError(f"BufferSpec {self.name!r}: {detail}")
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.rows == "reqs+1" and self.pad == "last":
+            object.__setattr__(self, "pad", 0)  # one spelling of the rule: a declaration in YAML compares alike
+        if self.domain is not None:
+            object.__setattr__(self, "domain", (float(self.domain[0]), float(self.domain[1])))
 
     @classmethod
     def from_config(cls, entry: BufferConfig) -> BufferSpec:
         """The spec an entry of the YAML `buffers:` list declares (it has no `check` or `sample`)."""
-        return cls(*entry.as_tuple())
+        name, rows, shape, dtype, pad, row_dim, domain = entry.as_tuple()
+        return cls(name, rows, shape, dtype, pad, row_dim, domain=domain)
 
     @property
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.dtype)
+
+    @property
+    def is_cumulative(self) -> bool:
+        """A `reqs+1` buffer: offsets checked and padded as `query_start_loc` is."""
+        return self.rows == "reqs+1"
 
     @property
     def is_sampled(self) -> bool:
@@ -210,6 +229,9 @@ class ForwardInputs:
     """Extra KV-cache groups (`kv_cache.groups`) by name: each one's `block_table` and `slot_mapping`."""
     basic_plan: Any = field(default=None, init=False, repr=False, compare=False)
     """graphcap's own cache (`graphcap.checks.plans`): the views and expected bytes of this step's basic rules."""
+    cumulative_plan: Any = field(default=None, init=False, repr=False, compare=False)
+    """graphcap's own cache (`graphcap.checks.invariants`): the same for each cumulative (`reqs+1`) engine buffer,
+    by name."""
 
     @property
     def axes(self) -> dict[str, int]:

@@ -42,8 +42,8 @@ from graphcap.model_facts import VOCAB_HINT, is_built_in, precision_of, with_mod
 from graphcap.outputs import OutputRows, StepOutput
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
-from graphcap.report import CaptureReport
 from graphcap.postmortem.hook import PostMortem, flight_recorder
+from graphcap.report import CaptureReport
 from graphcap.staging import PersistentBuffers
 from graphcap.staging.extras import merged_specs
 from graphcap.step_scope import StepScope
@@ -230,7 +230,9 @@ class CaptureManager:
         `StaticInputMovedError` (naming it, before anything is captured) while a static input differs from what
         the live graphs captured (an object replaced, a storage swapped, a `register_static` name re-registered):
         put back what was captured (or `copy_` new values into it), or `capture()` again to capture every key
-        anew. Tensors the model reaches that appeared since are recorded and checked from then on.
+        anew. With no graph alive (every key so far failed or was dropped) nothing is refused: the keys are
+        captured against the tensors as they are now. Tensors the model reaches that appeared since are recorded
+        and checked from then on.
 
         Fits an engine's idle gap: `max_seconds` counts from this call's first line, a key starts only while time
         is left (the call ends at most one key's capture past it), GC is paused around each key and never
@@ -319,8 +321,11 @@ class CaptureManager:
     def _sample_eager(self, sampler: StepSampler, batch: StepBatch, key: GraphKey) -> Expected:
         """The eager run of a sampled step (`checks.sample_every`), its KV writes put back (`graphcap.checks.sampling`).
 
-        Unpadded as `eager()` runs; with peers at the replayed key's shape (every rank runs it in the same step)."""
-        eager_key = key if self._peers is not None else self.registry.eager_key(batch.num_tokens, batch.num_reqs)
+        Unpadded as `eager()` runs, at the step's own key-axis values; with peers at the replayed key's shape (every
+        rank runs it in the same step)."""
+        registry = self.registry
+        axes = registry.axis_values(batch.axes)
+        eager_key = key if self._peers is not None else registry.eager_key(batch.num_tokens, batch.num_reqs, axes)
         kv = self.config.kv_cache
         caches: list[tuple[str | None, int, int]] = [(None, kv.block_size, kv.num_blocks)]
         caches += [(g.name, g.block_size, g.num_blocks) for g in self.buffers.limits.kv_groups]

@@ -1,8 +1,8 @@
 """What graphcap is running right now: `phase()` and `is_capturing()`, for models and communicators.
 
 A model (or an engine's communicator) that behaves differently while a graph records asks
-here, not `torch.cuda.is_current_stream_capturing()`: that answers only on CUDA, and not for
-the emulated backend, whose capture records a CPU forward. vLLM's and SGLang's custom
+here, not `torch.cuda.is_current_stream_capturing()`: that answers on CUDA, and on the emulated
+backend only while one lives (`graphcap.backends.stream_answer`). vLLM's and SGLang's custom
 all-reduce return a placeholder outside a graph's recording (warmups): with graphcap they
 test `graphcap.is_capturing()`.
 

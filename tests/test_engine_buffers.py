@@ -168,7 +168,7 @@ def test_a_buffers_own_check_runs_at_the_invariant_level():
     [
         ({"name": "seq_lens", "rows": "reqs"}, r"'seq_lens' is a built-in field"),
         ({"name": "x y", "rows": "reqs"}, r"name: must be a Python identifier"),
-        ({"name": "x", "rows": "blocks"}, r"rows: must be tokens, reqs or none"),
+        ({"name": "x", "rows": "blocks"}, r"rows: must be tokens, reqs, reqs\+1 or none"),
         ({"name": "x", "rows": "reqs", "dtype": "bfloat16"}, r"dtype: must be one of int8"),
         ({"name": "x", "rows": "reqs", "dtype": "uint8", "pad": -1}, r"pad: -1 is not a value of dtype uint8"),
         ({"name": "x", "rows": "reqs", "shape": (0,)}, r"shape: must be a list of up to 4 dimensions"),
@@ -336,5 +336,5 @@ def test_buffers_are_reachable_by_overrides_and_set():
     assert [b.name for b in make_config({"buffers": [entry]}).buffers] == ["lora_index"]
     overrides = parse_overrides(["buffers=[{name: lora_index, rows: tokens, pad: -1}]"])  # --set
     assert make_config(overrides).buffers == make_config({"buffers": [entry]}).buffers
-    with pytest.raises(ConfigError, match=r"override: buffers\[0\]\.rows: expected tokens \| reqs \| none"):
+    with pytest.raises(ConfigError, match=r"override: buffers\[0\]\.rows: expected tokens \| reqs \| reqs\+1 \| none"):
         make_config({"buffers": [{"name": "lora_index", "rows": "token"}]})

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from graphcap import CaptureManager, StaticInputMovedError, StepBatch
+from graphcap import CaptureError, CaptureManager, StaticInputMovedError, StepBatch
 from graphcap.checks.guard import StaticGuard
 from graphcap.models import build_model
-from graphcap.testing import make_config, make_manager
+from graphcap.testing import FaultyModel, make_config, make_manager
 
 LAZY = {"capture.strategy": "lazy"}
 QUERIES = [[1], [1, 1, 1], [1] * 5, [1] * 8, [2], [2, 1], [3, 2, 2], [1, 1, 1, 1, 4]]
@@ -178,3 +178,21 @@ def test_a_tensor_added_between_captures_is_recorded_and_its_replacement_refused
     model.extra = torch.ones(1)
     with pytest.raises(StaticInputMovedError, match=r"buffer 'model\.extra' was replaced"):
         manager.execute(_batch([1], 0))
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_a_swap_after_the_first_keys_failed_with_no_graph_alive_is_captured_against_the_new_weight(on_error):
+    config = make_config(LAZY, capture__on_error=on_error)
+    model = FaultyModel(build_model(config))
+    manager = CaptureManager(model, config, progress=False)
+    model.arm(8, lambda: RuntimeError("injected fault"), uniform=True)  # the first key taken: uniform 8
+    if on_error == "skip":
+        assert manager.capture_pending(max_keys=1) == 0
+    else:
+        with pytest.raises(CaptureError, match=r"capturing uniform\(tokens=8, reqs=8\) failed"):
+            manager.capture_pending(max_keys=1)
+    model.disarm()
+    assert not manager.graphs
+    _replace(model.inner)  # nothing reads the captured weight: no graph is alive
+    assert manager.capture_pending() == (5 if on_error == "skip" else 6)
+    _assert_every_key_equals_eager(manager)

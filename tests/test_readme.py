@@ -122,6 +122,13 @@ def _first_model_example(namespace: dict, out: str) -> None:
     assert manager.dispatch(batch).num_tokens == 4 and namespace["logits"].shape == (3, 512)
 
 
+def _cumulative_example(namespace: dict, out: str) -> None:
+    report = namespace["report"]
+    assert report.records and all(r.verified for r in report.records)
+    assert namespace["key"].num_reqs == 4 and namespace["staged"] == [0, 1, 4, 6, 6]
+    assert out.startswith("paged_kv_indptr[4] is 0, expected 6: each padded entry repeats the last real entry")
+
+
 def _size_choice_example(namespace: dict, out: str) -> None:
     choice = namespace["choice"]
     assert set(choice.sizes) <= {1, 2, 37, 60} and choice.sizes[-1] == 60 and choice.waste == 0.0
@@ -141,6 +148,7 @@ def _output_rows_example(namespace: dict, out: str) -> None:
 CHECKS = {
     '"checks.sample_every": 2': _sampling_example,
     "class FirstModel(": _first_model_example,
+    "def plan(seq_lens, block_size": _cumulative_example,
     "choose_sizes(counts, 30": _size_choice_example,
     "choose_with_axes(steps, 20": _axis_choice_example,
     'output_rows = {"hidden": "tokens"': _output_rows_example,

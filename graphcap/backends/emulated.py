@@ -24,8 +24,9 @@ what it reproduces and what it cannot, each with its test):
 
 - While it records (and only then), `torch.cuda.is_current_stream_capturing()` answers True,
   as CUDA's does inside a capture: code that asks it (vLLM's and SGLang's custom all-reduce)
-  records its real collective; warmups, verification and eager steps get torch's own answer
-  (False where a CUDA runtime is present), and the function is restored after each recording.
+  records its real collective; warmups, verification and eager steps get False (torch's own
+  answer, or False where a CPU-only build of torch raises for want of a CUDA runtime), while any
+  emulated backend lives; then torch's own function is put back (`graphcap.backends.stream_answer`).
 
 Not emulated: static addresses of intermediates (a replay allocates fresh ones), and the
 device-side behaviour of captured kernels (capture here runs them, so the output holds
@@ -34,8 +35,7 @@ fn's result right after capture, and in-place writes happen once during capture)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +47,7 @@ from graphcap.backends.graph import CapturedGraph
 from graphcap.backends.pieces import EmulatedPieceSession
 from graphcap.backends.pool import invalidate
 from graphcap.backends.preflight import unsafe_op_checker
+from graphcap.backends.stream_answer import StreamAnswer, stream_capturing
 from graphcap.backends.tape import Tape, TapeRecorder, compile_tape
 from graphcap.outputs import flatten_output
 
@@ -80,26 +81,6 @@ class EmulatedGraph(CapturedGraph):
                     invalidate(leaf)
 
 
-@contextmanager
-def stream_capturing() -> Iterator[None]:
-    """`torch.cuda.is_current_stream_capturing()` answers True inside (a recording), as on a capturing CUDA stream.
-
-    Both module attributes code reaches it by (`torch.cuda` and `torch.cuda.graphs`) are swapped and
-    restored on every exit; the swap is process-wide, like the capture mode of a CUDA stream.
-    """
-    graphs = torch.cuda.graphs
-    saved = torch.cuda.is_current_stream_capturing, graphs.is_current_stream_capturing
-    torch.cuda.is_current_stream_capturing = graphs.is_current_stream_capturing = _capturing
-    try:
-        yield
-    finally:
-        torch.cuda.is_current_stream_capturing, graphs.is_current_stream_capturing = saved
-
-
-def _capturing() -> bool:
-    return True
-
-
 class EmulatedBackend(GraphBackend):
     """CUDA-graph semantics on the CPU (or any device), for tests and machines without a GPU.
 
@@ -108,6 +89,13 @@ class EmulatedBackend(GraphBackend):
 
     name = "emulated"
     checks_in_capture = True  # the recording is the preflight's checked run: see `_capture`
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # torch.cuda.is_current_stream_capturing() answers (False; True while recording) as long as this lives.
+        answer = StreamAnswer()
+        answer.hold()
+        weakref.finalize(self, answer.release)
 
     def _capture(self, fn: Forward, *, name: str, input_ptrs: dict[str, int]) -> EmulatedGraph:
         recorder = TapeRecorder(self.device)

@@ -279,13 +279,14 @@ def _tensors(value: Any):
 
 
 def request_views(inputs: Any) -> dict[str, Any]:
-    """The request-dim views of a step (`[R+1]`, `[R]`, `[R, B]` and the engine's `reqs` buffers).
+    """The request-dim views of a step (`[R+1]`, `[R]`, `[R, B]` and the engine's `reqs` and `reqs+1` buffers).
 
     Their shape follows the step's request count, which a piecewise key does not fix: no piece
     may read them. Eager ops read them through `current_inputs()`.
     """
     views = {name: getattr(inputs, name) for name in REQUEST_FIELDS}
-    views.update({f"extras[{s.name!r}]": inputs.extras[s.name] for s in inputs.limits.extras if s.rows == "reqs"})
+    per_request = [s.name for s in inputs.limits.extras if s.rows in ("reqs", "reqs+1")]
+    views.update({f"extras[{name!r}]": inputs.extras[name] for name in per_request})
     return views
 
 

@@ -120,8 +120,10 @@ class Capturer:
             groups = group_scratch_ids(group_scratch_blocks, parts.kv_groups)
             if parts.peers is None and not parts.registry.num_pending:  # peers must still agree that every rank stops
                 return 0
-            # A key captured now must read what the live graphs read: one record checks them all.
-            parts.guard.check_before_capture("capture_pending()", parts.model, parts.buffers.storage())
+            if parts.live.graphs:  # a key captured now must read what the live graphs read: one record checks them all
+                parts.guard.check_before_capture("capture_pending()", parts.model, parts.buffers.storage())
+            else:  # no graph alive (the first keys failed or were dropped): nothing reads the old record
+                parts.guard.disarm()
             self.check_ready("capture_pending")
             scratch = self._checked(blocks, groups)
             capture_key = lambda key: self.capture_keys(scratch, [key], False)  # noqa: E731

@@ -160,7 +160,7 @@ class Recorder:
 
     def sampled(self, batch: StepBatch, seed: int, axes: Mapping[str, int] | None = None) -> StepBatch:
         """`batch` with sampled real rows for every engine buffer that is sampled (`BufferSpec.is_sampled`),
-        stating `axes` (None: its own)."""
+        stating `axes` (None: its own). Seed 0: the batch a key is recorded with (`capture_batch`)."""
         axes = batch.axes if axes is None else axes
         specs = self.parts.extras
         samples = any(spec.is_sampled for spec in specs)
@@ -169,7 +169,7 @@ class Recorder:
         extras = batch.extras
         if samples:
             rng = np.random.default_rng([seed, batch.num_tokens, batch.num_reqs])
-            extras = sampled(specs, rng, batch.num_tokens, batch.num_reqs, axes)
+            extras = sampled(specs, rng, batch.num_tokens, batch.num_reqs, axes, capture=seed == 0)
         q, s, ids, table = batch.query_lens, batch.seq_lens, batch.input_ids, batch.block_table
         return StepBatch(q, s, ids, table, extras=extras, kv_groups=batch.kv_groups, axes=axes)
 

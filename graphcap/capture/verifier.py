@@ -42,10 +42,11 @@ from graphcap.capture.verification import (
 from graphcap.errors import CaptureError
 from graphcap.inputs import ForwardInputs
 from graphcap.keys import GraphKey, KeyRegistry, Mode
-from graphcap.outputs import StepOutput, cloned
+from graphcap.outputs import StepOutput, cloned, flatten_output
 from graphcap.phases import in_phase
 from graphcap.piecewise import Phase, running
 from graphcap.probe import Fill, probe_batch
+from graphcap.staging.extras import domain_hint
 
 __all__ = ["Scratch", "Verifier", "lowered_axes"]
 
@@ -342,6 +343,11 @@ class Verifier:
                 return parts.outputs.real(cloned(graph.replay()), staged)
 
         def diagnose(replayed: Any, expected: Any) -> str | None:
+            hint = domain_hint(
+                parts.extras, flatten_output(replayed, "replay")[0], flatten_output(expected, "eager")[0]
+            )
+            if hint is not None:
+                return hint
             staged = set(inputs.tensors())
             state = {
                 name: tensor

@@ -20,6 +20,8 @@ for every production step; `full` adds the O(tokens) checks on real rows.
 | `block_table` in `[0, num_blocks)`; padded rows per rule | full | an out-of-range block is an illegal access |
 | own block, no slot twice; real requests never read or write block 0 | full | `graphcap.checks.kv_writes` |
 | every KV-cache group (`kv_cache.groups`): the same slot and table rules | basic, full | `graphcap.checks.kv_writes` |
+| a `reqs+1` engine buffer: `[0] == 0`, non-decreasing, padded entries per its pad | basic | as `query_start_loc` |
+| other engine buffers: padded rows hold their pad; each buffer's own `check` | full; basic | their own |
 
 Address checks (a static input replaced after capture) live with the graphs (`backends`).
 """
@@ -32,10 +34,11 @@ import numpy as np
 
 from graphcap.checks.kv_writes import check_group_rows, check_writes
 from graphcap.checks.plans import basic_holds, full_holds, qsl_tail
+from graphcap.config.buffers import cumulative_tail, real_rows
 from graphcap.errors import InvariantViolation
 
 if TYPE_CHECKING:  # numpy alone at run time (`graphcap inspect` re-checks without torch)
-    from graphcap.inputs import ForwardInputs
+    from graphcap.inputs import BufferSpec, ForwardInputs
 
 __all__ = ["LEVELS", "InvariantViolation", "check_invariants"]
 
@@ -83,11 +86,14 @@ def check_invariants(
 
 
 def _check_extras(inputs: ForwardInputs, level: str) -> None:
-    """Engine buffers: padded rows hold their pad (`full`); each buffer's own check (any level)."""
+    """Engine buffers: a cumulative (`reqs+1`) one's offsets (any level), padded rows hold their pad (`full`);
+    each buffer's own check (any level)."""
     for spec in inputs.limits.extras:
         view = inputs.host.extras[spec.name]
-        real = {"tokens": inputs.num_tokens, "reqs": inputs.num_reqs, "none": None}[spec.rows]
-        if level == "full" and real is not None:
+        real = real_rows(spec, inputs.num_tokens, inputs.num_reqs)
+        if spec.is_cumulative:
+            _check_cumulative(inputs, spec, view, inputs.num_reqs, inputs.key)
+        elif level == "full" and real is not None:
             tail = view[(slice(None),) * spec.row_dim + (slice(real, None),)]
             bad = np.argwhere(tail != spec.pad)
             if bad.size:
@@ -105,6 +111,60 @@ def _check_extras(inputs: ForwardInputs, level: str) -> None:
                     f"the buffer's check ({getattr(spec.check, '__name__', 'check')}) refused the staged rows",
                     inputs.key,
                 ) from exc  # fmt: skip
+
+
+def _check_cumulative(inputs: ForwardInputs, spec: BufferSpec, view: np.ndarray, r: int, key: Any) -> None:
+    """A `reqs+1` buffer holds offsets as `query_start_loc` does: entry 0 is 0, no entry below the one before,
+    entries past the `r` real requests' follow the pad rule. A few numpy calls when they hold."""
+    R = len(view) - 1
+    if r > R:
+        return  # the counts do not fit the key: the built-in rules name that
+    if _cumulative_holds(inputs, spec, view, r):
+        return  # the per-step cost
+    if view[0] != 0:
+        _fail(spec.name, 0, 0, view[0].item(), "cumulative offsets start at 0", key)
+    drops = np.flatnonzero(view[1 : r + 1] < view[:r])
+    if drops.size:
+        i = int(drops[0]) + 1
+        _fail(spec.name, i, f">= {view[i - 1].item()}", view[i].item(),
+              "cumulative offsets never decrease (a drop is a negative length)", key)  # fmt: skip
+    tail = cumulative_tail(spec, int(view[r]), R - r)
+    bad = np.flatnonzero(view[r + 1 :] != tail)
+    if bad.size:
+        i = r + 1 + int(bad[0])
+        rule = f"adds {spec.pad} to the entry before" if spec.pad else "repeats the last real entry"
+        _fail(spec.name, i, int(tail[bad[0]]), view[i].item(), f"each padded entry {rule} (BufferSpec pad)", key)
+
+
+_less, _subtract = np.less, np.subtract
+
+
+class _CumulativePlan:
+    """What `_cumulative_holds` reads for one staged `reqs+1` view and real count: views, scratch, expected bytes."""
+
+    __slots__ = ("view", "hi", "lo", "ok", "none", "tail", "last", "scratch", "steps")
+
+    def __init__(self, spec: BufferSpec, view: np.ndarray, r: int) -> None:
+        R = len(view) - 1
+        self.view, self.hi, self.lo = view, view[1 : r + 1], view[:r]
+        self.ok, self.none = np.empty(r, dtype=bool), bytes(r)
+        self.tail, self.last = view[r + 1 :], view[r : r + 1]
+        self.scratch = np.empty(R - r, dtype=view.dtype)
+        self.steps = cumulative_tail(spec, 0, R - r).astype(view.dtype).tobytes()  # pad * (1, 2, ...)
+
+
+def _cumulative_holds(inputs: ForwardInputs, spec: BufferSpec, view: np.ndarray, r: int) -> bool:
+    """True only when every rule of `_check_cumulative` holds, in a few byte compares (the per-step cost).
+    The plan lives with `inputs` (staging hands back the same object for the same key and counts)."""
+    plans = inputs.cumulative_plan
+    if plans is None:
+        plans = inputs.cumulative_plan = {}
+    plan = plans.get(spec.name)
+    if plan is None or plan.view is not view or len(plan.ok) != r:
+        plan = plans[spec.name] = _CumulativePlan(spec, view, r)
+    if view[0] != 0 or _less(plan.hi, plan.lo, out=plan.ok).tobytes() != plan.none:
+        return False
+    return not plan.steps or _subtract(plan.tail, plan.last, out=plan.scratch).tobytes() == plan.steps
 
 
 def _check_basic(inputs: ForwardInputs) -> None:

@@ -20,10 +20,12 @@ from their shapes (`locate`):
 | else a dim of `num_blocks * block_size` slots (up to `block_size` more) | `[..., s, ...]` |
 
 for the built-in cache (`kv_cache.block_size`, `num_blocks`) and each group of `kv_cache.groups`.
-A cache laid out otherwise is not compared (its output still is); what the eager run writes
-there the replay overwrites, as it writes the same slots. Other state the forward changes (a
-counter, a recurrent state) sees the step twice: sample only models whose forward writes no
-state but the KV cache. Cost: nothing on an unsampled step but a counter; a sampled step pays
+A tensor whose shape fits several of them (a group of the built-in cache's geometry) is compared at
+the slots of each, so a replay that drops a group's writes is named with the group; where the runs
+agree no set of slots differs. A cache laid out otherwise is not compared (its output still is);
+what the eager run writes there the replay overwrites, as it writes the same slots. Other state
+the forward changes (a counter, a recurrent state) sees the step twice: sample only models whose
+forward writes no state but the KV cache. Cost: nothing on an unsampled step but a counter; a sampled step pays
 an eager forward, a second staging and a gather of the step's slots (`tools/bench_sampling.py`).
 """
 
@@ -70,8 +72,9 @@ class Expected(NamedTuple):
 def locate(tensors: Mapping[str, torch.Tensor], caches: Sequence[tuple[str | None, int, int]]) -> list[Cache]:
     """The KV caches among `tensors` (see the module table); `caches`: `(group, block_size, num_blocks)` each.
 
-    A tensor listed twice (a view and its base at the same place) is taken once; each tensor belongs to the
-    first cache whose shape it fits.
+    A tensor listed twice (a view and its base at the same place) is taken once; a tensor is found once for
+    each cache whose shape it fits (the built-in cache and a group of its geometry: no shape tells them apart),
+    so it is compared at each one's slots.
     """
     found, seen = [], set()
     for name, tensor in tensors.items():
@@ -85,7 +88,6 @@ def locate(tensors: Mapping[str, torch.Tensor], caches: Sequence[tuple[str | Non
             if cache is not None:
                 seen.add(place)
                 found.append(cache)
-                break
     return found
 
 

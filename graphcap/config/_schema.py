@@ -114,6 +114,11 @@ def _matches(value: Any, option: Any) -> tuple[bool, Any]:
         item = typing.get_args(option)[0]
         if item is int:
             ok = isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        elif item is float:
+            ok = isinstance(value, (list, tuple)) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+            )
+            return (True, tuple(float(v) for v in value)) if ok else (False, value)
         else:
             ok = isinstance(value, (list, tuple)) and all(isinstance(v, item) for v in value)
         return (True, tuple(value)) if ok else (False, value)
@@ -131,7 +136,7 @@ def _describe(options: tuple) -> str:
             words.append(" | ".join(map(str, typing.get_args(option))))
         elif typing.get_origin(option) is tuple:
             item = typing.get_args(option)[0]
-            words.append("a list of integers" if item is int else "a list of mappings")
+            words.append({int: "a list of integers", float: "a list of numbers"}.get(item, "a list of mappings"))
         elif option is bool:
             words.append("true or false")
         else:

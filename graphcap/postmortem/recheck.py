@@ -79,6 +79,10 @@ class _Extra(NamedTuple):
     pad: Any
     check: None = None
 
+    @property
+    def is_cumulative(self) -> bool:
+        return self.rows == "reqs+1"
+
 
 class _GroupRows(NamedTuple):
     block_table: np.ndarray
@@ -88,12 +92,12 @@ class _GroupRows(NamedTuple):
 class _Inputs:
     """What `check_invariants` reads of a `ForwardInputs`, rebuilt from a recorded step."""
 
-    __slots__ = ("_basic", "host", "key", "limits", "num_reqs", "num_tokens")
+    __slots__ = ("basic_plan", "cumulative_plan", "host", "key", "limits", "num_reqs", "num_tokens")
 
     def __init__(self, host: Any, key: GraphKey, limits: _Limits, num_tokens: int, num_reqs: int) -> None:
         self.host, self.key, self.limits = host, key, limits
         self.num_tokens, self.num_reqs = num_tokens, num_reqs
-        self._basic = None
+        self.basic_plan = self.cumulative_plan = None
 
 
 def load_postmortem(path: str | Path) -> dict[str, Any]:

@@ -11,23 +11,26 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from graphcap.config.buffers import BufferConfig
+from graphcap.config.buffers import BufferConfig, cumulative_tail, real_rows
 from graphcap.errors import BatchError, ConfigError, ConfigProblem
 from graphcap.inputs import BufferSpec
 
 __all__ = [
     "check_extras",
     "check_extras_fit",
+    "cumulative_tail",
     "default_sample",
+    "domain_hint",
     "full_shape",
     "merged_specs",
     "pad_extra",
+    "real_rows",
     "rows",
     "sampled",
     "stage_extra",
 ]
 
-_DECLARED = ("rows", "shape", "dtype", "pad", "row_dim")
+_DECLARED = ("rows", "shape", "dtype", "pad", "row_dim", "domain")
 
 
 def merged_specs(entries: tuple[BufferConfig, ...], specs: Iterable[BufferSpec]) -> tuple[BufferSpec, ...]:
@@ -43,12 +46,12 @@ def merged_specs(entries: tuple[BufferConfig, ...], specs: Iterable[BufferSpec])
     by_name = {spec.name: spec for spec in specs if isinstance(spec, BufferSpec)}
     out, taken, problems = [], set(), []
     for i, entry in enumerate(entries):
-        spec = by_name.get(entry.name)
+        spec, declared = by_name.get(entry.name), BufferSpec.from_config(entry)
         if spec is None:
-            out.append(BufferSpec.from_config(entry))
+            out.append(declared)
             continue
-        differ = [f"{f} {getattr(entry, f)!r} vs {getattr(spec, f)!r}" for f in _DECLARED
-                  if getattr(entry, f) != getattr(spec, f)]  # fmt: skip
+        differ = [f"{f} {getattr(declared, f)!r} vs {getattr(spec, f)!r}" for f in _DECLARED
+                  if getattr(declared, f) != getattr(spec, f)]  # fmt: skip
         if differ:
             problems.append(ConfigProblem(f"buffers[{i}]", f"{entry.name!r} is also passed in code as a BufferSpec, "
                             f"declared differently ({', '.join(differ)}; config vs code): declare it in one place, "
@@ -81,7 +84,7 @@ def check_extras_fit(
         if spec is None:
             known = ", ".join(declared) or "none"
             raise BatchError(f"extras[{name!r}]: no such buffer; declared buffers: {known} (BufferSpec)")
-        real = {"tokens": num_tokens, "reqs": num_reqs, "none": None}[spec.rows]
+        real = real_rows(spec, num_tokens, num_reqs)
         expected = real_shape(spec, real)
         if value.shape != expected:
             raise BatchError(
@@ -98,9 +101,13 @@ def sampled(
     num_tokens: int,
     num_reqs: int,
     axes: Mapping[str, int] | None = None,
+    *,
+    capture: bool = False,
 ) -> dict:
     """Real rows of every sampled buffer (`BufferSpec.is_sampled`) for a batch graphcap makes (capture,
-    verification): from its `sample`, or by default from its dtype and pad (`default_sample`).
+    verification): from its `sample`, or by default from its dtype, pad and domain (`default_sample`).
+    `capture`: the batch a key is recorded with; the default samples of every other batch differ from
+    it in their first real value, so a graph that froze the recording's values is seen to differ.
 
     A `sample` with an `axes` parameter is called `sample(rng, num_real_rows, axes=...)` with the batch's
     key-axis values (`capture.axes`), so rows that index axis slots stay below the batch's value."""
@@ -108,10 +115,10 @@ def sampled(
     for spec in extras:
         if not spec.is_sampled:
             continue
-        real = {"tokens": num_tokens, "reqs": num_reqs, "none": 0}[spec.rows]
+        real = real_rows(spec, num_tokens, num_reqs) or 0
         expected = real_shape(spec, None if spec.rows == "none" else real)
         if spec.sample is None:
-            out[spec.name] = default_sample(spec, rng, expected)
+            out[spec.name] = default_sample(spec, rng, expected, unlike_capture=not capture)
             continue
         try:
             if _takes_axes(spec.sample):
@@ -126,20 +133,86 @@ def sampled(
         if value.shape != expected:
             raise ValueError(
                 f"BufferSpec {spec.name!r}: sample(rng, {real}) returned shape {value.shape}; expected {expected} "
-                f"(one row per real {'token' if spec.rows == 'tokens' else 'request'} of the batch)"
+                f"({_ROW_WORDS[spec.rows]} of the batch)"
             )
         out[spec.name] = value
     return out
 
 
-def default_sample(spec: BufferSpec, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    """Rows of `shape` for a float or bool buffer without a `sample`: `pad * uniform(0.5, 2)` (a pad of 0:
-    `uniform(0.5, 2)`), finite in the buffer's dtype; booleans at random. Unlike the pad and unlike each other."""
+def default_sample(
+    spec: BufferSpec, rng: np.random.Generator, shape: tuple[int, ...], *, unlike_capture: bool = False
+) -> np.ndarray:
+    """Rows of `shape` for a float or bool buffer without a `sample`, unlike each other.
+
+    Floats: uniform within the buffer's `domain`, or else within `pad * [0.5, 2]` (a pad of 0 or not
+    finite: `[0.5, 2]`) cut to half the dtype's largest value, as the dtype stores them. Booleans at random.
+    The first value is the interval's low end (False) in the batch a key is recorded with, and never
+    that value with `unlike_capture` (verification batches): so a verification batch always differs from
+    the recording's in a real row, the first, which every batch with a real row holds."""
     if spec.np_dtype.kind == "b":
-        return rng.random(shape) < 0.5
+        out = rng.random(shape) < 0.5
+        if out.size:
+            out.flat[0] = unlike_capture
+        return out
+    low, high = _stored_within(spec.np_dtype.type, *_sample_interval(spec))
+    out = np.clip(rng.uniform(low, high, shape).astype(spec.np_dtype), low, high)
+    if out.size:
+        if not unlike_capture:
+            out.flat[0] = low
+        elif out.flat[0] == low:
+            out.flat[0] = high
+    return out
+
+
+def _stored_within(kind: type, low: float, high: float) -> tuple[np.floating, np.floating]:
+    """The smallest and largest values of float type `kind` within `[low, high]` (rounding may step outside)."""
+    lo, hi = kind(low), kind(high)
+    if lo < low:
+        lo = np.nextafter(lo, kind(np.inf))
+    if hi > high:
+        hi = np.nextafter(hi, kind(-np.inf))
+    return lo, hi
+
+
+def _sample_interval(spec: BufferSpec) -> tuple[float, float]:
+    """`[low, high]` of a float buffer's default samples: its domain, else around its pad (two values its dtype
+    stores apart)."""
+    if spec.domain is not None:
+        return spec.domain
     scale = float(spec.pad) if spec.pad and np.isfinite(float(spec.pad)) else 1.0
     largest = float(np.finfo(spec.np_dtype).max) / 2
-    return np.clip(scale * rng.uniform(0.5, 2.0, shape), -largest, largest).astype(spec.np_dtype)
+    low, high = sorted((float(np.clip(scale * 0.5, -largest, largest)), float(np.clip(scale * 2.0, -largest, largest))))
+    if spec.np_dtype.type(low) == spec.np_dtype.type(high):  # a pad too small to tell its halves apart
+        return 0.5, 2.0
+    return low, high
+
+
+def domain_hint(extras: tuple[BufferSpec, ...], replayed: list, expected: list) -> str | None:
+    """Why a replay and its eager run differ when both hold NaN or inf at the same places and some float buffer
+    was sampled without a `domain`: the samples may have left the values' domain (None: not that case).
+    `replayed`, `expected`: the two runs' output tensors, in order."""
+    guessed = [
+        spec.name for spec in extras if spec.sample is None and spec.domain is None and spec.np_dtype.kind == "f"
+    ]
+    if not guessed or len(replayed) != len(expected):
+        return None
+    both = 0
+    for a, b in zip(replayed, expected):
+        if not (a.is_floating_point() and b.is_floating_point()) or a.shape != b.shape:
+            continue
+        bad_a, bad_b = ~a.isfinite(), ~b.isfinite()
+        if bool((bad_a != bad_b).any()):
+            return None
+        both += int(bad_a.sum())
+    if not both:
+        return None
+    names = ", ".join(map(repr, guessed))
+    return (
+        f"replay and eager both hold NaN or inf at the same {both} places: the values graphcap sampled for the float "
+        f"engine buffer(s) {names} (within pad * [0.5, 2], no domain declared) may lie outside what the forward "
+        "accepts (a probability above 1). Declare BufferSpec(domain=(low, high)) (buffers: domain: [low, high]), or "
+        "give the buffer a sample"
+    )
 
 
 def _takes_axes(sample) -> bool:
@@ -154,6 +227,13 @@ def stage_extra(host: np.ndarray, spec: BufferSpec, value: np.ndarray | None, T:
     if spec.rows == "none":
         host[...] = spec.pad if value is None else value
         return
+    if spec.rows == "reqs+1":  # [R + 1] offsets: the step's r + 1, or 0 alone (every request owns nothing)
+        if value is None:
+            host[0], r = 0, 0
+        else:
+            host[: r + 1] = value
+        pad_extra(host, spec, T, R, n, r)
+        return
     real = n if spec.rows == "tokens" else r
     if value is not None and real:
         host[rows(spec, 0, real)] = value
@@ -165,13 +245,21 @@ def pad_extra(host: np.ndarray, spec: BufferSpec, T: int, R: int, n: int, r: int
     if spec.rows == "none":
         host[...] = spec.pad
         return
+    if spec.rows == "reqs+1":  # entries r+1..R: the last real one, plus the pad step per padded request
+        if r < R:
+            host[r + 1 : R + 1] = cumulative_tail(spec, int(host[r]), R - r)
+        return
     lo, hi = (n, T) if spec.rows == "tokens" else (r, R)
     if lo < hi:
         host[rows(spec, lo, hi)] = spec.pad
 
 
 def full_shape(spec: BufferSpec, T: int, R: int) -> tuple[int, ...]:
-    return real_shape(spec, T if spec.rows == "tokens" else R)
+    return real_shape(spec, {"tokens": T, "reqs": R, "reqs+1": R + 1, "none": None}[spec.rows])
+
+
+_ROW_WORDS = {"tokens": "one row per real token", "reqs": "one row per real request",
+              "reqs+1": "one entry per real request and a leading 0", "none": "the whole tensor"}  # fmt: skip
 
 
 def real_shape(spec: BufferSpec, num_rows: int | None) -> tuple[int, ...]:
