@@ -10,8 +10,10 @@ makes the model's `prepare` leave the padded tail of `query_start_loc` at 0 afte
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from graphcap import StepBatch
+from graphcap.testing import make_config, make_manager
 
 CUDA_ASSERT = "CUDA error: device-side assert triggered"
 
@@ -72,10 +74,6 @@ FOUNDING_BUG_ASSET = "tests/assets/founding-bug-postmortem.json"
 def founding_bug_postmortem(directory) -> str:
     """Two decodes, then one 3-token prefill whose `query_start_loc` tail `prepare` zeroes: the replay's
     device-side assert leaves `graphcap-postmortem.json` in `directory`; its path."""
-    import pytest
-
-    from graphcap.testing import make_config, make_manager
-
     overrides = {"report.postmortem": str(directory), "report.flight_steps": 3, "checks.invariants": "off"}
     manager = make_manager(make_config(overrides))
     manager.capture()
@@ -86,3 +84,17 @@ def founding_bug_postmortem(directory) -> str:
     with pytest.raises(RuntimeError, match=CUDA_ASSERT):
         manager.execute(prefill())
     return f"{directory}/graphcap-postmortem.json"
+
+
+def manager_for(tmp_path, invariants: str = "off", steps: int = 4, **overrides):
+    config = make_config(
+        {"report.postmortem": str(tmp_path), "report.flight_steps": steps, "checks.invariants": invariants, **overrides}
+    )
+    manager = make_manager(config, faulty=True)
+    return manager
+
+
+def crash(manager, batch):
+    with pytest.raises(RuntimeError, match=CUDA_ASSERT) as info:
+        manager.execute(batch)
+    return info.value
