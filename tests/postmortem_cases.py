@@ -4,7 +4,9 @@
 assert: it raises the CUDA error when the staged `query_start_loc` drops (the `repeat >= 0` assert of
 `repeat_interleave` the founding bug hit) or when step `at` of the replays comes. `founding_bug(manager)`
 makes the model's `prepare` leave the padded tail of `query_start_loc` at 0 after staging filled it
-(`[0, 3, 0, 0]` for one 3-token request), the rows a graph then reads.
+(`[0, 3, 0, 0, 0]` for one 3-token request at 4 request rows), the rows a graph then reads. `manager_for`
+builds a captured-ready manager with the recorder on and its post-mortem under a test's directory;
+`crash` runs a step that must die of the CUDA error and returns the error.
 """
 
 from __future__ import annotations
