@@ -4,14 +4,18 @@
 assert: it raises the CUDA error when the staged `query_start_loc` drops (the `repeat >= 0` assert of
 `repeat_interleave` the founding bug hit) or when step `at` of the replays comes. `founding_bug(manager)`
 makes the model's `prepare` leave the padded tail of `query_start_loc` at 0 after staging filled it
-(`[0, 3, 0, 0]` for one 3-token request), the rows a graph then reads.
+(`[0, 3, 0, 0, 0]` for one 3-token request at 4 request rows), the rows a graph then reads. `manager_for`
+builds a captured-ready manager with the recorder on and its post-mortem under a test's directory;
+`crash` runs a step that must die of the CUDA error and returns the error.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from graphcap import StepBatch
+from graphcap.testing import make_config, make_manager
 
 CUDA_ASSERT = "CUDA error: device-side assert triggered"
 
@@ -72,10 +76,6 @@ FOUNDING_BUG_ASSET = "tests/assets/founding-bug-postmortem.json"
 def founding_bug_postmortem(directory) -> str:
     """Two decodes, then one 3-token prefill whose `query_start_loc` tail `prepare` zeroes: the replay's
     device-side assert leaves `graphcap-postmortem.json` in `directory`; its path."""
-    import pytest
-
-    from graphcap.testing import make_config, make_manager
-
     overrides = {"report.postmortem": str(directory), "report.flight_steps": 3, "checks.invariants": "off"}
     manager = make_manager(make_config(overrides))
     manager.capture()
@@ -86,3 +86,17 @@ def founding_bug_postmortem(directory) -> str:
     with pytest.raises(RuntimeError, match=CUDA_ASSERT):
         manager.execute(prefill())
     return f"{directory}/graphcap-postmortem.json"
+
+
+def manager_for(tmp_path, invariants: str = "off", steps: int = 4, **overrides):
+    config = make_config(
+        {"report.postmortem": str(tmp_path), "report.flight_steps": steps, "checks.invariants": invariants, **overrides}
+    )
+    manager = make_manager(config, faulty=True)
+    return manager
+
+
+def crash(manager, batch):
+    with pytest.raises(RuntimeError, match=CUDA_ASSERT) as info:
+        manager.execute(batch)
+    return info.value
