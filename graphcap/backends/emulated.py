@@ -49,6 +49,7 @@ from graphcap.backends.pool import invalidate
 from graphcap.backends.preflight import unsafe_op_checker
 from graphcap.backends.tape import Tape, TapeRecorder, compile_tape
 from graphcap.outputs import flatten_output
+from graphcap.torch_modes import no_torch_function
 
 __all__ = ["EmulatedBackend", "EmulatedGraph", "stream_capturing"]
 
@@ -67,7 +68,9 @@ class EmulatedGraph(CapturedGraph):
         return self.tape is not None and self.tape.result_slot >= 0
 
     def _replay(self) -> None:
-        with torch.inference_mode():  # the outputs are inference tensors: copy_ needs it
+        # The outputs are inference tensors: copy_ needs inference mode. A CUDA graph's replay runs no Python, so
+        # no torch function mode of the engine sees its ops: neither does the tape's.
+        with torch.inference_mode(), no_torch_function():
             for leaf, value in zip(self.leaves, self.tape.run()):
                 if value is not None:
                     leaf.copy_(value)
