@@ -262,7 +262,8 @@ def _converted(values, name: str, ndim: int) -> np.ndarray:
         try:
             array = np.asarray(values)
         except (ValueError, TypeError, OverflowError) as exc:  # ragged lists, odd objects
-            raise BatchError(f"{name} must be a {ndim}-D array of integers; {exc}") from None
+            ragged = _ragged(values, name, ndim)
+            raise BatchError(ragged or f"{name} must be a {ndim}-D array of integers; {exc}") from None
     if array.ndim != ndim:
         if not (array.size == 0 and ndim == 2):
             raise BatchError(f"{name} must be {ndim}-D; got shape {tuple(array.shape)}")
@@ -279,6 +280,26 @@ def _converted(values, name: str, ndim: int) -> np.ndarray:
         return array.astype(np.int64)
     # int8/int16 widen (read as unsigned, -1 would pass as 255); byte-swapped become native.
     return array.astype(np.int64 if array.itemsize == 8 else np.int32)
+
+
+def _ragged(values: Any, name: str, ndim: int) -> str | None:
+    """What is wrong with `values` when it is a list of rows of different lengths (a 2-D field), or None."""
+    if ndim != 2:
+        return None
+    try:
+        lengths = [len(row) for row in values]
+    except TypeError:  # not rows: numpy's own message says what it is
+        return None
+    if len(set(lengths)) < 2:
+        return None
+    widest = max(lengths)
+    short = next(i for i, n in enumerate(lengths) if n != lengths[0])
+    persistent = "manager.block_table" if name == "block_table" else f"manager.kv_group_tables[{name[10:-1]}]"
+    return (
+        f"{name} rows have different lengths (row 0: {lengths[0]} blocks, row {short}: {lengths[short]}); it is "
+        f"one rectangular array: pad every row to the longest ({widest}) with 0, the null block (a request reads "
+        f"only the blocks its seq_len needs), or name the persistent table ({persistent})"
+    )
 
 
 def _owned_int32(array: np.ndarray) -> np.ndarray:

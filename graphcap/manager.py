@@ -35,10 +35,10 @@ from graphcap.distributed.ledger import CollectiveLedger
 from graphcap.distributed.options import Parallel, parallel_of
 from graphcap.errors import InvariantViolation
 from graphcap.inputs import BufferSpec, ForwardInputs, PreparePhase, prepare_of
-from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode, StepStats
+from graphcap.keys import NOT_CAPTURED_WARNING, Dispatch, GraphKey, KeyRegistry, Mode, StepStats
 from graphcap.memory.budget import MemoryBudget
 from graphcap.memory.estimate import GraphMemory
-from graphcap.model_facts import VOCAB_HINT, is_built_in, precision_of, with_model_vocab
+from graphcap.model_facts import VOCAB_HINT, check_model_device, is_built_in, precision_of, with_model_vocab
 from graphcap.outputs import OutputRows, StepOutput
 from graphcap.phases import in_phase
 from graphcap.piecewise import running
@@ -96,6 +96,7 @@ class CaptureManager:
         self._communicators = communicators_of(communicators)
         check_kv_fits(config, model)
         self.device = resolve_device(config) if device is None else torch.device(device)
+        check_model_device(model, self.device, given=device is not None)  # before anything is allocated
         extras = (*merged_specs(config.buffers, buffers), *counts_buffers(parallel))
         self.buffers = PersistentBuffers.from_config(config, self.device, extras=extras)
         self.registry = KeyRegistry.from_config(config)
@@ -125,6 +126,7 @@ class CaptureManager:
         self._budget = MemoryBudget(config, self.backend.name, measure)
         self._lazy = LazyCapture(self.registry, self.stats, self._peers, is_lazy=config.capture.strategy == "lazy")
         self._counting = True
+        self._warned_not_captured = False
         self._history = PassHistory()
         self._kept = KeptOutputs()  # the last replay's outputs, kept valid across capture_pending()
         self._scope = StepScope(threading.RLock())
@@ -288,6 +290,9 @@ class CaptureManager:
             self._flight.note(mode, reason)
         if mode is Mode.EAGER:
             output = self._run_eager(batch, key)
+            if reason == "not_captured" and not self._warned_not_captured:
+                self._warned_not_captured = True  # once per manager: a step run eagerly is no error
+                log.warning(NOT_CAPTURED_WARNING)
             if self._counting:  # after the run: a refused batch is no step
                 self.stats.eager[reason] += 1
             return output

@@ -10,8 +10,9 @@ invariants refuse ids past it), so the manager takes the model's own vocabulary 
 - else the model's only `nn.Embedding` (with several, which one embeds tokens is not known: nothing is
   inferred, and a capture that fails indexing an embedding names `model.vocab_size`).
 
-Also here: whether the model is graphcap's built-in one built from the config (`is_built_in`: the memory
-estimate's arithmetic holds for it; any other model is measured), and its lowest floating precision.
+Also here: that the model's tensors are on the manager's device (`check_model_device`), whether the model
+is graphcap's built-in one built from the config (`is_built_in`: the memory estimate's arithmetic holds for
+it; any other model is measured), and its lowest floating precision.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from typing import Any
 import torch
 
 from graphcap.config import CaptureConfig
+from graphcap.errors import ConfigError, ConfigProblem
 
-__all__ = ["VOCAB_HINT", "is_built_in", "model_vocab_size", "precision_of", "with_model_vocab"]
+__all__ = ["VOCAB_HINT", "check_model_device", "is_built_in", "model_vocab_size", "precision_of", "with_model_vocab"]
 
 log = logging.getLogger("graphcap")
 
@@ -68,7 +70,13 @@ def with_model_vocab(config: Any, model: Any) -> tuple[Any, bool]:
         return config, False
     vocab, where = found
     if vocab != config.model.vocab_size:
-        log.info("model.vocab_size: %d from %s (the config said %d)", vocab, where, config.model.vocab_size)
+        attribute = type(model).__name__ + where[len("model") :]  # `Qwen3ForCausalLM.config.vocab_size`
+        log.info(
+            "model.vocab_size: %d, read off the model object given to CaptureManager (%s); the config said %d",
+            vocab,
+            attribute,
+            config.model.vocab_size,
+        )
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab))
     return config, True
 
@@ -99,3 +107,37 @@ def precision_of(model: Any) -> torch.dtype | None:
         return None
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     return max(dtypes, key=lambda d: torch.finfo(d).eps, default=None)  # the largest epsilon
+
+
+def check_model_device(model: Any, device: torch.device, given: bool) -> None:
+    """`ConfigError` (key `device`) when a parameter or buffer of `model` is on another device than `device`.
+
+    graphcap stages every step on `device` and never moves the model (`build_model` does, for the models it
+    builds): a model left elsewhere would fail its first forward with torch's mixed-device error. 0-dim
+    tensors are left out (torch lets a CPU scalar meet a CUDA tensor). `given`: `device` came from
+    `CaptureManager(device=...)` rather than the config.
+    """
+    if not isinstance(model, torch.nn.Module):
+        return
+    tensors = ((f"parameter {n!r}", t) for n, t in model.named_parameters())
+    buffers = ((f"buffer {n!r}", t) for n, t in model.named_buffers())
+    for what, tensor in (*tensors, *buffers):
+        if tensor.dim() and not _same_device(tensor.device, device):
+            source = f"CaptureManager(device={str(device)!r})" if given else f"the config's device {str(device)!r}"
+            there = tensor.device.type in ("cpu", "cuda")  # a device a config can name
+            fix = f"pass device={str(tensor.device)!r}" if given else f"set device: {tensor.device}"
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "device",
+                        f"the model's {what} is on {tensor.device}, but graphcap stages every step on {device} "
+                        f"({source}); move the model there before CaptureManager (model.to({str(device)!r}))"
+                        + (f", or {fix}" if there else ""),
+                    )
+                ]
+            )
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Same device type, and the same index where both name one (`cuda` is the current CUDA device)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)

@@ -22,6 +22,7 @@ differ (`checks.verify_replay`), or, with verification off, refuses the key (`am
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 from graphcap.errors import CaptureError
 from graphcap.inputs import ForwardInputs
 from graphcap.keys import GraphKey
+from graphcap.torch_modes import no_torch_function
 
 __all__ = ["ROW_KINDS", "OutputRows", "StepOutput", "cloned", "flatten_output"]
 
@@ -99,11 +101,16 @@ class OutputRows:
         `CaptureError` when a declared tensor does not have the rows it is declared with, or the
         declaration names an output the result does not have.
         """
-        rows = _rows(inputs)
-        if isinstance(output, torch.Tensor) and not isinstance(self.declared, dict):  # the common case
-            return _cut(output, self.declared, None, rows)
+        if type(output) is torch.Tensor and not isinstance(self.declared, dict):  # the common case
+            with no_torch_function():  # shapes and a slice: an engine's torch modes need not see them
+                return _cut(output, self.declared, None, _rows(inputs))
+        with no_torch_function():
+            rows = _rows(inputs)
         leaves, rebuild = flatten_output(output, "this step", what)
-        return rebuild([_cut(t, kind, name, rows) for t, kind, name in zip(leaves, self.kinds(output), _names(output))])
+        kinds, names = self.kinds(output), _names(output)
+        # Plain tensors are cut with torch function off; a subclass keeps its own __torch_function__ (and type).
+        with no_torch_function() if all(type(t) is torch.Tensor for t in leaves) else contextlib.nullcontext():
+            return rebuild([_cut(t, kind, name, rows) for t, kind, name in zip(leaves, kinds, names)])
 
     def kinds(self, output: Any) -> tuple[str | None, ...]:
         """The declared kind of each tensor of `output` (None: undeclared), in `flatten_output` order."""

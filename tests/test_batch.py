@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -223,3 +225,22 @@ def test_non_native_byte_order_arrays_are_checked_like_native_ones():
         StepBatch(np.array([1, 1], ">i8"), np.array([2, 0], ">i8"))
     batch = StepBatch(np.array([1, 1], ">i8"), np.array([2, 3], ">i8"), block_table=np.array([[4], [5]], ">i4"))
     assert (batch.max_query_len, batch.max_seq_len, batch.max_block_id) == (1, 3, 5)
+
+
+@given(lengths=st.lists(st.integers(0, 4), min_size=2, max_size=5).filter(lambda n: len(set(n)) > 1))
+def test_a_ragged_block_table_is_refused_naming_its_rows_and_the_padding_fix(lengths):
+    from graphcap import BatchError
+
+    rows = [list(range(1, n + 1)) for n in lengths]
+    short = next(i for i, n in enumerate(lengths) if n != lengths[0])
+    expected = (
+        f"block_table rows have different lengths (row 0: {lengths[0]} blocks, row {short}: {lengths[short]}); it "
+        f"is one rectangular array: pad every row to the longest ({max(lengths)}) with 0, the null block"
+    )
+    n = len(lengths)
+    with pytest.raises(BatchError, match=rf"^{re.escape(expected)}.*\(manager\.block_table\)$"):
+        StepBatch([1] * n, [1] * n, block_table=rows)
+    with pytest.raises(BatchError, match=r"^kv_groups\['swa'\] rows have .*\(manager\.kv_group_tables\['swa'\]\)$"):
+        StepBatch([1] * n, [1] * n, kv_groups={"swa": rows})
+    padded = [row + [0] * (max(lengths) - len(row)) for row in rows]  # the fix the message names
+    assert StepBatch([1] * n, [1] * n, block_table=padded).block_table.shape == (n, max(lengths))

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from graphcap import CaptureError, CaptureManager, GraphKey, InvariantViolation, StepBatch, load_config
+from graphcap import CaptureError, CaptureManager, ConfigError, GraphKey, InvariantViolation, StepBatch, load_config
+from graphcap.keys import NOT_CAPTURED_WARNING
 from graphcap.models import build_model
 from graphcap.testing import Workload
 from tests.configs import SMALL
@@ -220,6 +221,55 @@ def test_execute_before_capture_runs_eagerly_and_counts_the_reason():
     manager = make_manager()
     assert_step_matches_eager(manager, StepBatch([1], [1], [3], [[1]]))
     assert manager.stats.eager == {"not_captured": 1}
+
+
+def test_execute_before_capture_warns_once_naming_capture_and_lazy_strategy(caplog):
+    manager = make_manager()
+    batch = StepBatch([1], [1], [3], [[1]])
+    with caplog.at_level("WARNING", logger="graphcap"):
+        manager.execute(batch)
+        manager.execute(batch)
+        manager.eager(batch)  # the reference: never a warning
+    (warned,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert warned.getMessage() == NOT_CAPTURED_WARNING
+    assert "manager.capture()" in warned.getMessage() and "capture.strategy: lazy" in warned.getMessage()
+    assert manager.stats.eager == {"not_captured": 2}
+
+
+def test_a_captured_manager_and_other_eager_reasons_do_not_warn(caplog):
+    manager = make_manager(capture__mode="none")
+    with caplog.at_level("WARNING", logger="graphcap"):
+        manager.execute(StepBatch([1], [1], [3], [[1]]))
+    assert manager.stats.eager == {"mode_none": 1} and not caplog.records
+
+
+def test_a_model_on_another_device_is_refused_naming_the_tensor_the_devices_and_the_fix():
+    config = load_config(overrides=SMALL)
+    model = build_model(config).to("meta")
+    with pytest.raises(ConfigError, match=r"^1 problem") as raised:
+        CaptureManager(model, config)
+    (problem,) = raised.value.problems
+    assert problem.key == "device"
+    assert problem.message == (
+        "the model's parameter 'embed' is on meta, but graphcap stages every step on cpu (the config's device "
+        "'cpu'); move the model there before CaptureManager (model.to('cpu'))"
+    )
+    with pytest.raises(ConfigError, match=r"buffer 'cache' is on meta.*\(CaptureManager\(device='cpu'\)\)"):
+        CaptureManager(MetaCache(), config, device="cpu")
+    CaptureManager(build_model(config), config, progress=False)  # the control: the same model on its device
+
+
+class MetaCache(torch.nn.Module):
+    """A model whose parameters are on the CPU but whose KV-cache buffer is not; a 0-dim tensor may be anywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(2))
+        self.register_buffer("scale", torch.tensor(1.0, device="meta"))
+        self.register_buffer("cache", torch.zeros(4, device="meta"))
+
+    def forward(self, inputs):
+        return self.w
 
 
 def test_model_without_forward_is_refused():

@@ -90,3 +90,12 @@ def test_a_built_in_model_keeps_the_configs_vocabulary():
     config = make_config()
     manager = CaptureManager(build_model(config), config, progress=False)
     assert manager.config == config
+
+
+def test_the_log_line_says_the_vocabulary_was_read_off_the_model_object_and_where(caplog):
+    with caplog.at_level("INFO", logger="graphcap"):
+        CaptureManager(Embedder(), make_config(), progress=False)
+    assert (
+        "model.vocab_size: 64, read off the model object given to CaptureManager "
+        "(Embedder.tokens (its only nn.Embedding)); the config said 128"
+    ) in caplog.messages

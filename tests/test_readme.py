@@ -145,10 +145,27 @@ def _output_rows_example(namespace: dict, out: str) -> None:
     assert namespace["MyModel"].output_rows == {"hidden": "tokens", "logits": "reqs"}
 
 
+def _block_zero_example(namespace: dict, out: str) -> None:
+    manager, batch = namespace["manager"], namespace["batch"]
+    assert batch.block_table.tolist() == [[1, 8, 0, 0, 0, 0, 0, 0], [4, 0, 0, 0, 0, 0, 0, 0]]
+    assert manager.config.kv_cache.num_blocks == 32 and namespace["logits"].shape == (2, 512)
+    assert out.startswith("block_table refused: block_table[0, 0] is 0") and "null block 0" in out
+
+
+def _kernels_per_key_example(namespace: dict, out: str) -> None:
+    manager, report, model = namespace["manager"], namespace["report"], namespace["model"]
+    assert all(r.verified for r in report.records)
+    assert [r.pieces for r in report.records if r.key.num_reqs is None] == [2, 2]  # sizes 8 and 4
+    assert manager.stats.as_dict()["graph_hits"] == {"uniform(tokens=4, reqs=4)": 2, "piecewise(tokens=8)": 1}
+    assert out == "[] False 1\n" and model.phases == []  # a decode replay runs no Python; outside a step
+
+
 CHECKS = {
     '"checks.sample_every": 2': _sampling_example,
     "class FirstModel(": _first_model_example,
     "def plan(seq_lens, block_size": _cumulative_example,
+    "def graphcap_table(engine_rows": _block_zero_example,
+    "def attention_in_graph(q, k, v)": _kernels_per_key_example,
     "choose_sizes(counts, 30": _size_choice_example,
     "choose_with_axes(steps, 20": _axis_choice_example,
     'output_rows = {"hidden": "tokens"': _output_rows_example,
@@ -279,3 +296,12 @@ def test_every_unsafe_op_family_is_documented():
     for op in ("item", "nonzero", "masked_select", "unique", "repeat_interleave", "bincount", ".cpu()", ".numpy()"):
         assert op in text, op
     assert len(UNSAFE_OPS) >= 20
+
+
+def test_the_engines_guide_documents_every_key_of_stats_as_dict():
+    from graphcap.keys import StepStats
+
+    text = _text(ROOT / "docs" / "guide" / "engines.md").split("**What `manager.stats.as_dict()` holds**", 1)[1]
+    table = text.split("\n\n", 2)[1]
+    documented = re.findall(r"^\| `(\w+)` \|", table, flags=re.M)
+    assert documented == list(StepStats().as_dict()), "docs/guide/engines.md's stats table and as_dict() differ"

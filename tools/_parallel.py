@@ -111,7 +111,9 @@ def _rank(rank: int, args: Any, directory: str) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+    # A return, not os._exit: multiprocessing then runs this rank's finalizers (which unlink its semaphores, tqdm's
+    # write lock among them, instead of leaving the resource tracker to report them leaked) and ends the process
+    # with os._exit itself, so no interpreter teardown waits on gloo's threads.
 
 
 def _serve(rank: int, args: Any, directory: str) -> dict[str, Any]:

@@ -27,6 +27,14 @@ drift alike).
     python tools/bench_execute.py --invariants full
     python tools/bench_execute.py --baseline 90df583   # beside another revision, in this process
 
+`--mode MODE` times every case a second time inside an engine's torch function mode, in the same rounds:
+`default-device` (`torch.set_default_device` to the manager's device, as nano-vllm leaves on for the whole
+process), `device` (a `torch.device(...)` context manager, as vLLM and SGLang use) or `function-mode` (a
+`TorchFunctionMode` that only forwards each call); it then prints each case's median per-round ratio (under the
+mode over without it) with its p10-p90, beside the goal: the host path within 1.2x of the same step without it.
+
+    python tools/bench_execute.py --mode default-device
+
 `--baseline REV` imports graphcap as of git revision REV beside this checkout's (`_baseline.py`:
 the package renamed `graphcap_base`), builds the same cases on it, and times the two versions'
 cases alternately in every round; it then prints each case's median per-round ratio (this tree
@@ -37,13 +45,16 @@ existed) is timed on this tree only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import platform
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import numpy as np
 import torch
 from _sampling import measure
+from torch.overrides import TorchFunctionMode
 
 import graphcap
 
@@ -133,6 +144,32 @@ def cases(pkg: ModuleType, manager, batch) -> dict[str, object]:
     return timed
 
 
+class Forwarding(TorchFunctionMode):
+    """A torch function mode that only forwards each call: the cost of Python dispatch alone."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def default_device(device: torch.device) -> Iterator[None]:
+    """`torch.set_default_device(device)` inside, as an engine leaves it for the whole process."""
+    torch.set_default_device(device)
+    try:
+        yield
+    finally:
+        torch.set_default_device(None)
+
+
+def mode_of(name: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """The context of `--mode name`: entered around each timed sample run of a case's mode twin."""
+    return {
+        "default-device": lambda: default_device(device),
+        "device": lambda: torch.device(device),
+        "function-mode": Forwarding,
+    }[name]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 rounds of 50 calls (seconds, for tests)")
@@ -141,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--invariants", choices=("off", "basic", "full"), default="basic")
     parser.add_argument("--params", type=int, default=16, help="parameters of the model (all guarded)")
     parser.add_argument("--baseline", metavar="REV", help="a git revision of graphcap timed beside this tree")
+    parser.add_argument(
+        "--mode",
+        choices=("default-device", "device", "function-mode"),
+        help="also time every case inside this torch function mode (an engine's), in the same rounds",
+    )
     args = parser.parse_args(argv)
     rounds, calls = (3, 50) if args.quick else (args.rounds, args.calls)
     torch.set_num_threads(1)
@@ -153,13 +195,19 @@ def main(argv: list[str] | None = None) -> int:
         base = _baseline.load(args.baseline)
         base_manager, base_batch = build(base, args.invariants, args.params)
         timed.update({f"{BASE}{name}": fn for name, fn in cases(base, base_manager, base_batch).items()})
+    contexts: dict[str, Callable[[], contextlib.AbstractContextManager]] = dict.fromkeys(timed, contextlib.nullcontext)
+    if args.mode:
+        enter = mode_of(args.mode, manager.device)
+        for name, fn in list(timed.items()):
+            timed[f"{MODE}{name}"], contexts[f"{MODE}{name}"] = fn, enter
     names = list(timed)
     medians = {name: np.empty(rounds) for name in names}
     with manager.uncounted():
         for round_ in range(rounds):
             for j in range(len(names)):
                 name = names[(round_ + j) % len(names)]
-                medians[name][round_] = np.median(measure(timed[name], calls, warmup=calls // 10))
+                with contexts[name]():
+                    medians[name][round_] = np.median(measure(timed[name], calls, warmup=calls // 10))
     print(f"# bench_execute: torch {torch.__version__}, numpy {np.__version__}, python {platform.python_version()}")
     print(
         f"# Trivial model, TINY config, invariants {args.invariants}, key {manager.last_key}, "
@@ -182,12 +230,29 @@ def main(argv: list[str] | None = None) -> int:
         f"execute with the graph's work stubbed out {hollow:.1f} us; graphcap's parts alone (dispatch + stage + "
         f"guard + cut) {parts:.1f} us"
     )
+    if args.mode:
+        print()
+        print(f"under --mode {args.mode} over without it (per-round ratio of the medians; 1: no cost)")
+        print(f"{'case':<30} {'median':>7} {'p10':>6} {'p90':>6}")
+        ratios = {}
+        for name in names:
+            if name.startswith(MODE):
+                continue
+            ratios[name] = np.percentile(medians[f"{MODE}{name}"] / medians[name], [10, 50, 90])
+            p10, p50, p90 = ratios[name]
+            print(f"{name:<30} {p50:>6.2f}x {p10:>5.2f}x {p90:>5.2f}x")
+        p10, p50, p90 = ratios["execute, no replay"]
+        print(
+            f"goal: the host path under --mode {args.mode} within {MODE_GOAL:g}x of the same step without it: "
+            f"{p50:.2f}x ({p10:.2f}-{p90:.2f}x, execute with the graph's work stubbed out); "
+            f"execute {ratios['execute'][1]:.2f}x"
+        )
     if base is not None:
         print()
         print(f"this tree over {args.baseline} (per-round ratio of the medians; under 1: faster here)")
         print(f"{'case':<30} {'median':>7} {'p10':>6} {'p90':>6}")
         for name in names:
-            if name.startswith(BASE) or f"{BASE}{name}" not in medians:
+            if name.startswith((BASE, MODE)) or f"{BASE}{name}" not in medians:
                 continue
             p10, p50, p90 = np.percentile(medians[name] / medians[f"{BASE}{name}"], [10, 50, 90])
             print(f"{name:<30} {p50:>6.2f}x {p10:>5.2f}x {p90:>5.2f}x")
@@ -196,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
 
 EXECUTE_GOAL_US = 12.0
 BASE = "baseline: "
+MODE = "under mode: "
+MODE_GOAL = 1.2
 
 
 if __name__ == "__main__":

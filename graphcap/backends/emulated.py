@@ -50,6 +50,7 @@ from graphcap.backends.preflight import unsafe_op_checker
 from graphcap.backends.stream_answer import StreamAnswer, stream_capturing
 from graphcap.backends.tape import Tape, TapeRecorder, compile_tape
 from graphcap.outputs import flatten_output
+from graphcap.torch_modes import no_torch_function
 
 __all__ = ["EmulatedBackend", "EmulatedGraph", "stream_capturing"]
 
@@ -63,7 +64,9 @@ class EmulatedGraph(CapturedGraph):
     """The output's tensors (one, or those of a tuple, list or dict), as `tape.result_slots`."""
 
     def _replay(self) -> None:
-        with torch.inference_mode():  # the outputs are inference tensors: copy_ needs it
+        # The outputs are inference tensors: copy_ needs inference mode. A CUDA graph's replay runs no Python, so
+        # no torch function mode of the engine sees its ops: neither does the tape's.
+        with torch.inference_mode(), no_torch_function():
             for leaf, value in zip(self.leaves, self.tape.run()):
                 if value is not None:
                     leaf.copy_(value)

@@ -35,6 +35,7 @@ from graphcap.errors import CaptureError
 from graphcap.fields import REQUEST_FIELDS
 from graphcap.outputs import flatten_output
 from graphcap.piecewise import current_inputs
+from graphcap.torch_modes import no_torch_function
 
 __all__ = [
     "EagerCall",
@@ -62,15 +63,18 @@ class EagerCall:
         with torch.inference_mode():
             if self.op.takes_out:
                 result = self.op.fn(*self.args, **self.kwargs, out=self.out)
-                if result is not None and result.data_ptr() != self.out.data_ptr():
+                with no_torch_function():  # the op ran under the engine's modes; graphcap's check needs none
+                    moved = result is not None and result.data_ptr() != self.out.data_ptr()
+                if moved:
                     raise CaptureError(
                         f"{self.op!r} was given out= and returned another tensor; the next piece reads out, "
                         "so write the result into it (and return it, or None)"
                     )
                 return
             result = self.op.fn(*self.args, **self.kwargs)
-            _check_result(self.op, result, like=self.out)
-            self.out.copy_(result)
+            with no_torch_function():
+                _check_result(self.op, result, like=self.out)
+                self.out.copy_(result)
 
 
 @dataclass(eq=False, repr=False, kw_only=True)
@@ -234,7 +238,7 @@ class _TapePiece:
         self.tape, self.exports = tape, exports
 
     def replay(self) -> None:
-        with torch.inference_mode():
+        with torch.inference_mode(), no_torch_function():  # no engine's torch mode sees a graph's ops
             for tensor, value in zip(self.exports, self.tape.run()):
                 if value is not None:
                     tensor.copy_(value)

@@ -42,6 +42,7 @@ from torch.nn.modules import module as _module
 from graphcap.backends.graph import storage_ptr
 from graphcap.checks.statics import Reached, reach, reached_modules
 from graphcap.errors import StaticInputMovedError
+from graphcap.torch_modes import no_torch_function
 
 __all__ = ["StaticGuard"]
 
@@ -323,14 +324,15 @@ class _Sweep:
         shape and strides read.
         """
         try:
-            if not all(map(_is, map(_getitem, self.containers, self.keys), self.held)):
-                return False
-            if list(map(_data_ptr, self.tensors)) != self.ptrs:
-                return False
-            versions = list(map(_version, self.tensors))
-            if versions != self.versions and not self._written_in_place(versions):
-                return False
-            return not self.exact or all(e.same_place() for e in self.exact)
+            with no_torch_function():  # an engine's torch modes would see (and slow) every data_ptr call
+                if not all(map(_is, map(_getitem, self.containers, self.keys), self.held)):
+                    return False
+                if list(map(_data_ptr, self.tensors)) != self.ptrs:
+                    return False
+                versions = list(map(_version, self.tensors))
+                if versions != self.versions and not self._written_in_place(versions):
+                    return False
+                return not self.exact or all(e.same_place() for e in self.exact)
         except (LookupError, TypeError, RuntimeError):  # a slot emptied, or holding something else now
             return False
 

@@ -8,7 +8,7 @@
 | `stats.py` | `StepStats`: graph hits per key, eager steps per reason, padded-token waste |
 """
 
-from graphcap.keys.key import EAGER_REASONS, Dispatch, GraphKey, Mode, reason_kind
+from graphcap.keys.key import EAGER_REASONS, NOT_CAPTURED_WARNING, Dispatch, GraphKey, Mode, reason_kind
 from graphcap.keys.registry import MIXED_ROWS_FLOOR, MIXED_ROWS_STEP, KeyRegistry, mixed_request_rows
 from graphcap.keys.stats import StepStats
 
@@ -16,6 +16,7 @@ __all__ = [
     "EAGER_REASONS",
     "MIXED_ROWS_FLOOR",
     "MIXED_ROWS_STEP",
+    "NOT_CAPTURED_WARNING",
     "Dispatch",
     "GraphKey",
     "KeyRegistry",

@@ -91,6 +91,15 @@ EAGER_REASONS = {
 names an axis, `above_max_axis.lora`, is counted under its own name)."""
 
 
+NOT_CAPTURED_WARNING = (
+    "execute() ran a step eagerly: no graph is captured for its key (capture() has not run since the manager was "
+    "made or reset()), and every step runs eagerly until one is; call manager.capture() at start-up, or set "
+    "capture.strategy: lazy to serve at once and capture in idle time (manager.capture_pending()). "
+    "stats.eager['not_captured'] counts these steps; logged once per manager"
+)
+"""What the first step a manager runs eagerly for `not_captured` logs (a warning of the `graphcap` logger)."""
+
+
 def reason_kind(reason: str) -> str:
     """The `EAGER_REASONS` key of an eager reason (`above_max_axis.lora` -> `above_max_axis`)."""
     return reason.partition(".")[0]

@@ -65,8 +65,10 @@ def build_model(config: CaptureConfig, device: torch.device | str | None = None)
     A built-in model is built directly on the device with its KV cache sized from
     `config.kv_cache`. A factory (see `load_factory`) is called as `factory(config)`, or as
     `factory(config, device=device)` when it takes a `device` parameter (so it can build its
-    weights there); its own settings are in `config.model.options`. When it returns an
-    `nn.Module`, the module is then moved to the device (a no-op if it is already there).
+    weights there); its own settings are in `config.model.options`. The config it is given names
+    the resolved device (`config.device` `auto` becomes `cpu` or `cuda`). When it returns an
+    `nn.Module`, the module is then moved to the device (a no-op if it is already there): `build_model`
+    moves the models it builds; `CaptureManager` never moves a model (one elsewhere is a `ConfigError`).
     Raises `ConfigError` (key `model.factory`) when the factory cannot be imported, is not
     callable, or returns something without a callable `forward`.
     Exceptions raised inside the factory itself propagate unchanged.
@@ -84,6 +86,8 @@ def build_model(config: CaptureConfig, device: torch.device | str | None = None)
             raise _error("model.name", f"unknown model {config.model.name!r}; built in: {', '.join(MODELS)}")
         return builder(config, device)
     factory = load_factory(spec, beside=config.source)
+    if config.device == "auto":  # the factory sees the device it is built for, never the literal 'auto'
+        config = dataclasses.replace(config, device=str(device))
     kwargs = {"device": device} if _takes_device(factory) else {}
     running = _RUNNING.set(_RUNNING.get() | {spec})  # its own build_model(config) builds the built-in model
     try:

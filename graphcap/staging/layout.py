@@ -18,6 +18,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from graphcap.torch_modes import no_torch_function
+
 __all__ = ["Entry", "KeyViews", "PackedLayout"]
 
 log = logging.getLogger("graphcap")
@@ -158,11 +160,12 @@ class PackedLayout:
         # not be the current device (cuda:1 while cuda:0 is current): the event that guards the
         # pinned staging must be recorded on that stream, or the next stage overwrites rows the
         # copy still reads.
-        rows[0].copy_(rows[1], non_blocking=True)
-        if self._copy_done is None:
-            with torch.cuda.device(self.device):
-                self._copy_done = torch.cuda.Event()
-        self._copy_done.record(torch.cuda.current_stream(self.device))
+        with no_torch_function():  # graphcap's own copy: an engine's torch modes need not see it
+            rows[0].copy_(rows[1], non_blocking=True)
+            if self._copy_done is None:
+                with torch.cuda.device(self.device):
+                    self._copy_done = torch.cuda.Event()
+            self._copy_done.record(torch.cuda.current_stream(self.device))
         self.upload_pending = True
 
     def wait(self) -> None:

@@ -233,7 +233,7 @@ def hostile_batches(config: CaptureConfig) -> list[Hostile]:
         Hostile("string token ids", ([1, 1], [5, 6], ["a", "b"], bt), r"input_ids must hold integers"),
         Hostile("2-D query_lens", ([[1, 1]], [5, 6], None, bt), r"query_lens must be 1-D"),
         Hostile("1-D block table", ([1, 1], [5, 6], None, [1, 2]), r"block_table must be 2-D"),
-        Hostile("ragged block table", ([1, 1], [5, 6], None, [[1, 2], [3]]), r"block_table must be a 2-D array of integers"),
+        Hostile("ragged block table", ([1, 1], [5, 6], None, [[1, 2], [3]]), r"block_table rows have different lengths"),
         Hostile("uint64 above int32", (np.array([1, 1], np.uint64), np.array([5, 2**40], np.uint64), None, bt), r"seq_lens holds \d+, above the int32"),
         Hostile("int8 negative block id", ([1, 1], [5, 6], None, np.array([[1, -1], [3, 4]], np.int8)), r"block_table\[0, 1\] is -1"),
         Hostile("int16 negative token id", ([1, 1], [5, 6], np.array([7, -1], np.int16), bt), r"input_ids\[1\] is -1"),

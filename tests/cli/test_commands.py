@@ -278,3 +278,21 @@ def test_bench_shows_progress_while_it_times_unless_told_not_to(capsys, monkeypa
     code, out, err = run_cli(capsys, "bench", "--config", TINY, *small, *flag)
     assert code == 0, err
     assert ("timing: " in err) == (not flag), err[-500:]
+
+
+@pytest.mark.parametrize("flag", [(), ("--no-progress",)], ids=["progress", "no-progress"])
+def test_verify_shows_a_bar_over_its_step_sequences_unless_told_not_to(capsys, monkeypatch, flag):
+    import sys as system
+
+    monkeypatch.setattr(system.stderr, "isatty", lambda: True, raising=False)  # a terminal, as a user has
+    small = ("--set", "capture.sizes=[2]", "--set", "capture.max_size=2", "--batches", "2", "--steps", "2")
+    code, out, err = run_cli(capsys, "verify", "--config", TINY, *small, *flag)
+    assert code == 0, out + err
+    assert ("sequences: " in err and "2/2" in err) == (not flag), err[-500:]
+    assert "sequences" not in out  # results on stdout, progress on stderr
+
+
+def test_verify_help_says_how_long_it_takes():
+    from graphcap.cli.verify import EPILOG
+
+    assert "the embedded default takes 2-6 minutes on a 2-core CPU" in EPILOG and "--no-progress" in EPILOG

@@ -70,3 +70,12 @@ def make_wrapped(config) -> WithScale:
     from graphcap.models import build_model
 
     return WithScale(build_model(config), float(config.model.options.get("scale", 2.0)))
+
+
+SEEN_DEVICES: list[str] = []
+"""`config.device` as each call of `make_seeing` saw it."""
+
+
+def make_seeing(config) -> Bigram:
+    SEEN_DEVICES.append(config.device)
+    return Bigram(config.model.vocab_size)

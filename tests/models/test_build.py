@@ -150,3 +150,13 @@ def test_a_factory_wrapping_the_builtin_model_with_shape_keys_it_refuses_is_told
         r"num_heads 3; model\.num_kv_heads: num_heads 3 is not divisible by num_kv_heads 2\); fix them",
     ):
         build_model(config)
+
+
+def test_a_factory_sees_the_resolved_device_never_auto_and_its_module_is_moved_there():
+    factory_fixture.SEEN_DEVICES.clear()
+    config = _config(**{"device": "auto", "model.name": None, "model.factory": f"{FIXTURE}:make_seeing"})
+    model = build_model(config)
+    assert factory_fixture.SEEN_DEVICES == [str(resolve_device(config))] == ["cpu"]  # no CUDA here
+    assert model.table.device == resolve_device(config)
+    build_model(_config(**{"device": "cpu", "model.name": None, "model.factory": f"{FIXTURE}:make_seeing"}))
+    assert factory_fixture.SEEN_DEVICES[-1] == "cpu"

@@ -92,3 +92,16 @@ def test_an_unknown_baseline_revision_is_one_line_naming_it():
     assert result.returncode == 1
     assert "--baseline no-such-revision: cannot read graphcap/ at that revision" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("mode", ["default-device", "device", "function-mode"])
+def test_bench_execute_times_every_case_under_an_engines_torch_mode_beside_the_goal(mode):
+    result = run_tool("bench_execute.py", "--quick", "--mode", mode, timeout=300)
+    assert result.returncode == 0, result.stderr
+    parts = ["execute", "execute, no replay", "replay", "dispatch", "dispatch, 1 axis", "stage", "guard", "cut"]
+    table, ratios = result.stdout.split(f"under --mode {mode} over without it")
+    assert rows(table, ("under mode: ",)) == [f"under mode: {name}" for name in parts]
+    assert rows(ratios, tuple(parts)) == parts
+    assert re.search(
+        rf"goal: the host path under --mode {mode} within 1.2x of the same step without it: [\d.]+x", ratios
+    )

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
 from collections import deque
 
 import pytest
 
 from graphcap import InvariantViolation
-from tests.tools import TOOLS, run_tool
+from tests.tools import REPO, TOOLS, run_tool
 
 sys.path.insert(0, str(TOOLS))
 
@@ -29,7 +31,8 @@ def test_a_short_run_agrees_every_step_and_prints_its_summary():
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "every step: graph == eager == dense logits, identical token streams" in out
-    replayed = int(re.search(r"steps replayed: (\d+)", out).group(1))
+    replayed, eager, idle = map(int, re.search(r"steps replayed: (\d+); eager: (\d+) .*; idle .*: (\d+)", out).groups())
+    assert replayed + eager + idle == 60 and idle == 3, out  # every step of the run counted once
     preempted = int(re.search(r"preemptions \(recompute\): (\d+)", out).group(1))
     finished = int(re.search(r"(\d+) finished", out).group(1))
     assert replayed > 40 and preempted >= 1 and finished >= 10, out
@@ -88,17 +91,30 @@ def test_recapture_at_must_be_a_step_of_the_run(capsys):
     )
 
 
-def _digests(*args: str) -> list[str]:
+def _digests(*args: str) -> tuple[list[str], str]:
     result = run_tool("mini_engine.py", "--steps", "20", "--quiet", *args, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
-    return re.findall(r"token streams digest: (\w+)", result.stdout)
+    return re.findall(r"token streams digest: (\w+)", result.stdout), result.stdout + result.stderr
 
 
 def test_tensor_and_data_parallel_runs_sample_the_single_process_token_streams():
     """TP=2 x DP=2 on gloo (each replica two TP ranks with real all-reduces in every layer): each replica's
     streams equal one process's with its seed."""
-    single = [_digests("--seed", str(seed))[0] for seed in (1, 2)]
-    assert _digests("--seed", "1", "--tp", "2", "--dp", "2") == single
+    single = [_digests("--seed", str(seed))[0][0] for seed in (1, 2)]
+    digests, printed = _digests("--seed", "1", "--tp", "2", "--dp", "2")
+    assert digests == single
+    assert re.search(r"20 steps replayed \(\d+ of them idle: nothing scheduled", printed), printed
+
+
+def test_a_parallel_run_leaks_no_semaphores():
+    """Each rank's multiprocessing finalizers run (tqdm's write lock is a semaphore): the resource tracker, which
+    reports leaks as the tool's process ends, says nothing. A fresh interpreter, not the tool server, so the
+    tracker's last words reach the captured stderr."""
+    argv = [sys.executable, str(TOOLS / "mini_engine.py"), "--steps", "3", "--seed", "1", "--tp", "2", "--dp", "2"]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "leaked" not in result.stderr and result.stderr == "", result.stderr
 
 
 def test_parallel_flags_are_checked(capsys):
