@@ -204,11 +204,13 @@ class CaptureManager:
 
         Replaces graphs from an earlier pass; under `capture.strategy: lazy` captures nothing (the report
         lists the pending keys; `capture_pending` captures them). `capture.on_error: raise`: the first
-        failure releases every graph of this pass and raises `CaptureError` naming the key and a hint;
-        `skip`: the key is recorded as skipped and runs eagerly. A sticky CUDA error ends the pass under
-        either policy; no partial graph stays registered. `ConfigError` when `capture.num_warmups` is
-        below what the backend needs (cuda: 1), when `report.path` cannot be written (checked first;
-        written atomically after), or when the KV cache holds fewer blocks than `kv_cache.num_blocks`.
+        failure releases every graph of this pass and raises `CaptureError` naming the key, a hint, and the run
+        it failed in with its batch's real counts (a warmup, the recording, a verification replay or its eager
+        reference); `skip`: the key is recorded as skipped, with the same reason, and runs eagerly. A sticky
+        CUDA error ends the pass under either policy; no partial graph stays registered. `ConfigError` when
+        `capture.num_warmups` is below what the backend needs (cuda: 1), when `report.path` cannot be written
+        (checked first; written atomically after), or when the KV cache holds fewer blocks than
+        `kv_cache.num_blocks`.
 
         Writes nothing the engine owns but the null block 0 of each KV-cache group, what the model writes for
         pad-slot tokens, `scratch_blocks` (free block ids the engine hands over) and `group_scratch_blocks[name]`

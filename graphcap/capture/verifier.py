@@ -269,6 +269,10 @@ class Verifier:
         is the one sample of each side the dummy batch's verification took). Below `capture.min_speedup` (on
         any data-parallel rank) the key comes back skipped, eager reason `no_speedup`, its graph released.
         """
+        with in_phase("verify"):  # graphcap's dummy batch, replayed and run eagerly
+            return self._timed(verified)
+
+    def _timed(self, verified: Verified) -> Verified:
         outcome, graph = verified
         if graph is None:
             return verified
@@ -280,7 +284,7 @@ class Verifier:
             with running(inputs):
                 graph.replay()
 
-        with in_phase("verify"), torch.inference_mode():  # graphcap's dummy batch, replayed and run eagerly
+        with torch.inference_mode():
             speedup = replay_speedup(replay, eager, parts.backend, timer=self.timer)
         least, peers = parts.config.capture.min_speedup, parts.failures.peers
         slow, peer = least is not None and speedup < least, False
