@@ -268,7 +268,7 @@ def test_a_recapture_leaves_every_live_group_block_bit_identical(hybrid):
     report = hybrid.capture(group_scratch_blocks={"window": range(60, 90)}, scratch_blocks=range(40, 72))
     assert all(r.verified for r in report.captured)
     changed = set(torch.nonzero((cache != before).any(dim=1)).flatten().div(2, rounding_mode="floor").tolist())
-    assert changed - {0, 90} <= set(range(60, 90)) and changed & set(range(60, 90))  # null block, scratch row, scratch
+    assert changed <= {0}  # the null block; the scratch blocks the probes wrote are put back (capture.restore)
     before = cache.clone()
     hybrid.capture(scratch_blocks=range(40, 72))  # no group scratch: the verification batch writes nothing
     changed = set(torch.nonzero((cache != before).any(dim=1)).flatten().div(2, rounding_mode="floor").tolist())

@@ -17,6 +17,7 @@ from graphcap.backends.sync_debug import beside_engine_threads
 from graphcap.capture.driver import run_pass
 from graphcap.capture.lazy import check_time_limits
 from graphcap.capture.lifecycle import check_kv_fits
+from graphcap.capture.restore import caches_of, kept_blocks
 from graphcap.capture.runner import CapturePass, uncompiled_warnings
 from graphcap.communicators import key_captured_hook
 from graphcap.config.byte_counts import format_bytes
@@ -143,8 +144,12 @@ class CaptureCalls:
         if keys and fresh:
             self._guard.arm(self.model, self.buffers.storage())
         kwargs = {"set_aside": self.buffers.table_set_aside, "context": self._capture_context, "progress": progress}
+        kv = self.config.kv_cache
+        shapes = [(None, kv.block_size, kv.num_blocks)]
+        shapes += [(g.name, g.block_size, g.num_blocks) for g in self.buffers.limits.kv_groups]
         try:
-            records, grown = run_pass(job, self._live, keys, budget=self._budget, **kwargs)
+            with kept_blocks(job, keys, caches_of(self.model, self._guard.registered, shapes)) as job:
+                records, grown = run_pass(job, self._live, keys, budget=self._budget, **kwargs)
         finally:
             if self._peers is not None:  # what decides whether eager steps pad (`Parallel.pad_eager` None)
                 self._peers.learn_collectives(self.graphs.values(), self._communicators)
