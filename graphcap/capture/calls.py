@@ -19,6 +19,7 @@ from graphcap.capture.lazy import check_time_limits
 from graphcap.capture.lifecycle import check_kv_fits
 from graphcap.capture.restore import caches_of, kept_blocks
 from graphcap.capture.runner import CapturePass, uncompiled_warnings
+from graphcap.checks.recorded import watch_recording
 from graphcap.communicators import key_captured_hook
 from graphcap.config.byte_counts import format_bytes
 from graphcap.errors import ConfigError, ConfigProblem
@@ -181,6 +182,7 @@ class CaptureCalls:
             on_captured=key_captured_hook(self._communicators),
             ledger=self._ledger,
             precision=precision_of(self.model),
+            watch=lambda key: watch_recording(self._guard, self.model, self.buffers.storage(), str(key)),
         )
 
     def _measure_key(self, key: GraphKey) -> GraphMemory:

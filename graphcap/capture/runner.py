@@ -81,6 +81,9 @@ class CapturePass:
     ledger: Any = None
     """With peers (not on CUDA), the manager's `CollectiveLedger`: each key's capture and verification is one of
     its segments, so a rank failing part-way issues what its peers still wait in before the key's agreement."""
+    watch: Callable[[GraphKey], Callable[[CapturedGraph], None]] | None = None
+    """Called before each key's capture; what it returns is called with the graph, and may refuse it
+    (`graphcap.checks.recorded.watch_recording`: the graph's reads guarded, a tensor kept per call refused)."""
     references: SharedReferences = dataclasses.field(init=False)
     """The eager results of probe batches that later keys of this pass probe again (off with peers)."""
 
@@ -161,6 +164,7 @@ class CapturePass:
                 self.backend.synchronize()  # time the warmups' GPU work, not their launches
                 eager_seconds += time.perf_counter() - t0
                 statics = self.static_inputs(inputs)
+                seen = self.watch(key) if self.watch is not None else None
                 if mode is Mode.PIECEWISE:
                     forward = self.forward
 
@@ -171,6 +175,8 @@ class CapturePass:
                     graph = self.backend.capture_pieces(run_pieces, statics, name=str(key))
                 else:
                     graph = self.backend.capture(self._reference_run(inputs, mode), statics, name=str(key))
+                if seen is not None:
+                    seen(graph)
                 self._check_outputs(key, graph, inputs)
         except (KeyboardInterrupt, SystemExit):
             if graph is not None:

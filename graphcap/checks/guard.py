@@ -199,6 +199,16 @@ class StaticGuard:
         self.check_before_replay()
         self.check_after_replay()
 
+    def recorded_ids(self) -> set[int]:
+        """The identities of every recorded tensor and object (what `add_read` need not add again)."""
+        return {id(e.value) for e in (*self._before.entries, *self._after.entries)}
+
+    def add_read(self, reached: Reached) -> None:
+        """Record a tensor a captured graph reads, found from its recording (`graphcap.checks.recorded`): checked
+        from now on as it is now, before the launch (after it for an `nn.Parameter`, read only)."""
+        if reached.name not in self._names:
+            self._add(self._after if isinstance(reached.value, nn.Parameter) else self._before, reached)
+
     def _add(self, sweep: _Sweep, reached: Reached) -> None:
         sweep.entries.append(_Entry(reached))
         sweep.index()
