@@ -5,7 +5,9 @@ capture leaves the graph reading the old memory: stale output, or a use-after-fr
 allocator hands that memory out again. `graphcap.checks.statics.reach` lists what the model reaches,
 each tensor with its slot (`module._parameters["w"]`, `runner.__dict__["lm_head"]`); the guard
 records, at capture, each object's identity, address, shape, strides and version counter, and
-refuses a replay (`StaticInputMovedError`, naming the tensor) while any of them differs:
+refuses a replay (`StaticInputMovedError`, naming the tensor) while any of them differs. Each graph's
+recording adds what the model reaches by no declared path (`add_read`, from `graphcap.checks.recorded`: a KV
+cache kept as a plain module attribute, named where the model keeps it):
 
 | what changed | how it is seen | cost per replay |
 |---|---|---|

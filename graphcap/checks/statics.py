@@ -16,7 +16,9 @@ objects, lists) are slots too: replacing `runner.inner` is a move of everything 
 | | among them (`<name>._base`) |
 
 Not reached: tensors kept only in closures, globals, `__slots__` or objects of graphcap's own
-classes (a `CaptureManager` the model holds); register those (`CaptureManager.register_static`).
+classes (a `CaptureManager` the model holds), and a module's plain tensor attributes; the ones a graph
+reads are found from its recording instead (`graphcap.checks.recorded`, named through `held_tensors`,
+which walks modules' plain attributes too), the rest can be registered (`CaptureManager.register_static`).
 """
 
 from __future__ import annotations
