@@ -5,9 +5,9 @@ After capture each graph replays batches filled to each of `probe_fills(key)` an
 with an eager run of each: fewer real requests and tokens than the key holds (one, about half,
 all but one), random ids, context lengths and block tables, so a graph that froze a host value
 or lets padded rows leak into real ones is caught whatever the share of padding that shows it.
-The batches read live blocks but write only blocks the engine names as scratch
-(`scratch_block_ids`), in the built-in KV cache and in every extra group (`kv_cache.groups`),
-or nothing.
+The batches read live blocks of the built-in KV cache but write only blocks the engine names as
+scratch (`scratch_block_ids`), in the built-in cache and in every extra group (`kv_cache.groups`),
+or nothing; an extra group's tables name only its scratch blocks, or its null block alone.
 """
 
 from __future__ import annotations

@@ -132,3 +132,15 @@ def test_the_pass_uses_and_saves_only_the_scratch_blocks_its_probes_can_need():
     many = list(range(1, 72))  # every block but the null block: the pass writes and saves at most 18
     manager.capture(scratch_blocks=many)
     assert torch.equal(_all_but_null(manager.model.kv_cache), _all_but_null(before))
+
+
+def test_a_cache_kept_as_plain_module_attributes_is_put_back_too():
+    from tests.test_recorded_statics import NanoModel, _bind_caches
+
+    model = NanoModel()
+    _bind_caches(model)
+    manager = CaptureManager(model, make_config(), progress=False)
+    kv = model.layers[0].attn.k_cache._base  # [layers, slots, width]: each layer's cache a view set as an attribute
+    before = _cached(kv, 8)
+    manager.capture(scratch_blocks=SCRATCH)
+    assert torch.equal(kv[:, 4:], before[:, 4:])  # every slot but the null block's 0-3

@@ -54,7 +54,8 @@ class CaptureCalls:
 
         Writes nothing the engine owns but the null block 0 of each KV-cache group, what the model writes for
         pad-slot tokens, `scratch_blocks` (free block ids the engine hands over) and `group_scratch_blocks[name]`
-        of each extra group (README: "What capture() writes").
+        of each extra group, each put back byte for byte when the pass ends (`graphcap.capture.restore`; README:
+        "Graphs in a running engine").
         """
         report_path = self.config.report.path
         if report_path:
