@@ -17,7 +17,7 @@ The null block 0 is graphcap's and not saved. A pass uses at most `T // block_si
 cache (the blocks the real tokens of its largest probe span: each request's tokens start anywhere in a block),
 `T` and `R` the largest key's tokens and requests: the rest of a longer list is neither used nor saved, so the
 copy costs at most that many blocks of each cache. The copy is kept in host memory (on the emulated backend, the
-same memory as the cache), never in device memory.
+same memory as the cache), never in device memory; `estimate_memory` counts the last block's copy there.
 
 Which tensors are KV caches is read from their shapes (`graphcap.checks.sampling.locate`) among every tensor the
 model holds (`graphcap.checks.statics.held_tensors`: parameters, buffers, plain attributes of its modules, lists
