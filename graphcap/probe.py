@@ -5,9 +5,9 @@ After capture each graph replays batches filled to each of `probe_fills(key)` an
 with an eager run of each: fewer real requests and tokens than the key holds (one, about half,
 all but one), random ids, context lengths and block tables, so a graph that froze a host value
 or lets padded rows leak into real ones is caught whatever the share of padding that shows it.
-The batches read live blocks but write only blocks the engine names as scratch
-(`scratch_block_ids`), in the built-in KV cache and in every extra group (`kv_cache.groups`),
-or nothing.
+The batches read live blocks of the built-in KV cache but write only blocks the engine names as
+scratch (`scratch_block_ids`), in the built-in cache and in every extra group (`kv_cache.groups`),
+or nothing; an extra group's tables name only its scratch blocks, or its null block alone.
 """
 
 from __future__ import annotations
@@ -157,8 +157,11 @@ def probe_batch(
     come from `scratch_blocks` (blocks the engine says are free) when there are enough of them,
     one slot per token (`writes_kv`). Otherwise those tokens must write nothing: the caller
     stages them with the pad slot (`writes_kv` False). Each extra KV-cache group (`groups`) gets
-    its own random table the same way, its computed tokens in `group_scratch[name]`; the batch
-    writes only when every cache has enough scratch, or nothing anywhere.
+    its own table naming only blocks graphcap may write: blocks of `group_scratch[name]` (distinct
+    while there are enough, its computed tokens' distinct), or, without any, the null block 0 alone, so
+    a layout that writes through the table (a state-space group's per-request state at
+    `block_table[:, 0]`) writes no live block either; the batch writes slots only when every cache has
+    enough scratch, or nothing anywhere.
     """
     if fill is None:
         fills = probe_fills(key, max_model_len=max_model_len)
@@ -196,12 +199,19 @@ def _drawn(
         context[:] = 0
     tables, writes = {}, True
     for name, size, count, scratch in caches:
-        tables[name] = distinct_blocks(q + context, size, count, rng)
+        free = np.unique(np.asarray(scratch, dtype=np.int64))
+        # The built-in cache's context reads random blocks (its tokens write only through slot_mapping); a group's
+        # table names only blocks graphcap may write (its scratch blocks, else the null block 0): a state-space
+        # layout writes each request's state at block_table[:, 0], whatever slot_mapping says.
+        own = name is not None and free.size >= int((-(-(q + context) // size)).sum())
+        if name is None:
+            tables[name] = distinct_blocks(q + context, size, count, rng)
+        else:
+            tables[name] = _scratch_table(q + context, size, free, rng)
         # The columns each request's computed tokens fall in: [first, last) per request.
         first, last = context // size, -(-(context + q) // size)
-        free = np.unique(np.asarray(scratch, dtype=np.int64))
         writes = writes and bool(free.size) and int((last - first).sum()) <= free.size
-        if writes:
+        if writes and not own:  # a table of distinct scratch blocks has its computed columns distinct already
             taken = iter(rng.permutation(free).tolist())
             for i in range(len(q)):
                 for j in range(int(first[i]), int(last[i])):
@@ -209,6 +219,21 @@ def _drawn(
     ids = rng.integers(0, vocab_size, int(q.sum()))
     blocks = tables.pop(None)
     return Probe(StepBatch(q, q + context, ids, blocks, kv_groups=tables), writes)
+
+
+def _scratch_table(seq_lens: np.ndarray, block_size: int, free: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A KV-cache group's probe table: each request's blocks drawn from `free` (its scratch blocks), distinct while
+    they last and reused from the start after; all the null block 0 when `free` is empty."""
+    need = -(-np.asarray(seq_lens, dtype=np.int64) // block_size)
+    table = np.zeros((len(need), max(1, int(need.max(initial=1)))), dtype=np.int64)
+    if free.size:
+        order = rng.permutation(free)
+        picks = np.resize(order, int(need.sum()))  # cycles through `order` when it is shorter
+        start = 0
+        for i, count in enumerate(need.tolist()):
+            table[i, :count] = picks[start : start + count]
+            start += count
+    return table
 
 
 def scratch_block_ids(blocks: Any, num_blocks: int, what: str = "scratch_blocks") -> tuple[int, ...]:

@@ -29,9 +29,9 @@ def staged(case, rules="default"):
     return buffers.stage(batch, key)
 
 
-def violation(inputs, level="basic") -> InvariantViolation:
+def violation(inputs, level="basic", dummy=False) -> InvariantViolation:
     with pytest.raises(InvariantViolation) as info:
-        check_invariants(inputs, level)
+        check_invariants(inputs, level, dummy=dummy)
     return info.value
 
 
@@ -82,12 +82,13 @@ def test_corrupting_any_single_padded_tail_entry_is_caught_and_named(case, rules
     where = (index, column) if column is not None else index
     value = data.draw(garbage.filter(lambda v: v != array[where]), "value")
     array[where] = value
-    error = violation(inputs, TAIL_FIELDS[name])
+    dummy = batch.block_table is None  # no block table: the null block, as graphcap's own batches
+    error = violation(inputs, TAIL_FIELDS[name], dummy)
     assert error.field == name
     assert error.index == (f"{index}, {column}" if column is not None else index)
     assert error.actual == value
     if TAIL_FIELDS[name] == "full":
-        check_invariants(inputs, "basic")  # the O(tokens) tails are full-level only
+        check_invariants(inputs, "basic", dummy=dummy)  # the O(tokens) tails are full-level only
 
 
 def test_seq_lens_padded_row_not_zero_is_caught():
@@ -109,8 +110,8 @@ def test_padded_slot_that_is_not_pad_slot_id_is_caught():
 def test_stale_positions_tail_is_caught_at_full_level():
     inputs = make_buffers().stage(StepBatch([2], [7]), GraphKey(4, 1, False))
     inputs.host.positions[3] = 77
-    check_invariants(inputs, "basic")
-    error = violation(inputs, "full")
+    check_invariants(inputs, "basic", dummy=True)  # no block table: the null block, as graphcap's own batches
+    error = violation(inputs, "full", dummy=True)
     assert (error.field, error.index, error.expected, error.actual) == ("positions", 3, 0, 77)
 
 
@@ -190,7 +191,7 @@ def test_decreasing_real_offsets_are_caught():
 
 def test_uniform_key_with_a_non_uniform_batch_is_caught():
     buffers = make_buffers()
-    inputs = buffers.stage(StepBatch([1, 3], [1, 3]), GraphKey(4, 2, False))
+    inputs = buffers.stage(StepBatch([1, 3], [1, 3], block_table=[[1], [2]]), GraphKey(4, 2, False))
     check_invariants(inputs)
     as_uniform = dataclasses.replace(inputs, key=GraphKey(4, 2, True))  # same rows, uniform kernels
     error = violation(as_uniform)
@@ -339,12 +340,36 @@ def test_real_token_in_the_null_block_is_caught_for_real_steps_only():
     check_invariants(inputs, "full")
     bad = StepBatch([1, 1], [3, 5], [1, 2], block_table=[[7, 0], [9, 0]])  # request 1 writes column 1 = 0
     inputs = make_buffers().stage(bad, GraphKey(2, 2, False))
+    with pytest.raises(InvariantViolation, match=r"slot_mapping\[1\] is 0, expected a slot outside block 0"):
+        check_invariants(inputs, "full")  # the basic rule sees it first
     with pytest.raises(
         InvariantViolation, match=r"block_table\[1, 1\] is 0, .*request 1 writes this step's keys into the null"
     ):
-        check_invariants(inputs, "full")
+        _check_kv_writes_of(inputs)  # the full rule names the block
     check_invariants(inputs, "full", dummy=True)  # capture's own batches share the null block by design
-    check_invariants(inputs, "basic")  # O(tokens) rules are full-level only
+    check_invariants(inputs, "basic", dummy=True)
+
+
+def test_a_real_token_in_the_null_block_is_refused_at_basic_naming_the_token_and_slot():
+    # Request 1's token writes slot 4 of block 1; request 0's token slot 2 of block 0, the null block, which
+    # capture and padded rows write: a later capture() would overwrite that request's keys and values.
+    batch = StepBatch([1, 1], [3, 1], [1, 2], block_table=[[0], [1]])
+    inputs = make_buffers().stage(batch, GraphKey(4, 2, False))
+    error = violation(inputs, "basic")
+    assert (error.field, error.index, error.actual) == ("slot_mapping", 0, 2)
+    assert "block 0, graphcap's null block" in str(error) and "never hand out block 0" in str(error)
+    with pytest.raises(InvariantViolation, match=r"slot_mapping\[0\] is 2, expected a slot outside block 0 \(>= 4\)"):
+        check_invariants(inputs)  # the default level
+    check_invariants(inputs, "basic", dummy=True)  # graphcap's own batches share the null block by design
+    check_invariants(inputs, "basic", kv_writes=False)  # a verification batch whose tokens write nothing
+    fine = make_buffers().stage(StepBatch([1, 1], [3, 1], [1, 2], block_table=[[2], [1]]), GraphKey(4, 2, False))
+    check_invariants(fine, "basic")
+
+
+def _check_kv_writes_of(inputs):
+    from graphcap.checks.invariants import _check_kv_writes, _lengths
+
+    _check_kv_writes(inputs, _lengths(inputs.host.query_start_loc), False)
 
 
 def test_a_context_block_that_is_the_null_block_is_caught_for_real_steps_only():

@@ -168,8 +168,7 @@ def test_capture_pending_leaves_every_live_kv_block_but_the_null_and_scratch_blo
     manager.capture_pending(scratch_blocks=scratch)
     differs = (before != cache).any(dim=5).any(dim=4).any(dim=2).any(dim=1).any(dim=0)
     changed = set(torch.nonzero(differs).flatten().tolist())
-    assert changed - {0, config.kv_cache.num_blocks} <= set(scratch)
-    assert changed & set(scratch), "the verification batch writes its keys into the scratch blocks"
+    assert changed <= {0}, "the scratch blocks the verification batches wrote are put back (capture.restore)"
 
 
 def test_upfront_manager_still_captures_everything_in_capture():

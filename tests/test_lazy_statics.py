@@ -164,6 +164,7 @@ def test_canary_register_static_without_the_refusal_differs(monkeypatch):
     model.holder["scale"] = torch.full((1,), -3.0)
     manager.register_static("scale", model.holder["scale"])
     monkeypatch.setattr(StaticGuard, "check_before_capture", lambda *args: None)
+    monkeypatch.setattr(StaticGuard, "add_read", lambda *args: None)  # nor the recorded reads guarded
     manager.capture_pending()
     model.holder["scale"] = captured
     manager.register_static("scale", captured)

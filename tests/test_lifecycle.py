@@ -7,6 +7,7 @@ batch reads live blocks and writes only blocks the engine names as scratch (or n
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -53,15 +54,24 @@ def test_capture_leaves_every_kv_block_but_the_null_and_scratch_blocks_bit_ident
     assert _changed_blocks(before, manager.model.kv_cache) <= {0, config.kv_cache.num_blocks}
 
 
-def test_scratch_blocks_are_the_only_other_blocks_a_capture_writes():
+@pytest.mark.parametrize("restored", [True, False], ids=["put_back", "canary_not_put_back"])
+def test_scratch_blocks_are_the_only_other_blocks_a_capture_writes_and_it_puts_them_back(restored, monkeypatch):
     config = make_config()
     manager = make_manager(config)
     scratch = list(range(40, 72))
+    if not restored:  # graphcap.capture.restore off: what the probes wrote stays
+        monkeypatch.setattr(
+            "graphcap.capture.capturer.kept_blocks",
+            lambda parts, scratch, keys, caches: contextlib.nullcontext(scratch),
+        )
     before = _live_cache(manager)
     manager.capture(scratch_blocks=scratch)
     changed = _changed_blocks(before, manager.model.kv_cache)
-    assert changed - {0, config.kv_cache.num_blocks} <= set(scratch)
-    assert changed & set(scratch), "with scratch blocks the verification batch writes its keys there"
+    if restored:
+        assert changed <= {0}, "every block but the null block as it was"
+    else:
+        assert changed - {0, config.kv_cache.num_blocks} <= set(scratch)
+        assert changed & set(scratch), "with scratch blocks the verification batch writes its keys there"
 
 
 @pytest.mark.parametrize("scratch", [(), tuple(range(1, 72))], ids=["reads_only", "writes_scratch"])

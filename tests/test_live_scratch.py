@@ -7,6 +7,8 @@ holds belongs to a live request: the refusal names the row (and group), and the 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -45,6 +47,10 @@ def test_canary_without_the_check_verification_overwrites_the_live_rows_blocks(m
     cache = manager.model.kv_cache
     before = _random_cache(cache, 2)
     monkeypatch.setattr("graphcap.capture.capturer.check_scratch_free", lambda *args: None)
+    # and without putting back what the probes wrote (graphcap.capture.restore)
+    monkeypatch.setattr(
+        "graphcap.capture.capturer.kept_blocks", lambda parts, scratch, keys, caches: contextlib.nullcontext(scratch)
+    )
     manager.capture(scratch_blocks=SCRATCH)
     live = torch.tensor(SCRATCH)
     assert not torch.equal(cache[:, :, :, live], before[:, :, :, live]), "the hazard: a live request's KV written"

@@ -29,6 +29,7 @@ from graphcap.backends.generators import check_generators
 from graphcap.backends.graph import CapturedGraph, is_sticky_cuda_error, record_input_ptrs
 from graphcap.backends.pool import GraphPool
 from graphcap.backends.preflight import preflight
+from graphcap.backends.reads import ExternalReads
 from graphcap.backends.sync_debug import engine_threads_may_run, sync_debug_errors
 from graphcap.errors import CaptureError, CaptureUnsafeError, StaticInputMovedError
 from graphcap.phases import in_phase, recording
@@ -72,6 +73,7 @@ class GraphBackend:
         self.device = torch.device(device)
         self.pool = pool if pool is not None else self._new_pool()
         """The memory pool of this backend's graphs (shared with others only on request)."""
+        self._reads: ExternalReads | None = None  # the last preflight's, until the next capture takes them
         self._graphs: list[CapturedGraph] = []
         self._is_capturing = False
         self.generators: tuple[torch.Generator, ...] = ()
@@ -123,10 +125,13 @@ class GraphBackend:
                 "so the preflight must run here; drop checked=False"
             )
         syncs = self._preflight_syncs and (self._sync_debug or not engine_threads_may_run())
+        self._reads = None
         with self._warmup_context(), torch.inference_mode(), in_phase("warmup"):
             if checked:
-                with preflight(self.device, sync_debug=syncs, generators=self.generators):
+                reads = ExternalReads()  # what the graph captured next reads (`CapturedGraph.reads`)
+                with preflight(self.device, sync_debug=syncs, generators=self.generators, reads=reads):
                     fn()
+                self._reads = reads
             with sync_debug_errors(self._sync_debug):
                 for _ in range(num_warmups):
                     fn()
@@ -213,7 +218,11 @@ class GraphBackend:
             self._is_capturing = False
 
     def _register(self, graph: CapturedGraph, static_inputs: Mapping[str, torch.Tensor], name: str) -> CapturedGraph:
-        """Count the graph live in the pool, check the inputs' addresses again, warn about uncompiled code."""
+        """Count the graph live in the pool, check the inputs' addresses again, warn about uncompiled code. A graph
+        whose recording collected no `reads` gets those of the preflight that warmed it up (`warmup`)."""
+        reads, self._reads = self._reads, None
+        if graph.reads is None and reads is not None:
+            graph.reads = tuple(reads.tensors())
         graph.hold()  # before anything can release it: the last release of a handle rotates the pool
         try:
             # fn may have resized or `set_()` a buffer while it ran; the graph would then

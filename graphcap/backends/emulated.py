@@ -47,6 +47,7 @@ from graphcap.backends.graph import CapturedGraph
 from graphcap.backends.pieces import EmulatedPieceSession
 from graphcap.backends.pool import invalidate
 from graphcap.backends.preflight import unsafe_op_checker
+from graphcap.backends.reads import ExternalReads
 from graphcap.backends.stream_answer import StreamAnswer, stream_capturing
 from graphcap.backends.tape import Tape, TapeRecorder, compile_tape
 from graphcap.outputs import flatten_output
@@ -101,7 +102,8 @@ class EmulatedBackend(GraphBackend):
         weakref.finalize(self, answer.release)
 
     def _capture(self, fn: Forward, *, name: str, input_ptrs: dict[str, int]) -> EmulatedGraph:
-        recorder = TapeRecorder(self.device)
+        reads = ExternalReads()
+        recorder = TapeRecorder(self.device, reads)
         try:
             # Every check of the preflight (graphcap.backends.preflight.preflight, which runs sync-debug only on
             # CUDA backends), raising the same errors: a capture pass need not run a checked warmup before it.
@@ -119,7 +121,7 @@ class EmulatedBackend(GraphBackend):
         # The outputs persist between replays next to the tape's transient peak.
         storages = {leaf.untyped_storage().data_ptr(): leaf.untyped_storage().nbytes()
                     for leaf, slot in zip(leaves, tape.result_slots) if slot >= 0}  # fmt: skip
-        return EmulatedGraph(
+        graph = EmulatedGraph(
             name=name,
             output=output,
             leaves=leaves,
@@ -129,6 +131,8 @@ class EmulatedBackend(GraphBackend):
             uncompiled=tuple(uncompiled),
             tape=tape,
         )
+        graph.reads = tuple(reads.tensors())  # the externals still alive: the records are gone
+        return graph
 
     def memory_in_use(self) -> int:
         return sum(graph.memory_bytes for graph in self.graphs)

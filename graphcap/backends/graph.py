@@ -128,6 +128,10 @@ class CapturedGraph:
     """The pool whose replays invalidate this graph's output."""
     uncompiled: tuple[str, ...] = ()
     """torch.compile'd functions that ran uncompiled during capture (the replay runs them so)."""
+    reads: tuple[torch.Tensor, ...] | None = field(default=None, init=False, repr=False)
+    """Every tensor that existed before capture that the captured ops read or write, still alive after it (the
+    recording's or the preflight's `ExternalReads`); None where nothing collected them. The manager's guard takes
+    them (and sets this to None) once the capture is accepted."""
     num_replays: int = field(default=0, init=False)
     _is_released: bool = field(default=False, init=False)
     _held: tuple[Any, ...] = field(default=(), init=False, repr=False)  # (pool handle,) once counted live

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphcap.backends import generators as _generators
 from graphcap.backends.compiled import eager_only
 from graphcap.backends.locations import user_location as _user_location
+from graphcap.backends.reads import ExternalReads
 from graphcap.backends.sync_debug import SYNC_DEBUG_TEXT, sync_debug_errors, sync_debug_off, sync_error
 from graphcap.backends.unsafe import PYTHON_UPLOADS, SYNC_FUNCTIONS, UNSAFE_OPS, UnsafeOp, python_upload_row
 from graphcap.errors import CaptureUnsafeError
@@ -135,12 +136,14 @@ def _python_name(func: Any) -> str:
 class UnsafeOpMode(TorchDispatchMode):
     """Checks every aten op against the table, then runs it via `run_op` (a recorder hook).
 
-    A sync that `set_sync_debug_mode("error")` reports while an op runs names that op.
+    A sync that `set_sync_debug_mode("error")` reports while an op runs names that op. `reads`: collects
+    the tensors the ops read that they did not make (`ExternalReads`).
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, reads: ExternalReads | None = None) -> None:
         super().__init__()
         self.device = torch.device(device)
+        self.reads = reads
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -152,8 +155,14 @@ class UnsafeOpMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         check_op(func, args, kwargs, self.device)
+        reads = self.reads
         try:
-            return self.run_op(func, args, kwargs)
+            if reads is None:
+                return self.run_op(func, args, kwargs)
+            reads.before(args, kwargs)
+            out = self.run_op(func, args, kwargs)
+            reads.after(out)
+            return out
         except RuntimeError as exc:
             if SYNC_DEBUG_TEXT not in str(exc) or isinstance(exc, CaptureUnsafeError):
                 raise
@@ -281,21 +290,26 @@ def unsafe_op_checker(device: torch.device | str, mode: UnsafeOpMode | None = No
 
 @contextlib.contextmanager
 def preflight(
-    device: torch.device | str, *, sync_debug: bool = False, generators: Iterable[torch.Generator] = ()
+    device: torch.device | str,
+    *,
+    sync_debug: bool = False,
+    generators: Iterable[torch.Generator] = (),
+    reads: ExternalReads | None = None,
 ) -> Iterator[list[str]]:
     """The checked first warmup: torch.compile off, the checker on, and (CUDA) sync-debug errors.
 
     `sync_debug` turns CUDA's process-wide sync-debug mode on (`graphcap.backends.sync_debug`).
     `generators`: the generators registered with the graphs at capture (an op drawing from any other
     non-default CUDA generator is named). Yields the compiled functions the forward entered (they
-    ran uncompiled, by design).
+    ran uncompiled, by design). `reads`: collects every tensor the forward's ops read without making it
+    (`ExternalReads`: what a graph captured next reads in place).
     """
     _preflights.depth = getattr(_preflights, "depth", 0) + 1
     try:
         with (
             eager_only() as uncompiled,
             _generators.registered(generators),
-            unsafe_op_checker(device),
+            unsafe_op_checker(device, None if reads is None else UnsafeOpMode(device, reads)),
             sync_debug_errors(sync_debug),
         ):
             yield uncompiled

@@ -26,6 +26,7 @@ import torch
 from graphcap.backends.bindings import native_binding
 from graphcap.backends.collectives import is_async, observed, unwrap_async
 from graphcap.backends.preflight import UnsafeOpMode
+from graphcap.backends.reads import ExternalReads
 from graphcap.errors import CaptureError
 
 __all__ = ["Tape", "TapeRecorder", "compile_tape"]
@@ -53,10 +54,11 @@ class _Raw(NamedTuple):
 
 
 class TapeRecorder(UnsafeOpMode):
-    """Checks and records every aten op; the records keep every tensor seen alive."""
+    """Checks and records every aten op; the records keep every tensor seen alive. `reads` collects the
+    externals as the ops receive them (`ExternalReads`: what the backend's graph reports as `reads`)."""
 
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
+    def __init__(self, device: torch.device, reads: ExternalReads | None = None) -> None:
+        super().__init__(device, reads)
         self.records: list[tuple[Any, tuple, dict, Any]] = []
 
     def run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:

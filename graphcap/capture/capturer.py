@@ -29,8 +29,10 @@ from graphcap.capture.outcome import KeyOutcome, Recorded, Verified
 from graphcap.capture.parts import CaptureParts
 from graphcap.capture.recorder import Recorder, capture_reqs
 from graphcap.capture.references import SharedReferences, expected_probes
+from graphcap.capture.restore import caches_of, kept_blocks
 from graphcap.capture.verification import LastRun
 from graphcap.capture.verifier import Scratch, Verifier
+from graphcap.checks.sampling import Cache
 from graphcap.communicators import key_captured_hook
 from graphcap.config import CaptureConfig
 from graphcap.config.byte_counts import format_bytes
@@ -147,7 +149,8 @@ class Capturer:
         if keys and fresh:
             parts.guard.arm(parts.model, parts.buffers.storage())
         try:
-            outcomes, grown = self._run_pass(scratch, keys, progress)
+            with kept_blocks(parts, scratch, keys, self.caches()) as used:  # put back what the probes wrote
+                outcomes, grown = self._run_pass(used, keys, progress)
         finally:
             if parts.peers is not None:  # what decides whether eager steps pad (`Parallel.pad_eager` None)
                 parts.peers.learn_collectives(parts.live.graphs.values(), parts.communicators)
@@ -155,6 +158,14 @@ class Capturer:
         if parts.budget.observe(grown, fresh=fresh):
             log.warning("%s", parts.budget.overrun(parts.config, parts.registry.captured))
         return [outcome.record() for outcome in outcomes], grown
+
+    def caches(self) -> list[Cache]:
+        """The KV caches the model holds (the built-in one and each group's), found by their shapes."""
+        parts = self.parts
+        kv = parts.config.kv_cache
+        shapes = [(None, kv.block_size, kv.num_blocks)]
+        shapes += [(g.name, g.block_size, g.num_blocks) for g in parts.kv_groups]
+        return caches_of(parts.model, parts.guard.registered, shapes)
 
     def scratch(self, blocks: Iterable[int] = (), groups: Mapping[str, Iterable[int]] | None = None) -> Scratch:
         """The scratch blocks a pass's probes may write, checked (in range, free in every block table)."""

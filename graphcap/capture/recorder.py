@@ -22,6 +22,7 @@ from graphcap.capture.failures import failing_in
 from graphcap.capture.outcome import KeyOutcome, Recorded
 from graphcap.capture.parts import CaptureParts
 from graphcap.capture.verification import LastRun
+from graphcap.checks.recorded import watch_recording
 from graphcap.errors import CaptureError
 from graphcap.inputs import ForwardInputs
 from graphcap.keys import GraphKey, KeyRegistry, Mode
@@ -77,8 +78,11 @@ class Recorder:
                     backend.synchronize()  # time the warmups' GPU work, not their launches
                 eager_seconds += time.perf_counter() - t0
                 statics = parts.static_inputs(inputs)
+                # the graph's reads guarded, a tensor the forward keeps anew on every call refused
+                seen = watch_recording(parts.guard, parts.model, parts.buffers.storage(), str(key))
                 with failing_in("the recording", counts):
                     graph = self._capture(key, inputs, mode, statics)
+                    seen(graph)
                     self._check_outputs(key, graph, inputs)
         except (KeyboardInterrupt, SystemExit):
             if graph is not None:

@@ -5,7 +5,9 @@ capture leaves the graph reading the old memory: stale output, or a use-after-fr
 allocator hands that memory out again. `graphcap.checks.statics.reach` lists what the model reaches,
 each tensor with its slot (`module._parameters["w"]`, `runner.__dict__["lm_head"]`); the guard
 records, at capture, each object's identity, address, shape, strides and version counter, and
-refuses a replay (`StaticInputMovedError`, naming the tensor) while any of them differs:
+refuses a replay (`StaticInputMovedError`, naming the tensor) while any of them differs. Each graph's
+recording adds what the model reaches by no declared path (`add_read`, from `graphcap.checks.recorded`: a KV
+cache kept as a plain module attribute, named where the model keeps it):
 
 | what changed | how it is seen | cost per replay |
 |---|---|---|
@@ -74,6 +76,11 @@ class StaticGuard:
         self._paths: dict[int, tuple[str, nn.Module]] = {}  # id(module) -> (dotted path, module)
         self._handles: list[Any] = []
         self._finalizer: weakref.finalize | None = None
+
+    @property
+    def is_armed(self) -> bool:
+        """Whether the guard holds a record (after `arm`, until `disarm`)."""
+        return self._armed
 
     def register(self, name: str, tensor: torch.Tensor) -> None:
         """Add `tensor` to the static inputs under `name` (see `CaptureManager.register_static`).
@@ -195,6 +202,16 @@ class StaticGuard:
         """Both checks, back to back: every recorded tensor and slot as at capture."""
         self.check_before_replay()
         self.check_after_replay()
+
+    def recorded_ids(self) -> set[int]:
+        """The identities of every recorded tensor and object (what `add_read` need not add again)."""
+        return {id(e.value) for e in (*self._before.entries, *self._after.entries)}
+
+    def add_read(self, reached: Reached) -> None:
+        """Record a tensor a captured graph reads, found from its recording (`graphcap.checks.recorded`): checked
+        from now on as it is now, before the launch (after it for an `nn.Parameter`, read only)."""
+        if reached.name not in self._names:
+            self._add(self._after if isinstance(reached.value, nn.Parameter) else self._before, reached)
 
     def _add(self, sweep: _Sweep, reached: Reached) -> None:
         sweep.entries.append(_Entry(reached))

@@ -12,6 +12,7 @@ for every production step; `full` adds the O(tokens) checks on real rows.
 | padded `query_start_loc` rows follow the pad rule | basic | a stale tail is the founding bug |
 | `seq_lens >= 0`, real `seq_lens >= query_len`, padded per rule | basic | attention reads `seq_len` keys |
 | padded `slot_mapping` rows are the pad slot (negative) | basic | a padded token never writes a live KV cache slot |
+| no real token's slot in the null block 0 (`0 <= slot < block_size`; real steps) | basic | capture writes block 0 |
 | uniform key: every real request has `T / R` tokens | basic | uniform kernels assume it |
 | `num_tokens <= T`, `num_reqs <= R` | basic | real rows fit the key |
 | real `slot_mapping` in `[0, num_slots)` | full | an out-of-range slot is an illegal memory access |
@@ -68,9 +69,10 @@ def check_invariants(
         return
     if level not in LEVELS:
         raise ValueError(f"level must be one of {', '.join(LEVELS)}; got {level!r}")
-    holds = basic_holds(inputs)  # the few-call proof (graphcap.checks.plans)
+    null_block = kv_writes and not dummy  # graphcap's own batches share the null block by design
+    holds = basic_holds(inputs, null_block=null_block)  # the few-call proof (graphcap.checks.plans)
     if not holds:
-        _check_basic(inputs)  # finds and names the first broken rule
+        _check_basic(inputs, null_block)  # finds and names the first broken rule
     lens = None
     if level == "full" and not (holds and full_holds(inputs, kv_writes, dummy)):
         lens = _lengths(inputs.host.query_start_loc)
@@ -167,7 +169,7 @@ def _cumulative_holds(inputs: ForwardInputs, spec: BufferSpec, view: np.ndarray,
     return not plan.steps or _subtract(plan.tail, plan.last, out=plan.scratch).tobytes() == plan.steps
 
 
-def _check_basic(inputs: ForwardInputs) -> None:
+def _check_basic(inputs: ForwardInputs, null_block: bool = True) -> None:
     host, key, pad = inputs.host, inputs.key, inputs.limits.pad
     n, r = inputs.num_tokens, inputs.num_reqs
     T, R = len(host.input_ids), len(host.seq_lens)
@@ -239,6 +241,16 @@ def _check_basic(inputs: ForwardInputs) -> None:
             "a padded token must never write the KV cache (PAD_SLOT_ID)",
             key,
         )
+    bs = inputs.limits.block_size
+    real = slots[:n]
+    if null_block and n and real.dtype == np.int32 and (real.view(np.uint32) < bs).any():
+        t = int(np.argmax(real.view(np.uint32) < bs))
+        why = (
+            "a real token's KV slot lies in block 0, graphcap's null block, which padded rows and capture write (a "
+            "later capture() would overwrite this request's keys and values); the engine's block allocator must "
+            "never hand out block 0"
+        )
+        _fail("slot_mapping", t, f"a slot outside block 0 (>= {bs})", int(real[t]), why, key)
 
 
 def _check_full(inputs: ForwardInputs, lens: np.ndarray, kv_writes: bool = True) -> None:

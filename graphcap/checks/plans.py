@@ -9,7 +9,7 @@ so a step allocates almost nothing. At 256 decodes, at the sizes of `tools/bench
 
 | proof | numpy calls | the O(T) or O(R B) work |
 |---|---|---|
-| `basic_holds` | about 8 | byte compares of the padded tails |
+| `basic_holds` | about 9 | byte compares of the padded tails; an unsigned compare of the real slots |
 | `full_holds` | about 25 more | an unsigned max over real slots, ids and the key's block table; byte |
 | | | compares of positions, slots and padded rows; a gather of each token's block; a sort |
 """
@@ -33,8 +33,12 @@ _U32 = np.dtype(np.uint32)
 _BOUND = 2**31  # an unknown bound: any int32 read as unsigned below it is non-negative
 
 
-def basic_holds(inputs: ForwardInputs) -> bool:
+def basic_holds(inputs: ForwardInputs, *, null_block: bool = True) -> bool:
     """True only when every basic rule holds, in a few numpy calls (the per-step cost).
+
+    `null_block`: also prove that no real token's slot lies in the null block 0 (`slot < block_size`, one
+    unsigned comparison of the real slots; a negative slot reads as a huge unsigned value, so the pad slot passes);
+    False for graphcap's own batches, whose requests share the null block by design.
 
     Together the tests below imply every rule `check_invariants` checks one by one (a test in
     `test_invariants.py` holds the two to the same verdict). Each padded region is compared
@@ -77,6 +81,12 @@ def basic_holds(inputs: ForwardInputs) -> bool:
             return False
     if p.seq_tail is not None and p.seq_tail.tobytes() != p.seq_tail_bytes:
         return False
+    if (
+        null_block
+        and p.real_slots_u is not None
+        and _less(p.real_slots_u, p.block_size, out=p.slot_ok).tobytes() != p.slot_none
+    ):
+        return False  # a real token writes the null block 0
     return p.slot_tail is None or p.slot_tail.tobytes() == p.slot_tail_bytes
 
 
@@ -86,7 +96,7 @@ class BasicPlan:
     __slots__ = (
         "key", "n", "r", "host", "limits", "uniform", "qsl", "qsl_bytes", "qsl_hi", "qsl_lo", "qsl_tail",
         "qsl_tail_bytes", "seq", "floor", "ok", "none", "lens", "seq_tail", "seq_tail_bytes", "slot_tail",
-        "slot_tail_bytes", "full",
+        "slot_tail_bytes", "real_slots_u", "block_size", "slot_ok", "slot_none", "full",
     )  # fmt: skip
 
     @classmethod
@@ -117,6 +127,10 @@ class BasicPlan:
         p.seq_tail_bytes = np.full(R - r, pad.seq_len, dtype=host.seq_lens.dtype).tobytes()
         p.slot_tail = host.slot_mapping[n:] if n < T else None
         p.slot_tail_bytes = np.full(T - n, pad.slot, dtype=host.slot_mapping.dtype).tobytes()
+        real = host.slot_mapping[:n]
+        p.real_slots_u = real.view(_U32) if n and real.dtype == np.int32 else None
+        p.block_size = np.uint32(inputs.limits.block_size)  # a numpy scalar: no conversion per call
+        p.slot_ok, p.slot_none = np.empty(n, dtype=bool), bytes(n)
         p.full = None  # built by the first `full_holds`
         return p
 

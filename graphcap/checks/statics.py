@@ -16,7 +16,9 @@ objects, lists) are slots too: replacing `runner.inner` is a move of everything 
 | | among them (`<name>._base`) |
 
 Not reached: tensors kept only in closures, globals, `__slots__` or objects of graphcap's own
-classes (a `CaptureManager` the model holds); register those (`CaptureManager.register_static`).
+classes (a `CaptureManager` the model holds), and a module's plain tensor attributes; the ones a graph
+reads are found from its recording instead (`graphcap.checks.recorded`, named through `held_tensors`,
+which walks modules' plain attributes too), the rest can be registered (`CaptureManager.register_static`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["MAX_DEPTH", "Reached", "reach", "reached_modules"]
+__all__ = ["MAX_DEPTH", "Reached", "held_tensors", "reach", "reached_modules"]
 
 MAX_DEPTH = 4
 """How deep the walk of a non-Module model goes through plain objects and containers."""
@@ -137,3 +139,52 @@ def _is_walked(value: Any) -> bool:
     module = type(value).__module__ or ""
     own = module.startswith("graphcap.") and not module.startswith(("graphcap.models", "graphcap.testing"))
     return isinstance(getattr(value, "__dict__", None), dict) and not own and not module.startswith("torch")
+
+
+def held_tensors(model: Any, path: str = "model") -> dict[int, Reached]:
+    """id -> where `model` keeps each tensor it holds, by the first path found, for naming a tensor seen elsewhere
+    (`graphcap.checks.recorded`) and finding KV caches (`graphcap.capture.restore`).
+
+    Wider than `reach`: the plain attributes of every module too (nano-vllm's `Attention.k_cache`, a tensor set
+    on a module that is no registered buffer), with lists, tuples, dicts and plain objects among them to
+    `MAX_DEPTH` levels below each module. Names read as Python: `model.layers[3].attn.k_cache`,
+    `model.caches[0]`, `model.state['kv']`.
+    """
+    found: dict[int, Reached] = {}
+    _hold(model, path, 0, {id(model)}, found)
+    return found
+
+
+def _hold(obj: Any, path: str, depth: int, seen: set[int], found: dict[int, Reached]) -> None:
+    if isinstance(obj, nn.Module):
+        slots = [(obj._parameters, "parameter"), (obj._buffers, "buffer"), (obj._modules, "submodule")]
+        items = [(d, k, _attribute(path, k), what, v) for d, what in slots for k, v in d.items()]
+        own = obj.__dict__
+        items += [(own, k, f"{path}.{k}", "attribute", v) for k, v in list(own.items()) if k not in _MODULE_SLOTS]
+        below = 0  # a module's attributes start a fresh depth
+    else:
+        items = [(c, k, _item(path, obj, k), what, v) for c, k, _, what, v in _children(obj, path)]
+        below = depth + 1
+    for container, key, name, what, value in items:
+        if value is None or isinstance(value, _SKIP_TYPES) or id(value) in seen:
+            continue
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), Reached(name, value, container, key, what))
+        elif isinstance(value, nn.Module) or (below <= MAX_DEPTH and _is_walked(value)):
+            seen.add(id(value))
+            _hold(value, name, below, seen, found)
+
+
+_MODULE_SLOTS = frozenset(("_parameters", "_buffers", "_modules"))
+
+
+def _attribute(path: str, key: str) -> str:
+    return f"{path}[{key}]" if key.isdigit() else f"{path}.{key}"
+
+
+def _item(path: str, obj: Any, key: Any) -> str:
+    if isinstance(obj, (list, tuple)):
+        return f"{path}[{key}]"
+    if isinstance(obj, dict):
+        return f"{path}[{key!r}]"
+    return f"{path}.{key}"

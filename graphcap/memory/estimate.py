@@ -188,6 +188,10 @@ def estimate_memory(
     order = [key for key in registry.capture_order() if key in by_key]
     kept = _kept_references(config, registry, order, by_key) if config.checks.verify_replay else None
     transient = _capture_transient(config, backend, [by_key[key] for key in order], kept)
+    if config.model.factory is None and backend != "cuda" and order:
+        # The copy `graphcap.capture.restore` keeps through a pass: the cache's last block (host memory, which
+        # the emulated backend's device is). Scratch blocks are an argument of capture(), not counted.
+        transient += _kv_cache(config) // (config.kv_cache.num_blocks + 1)
     return MemoryEstimate(backend, parts, build_transient, transient, graphs, tuple(notes))
 
 

@@ -199,8 +199,8 @@ def _steps(name: str, query_lens: list[int], seq_lens: list[int], table: list[li
 
 NULL_BLOCK_STEPS = (
     *_steps("a context block", [1, 1], [5, 6], [[0, 2], [3, 4]], r"block_table\[0, 0\] is 0, .*request 0 reads"),
-    *_steps("a written block", [1, 1], [5, 6], [[1, 0], [3, 4]], r"block_table\[0, 1\] is 0, .*request 0 writes"),
-    *_steps("a prefill's second block", [6], [6], [[5, 0]], r"block_table\[0, 1\] is 0, .*request 0 writes"),
+    *_steps("a written block", [1, 1], [5, 6], [[1, 0], [3, 4]], r"slot_mapping\[0\] is 0, .*in block 0"),
+    *_steps("a prefill's second block", [6], [6], [[5, 0]], r"slot_mapping\[4\] is 0, .*in block 0"),
     NullStep("set_row(0, [0])", lambda m: m.block_table.set_row(0, [0]), r"set_row\(row 0\): block id 0 .* null block"),
     NullStep("append(0, [4, 0])", lambda m: m.block_table.append(0, [4, 0]), r"append\(row 0\): block id 0 at index 1"),
 )
