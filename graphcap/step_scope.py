@@ -11,9 +11,10 @@ every step, and the one it enters (`scope.execute`) is made once.
 from __future__ import annotations
 
 import threading
+from contextvars import Token
 
 from graphcap.errors import CaptureError
-from graphcap.phases import STEP_PHASES, enter_phase, leave_phase
+from graphcap.phases import STEP_PHASES, Phase, enter_phase, leave_phase
 
 __all__ = ["StepScope"]
 
@@ -28,7 +29,7 @@ class StepScope:
         """Held for the whole step (any context manager: a test's control experiment swaps in a no-op)."""
         self.running: str | None = None
         """The step running now (None between steps)."""
-        self.token = None  # the phase to go back to when the step ends
+        self.token: Token[tuple[Phase, bool]] | None = None  # the phase to go back to when the step ends
         self.execute = _Step(self, "execute")
         """The scope of `execute`, made once (entered on every step)."""
 
@@ -61,5 +62,7 @@ class _Step:
     def __exit__(self, *exc: object) -> None:
         scope = self.scope
         scope.running = None
-        leave_phase(scope.token)
+        token, scope.token = scope.token, None
+        if token is not None:  # set by `__enter__`
+            leave_phase(token)
         scope.lock.__exit__(None, None, None)

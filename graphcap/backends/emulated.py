@@ -68,7 +68,9 @@ class EmulatedGraph(CapturedGraph):
 
     def _replay(self) -> None:
         with torch.inference_mode():  # the outputs are inference tensors: copy_ needs it
-            for leaf, value in zip(self.leaves, self.tape.run()):
+            tape = self.tape
+            assert tape is not None  # set by the capture; replay() refuses a released graph first
+            for leaf, value in zip(self.leaves, tape.run()):
                 if value is not None:
                     leaf.copy_(value)
 

@@ -245,9 +245,10 @@ class StepAgreement:
                 mismatch.__cause__ = refused
                 refused, batch = mismatch, IDLE
                 own, uniform = self._own(batch)
+        counts: tuple[int, ...]
         dispatch, counts, padded = own, (batch.num_tokens,), None
         if self.dp is not None:
-            dispatch, counts, padded = self._agree_dp(number, call, batch, uniform, own)
+            dispatch, counts, padded = self._agree_dp(self.dp, number, call, batch, uniform, own)
         elif own.mode is Mode.EAGER and call == "execute":  # the step's key: counted once, as without peers
             self.registry.dispatch(batch.num_tokens, batch.num_reqs, uniform, batch.axes)
         step = AgreedStep(number, dispatch, batch, counts, padded, refused)
@@ -310,11 +311,11 @@ class StepAgreement:
         crc = zlib.crc32(f"{key}/{batch.num_tokens}/{batch.num_reqs}".encode())
         for name, rows in self._key_rows(key, batch.num_reqs).items():
             if name != COUNTS_BUFFER:
-                crc = zlib.crc32(np.ascontiguousarray(rows).view(np.uint8), crc)
+                crc = zlib.crc32(np.ascontiguousarray(rows).view(np.uint8).data, crc)
         return crc + 2
 
     def _agree_dp(
-        self, number: int, call: str, batch: StepBatch, uniform: bool, own: Dispatch
+        self, dp: GroupSync, number: int, call: str, batch: StepBatch, uniform: bool, own: Dispatch
     ) -> tuple[Dispatch, tuple[int, ...], tuple[int, int] | None]:
         """The dispatch every DP rank reaches from the reduced counts.
 
@@ -325,7 +326,7 @@ class StepAgreement:
         cannot = own.mode is Mode.EAGER and not (batch.num_reqs == 0 and registry.mode != "none")
         values = registry.axis_values(batch.axes)  # an idle rank: every axis at its smallest value
         payload = [batch.num_tokens, int(cannot), int(not uniform), batch.num_reqs, *(v for _, v in values)]
-        agreement = self.dp.agree(number, call, payload, value=batch.num_tokens)
+        agreement = dp.agree(number, call, payload, value=batch.num_tokens)
         num_tokens, any_cannot, any_mixed, num_reqs, *largest = agreement.payload
         axes = tuple(zip((name for name, _ in values), largest))  # each axis's largest value on any rank
         counts = tuple(agreement.values)

@@ -34,7 +34,7 @@ from typing import Any
 
 from graphcap.keys.axes import KeyAxes
 from graphcap.sizing.choice import GraphCosts, SizeConstraints, choose_sizes
-from graphcap.sizing.held_out import HeldOutChoice, choose_on_halves, choose_way, split_steps
+from graphcap.sizing.held_out import Budget, HeldOutChoice, choose_on_halves, choose_way, split_steps
 
 __all__ = [
     "AxisChoice",
@@ -234,10 +234,10 @@ def choose_with_axes(
     token_halves = None
     if halves is not None:
         token_halves = (_replayed_tokens(halves[0], plan), _replayed_tokens(halves[1], plan))
-    kwargs = {"costs": costs, "memory_budget": memory_budget}
+    kwargs: Budget = {"costs": costs, "memory_budget": memory_budget}
     held = choose_on_halves(marginal, token_halves, max_graphs // combos, constraints, **kwargs)
     held_out_values = None
-    if halves is not None and held.held_out is not None:
+    if halves is not None and token_halves is not None and held.held_out is not None:
         scored = []
         for tokens, scored_on in zip(token_halves, halves[::-1], strict=True):
             try:

@@ -199,7 +199,7 @@ def choose_sizes(
         missing = [x for x in xs if x not in costs.per_size or x not in costs.shared]
         if missing:
             raise ValueError(f"costs do not price size {missing[0]}; build them from candidate_sizes(...)")
-    if memory_budget is not None:
+    if memory_budget is not None and costs is not None:  # costs is not None with a budget (checked above)
         fits = [x for x in xs if costs.per_size[x] + costs.shared[x] <= memory_budget]
         if not fits:
             raise ValueError(
@@ -214,7 +214,7 @@ def choose_sizes(
             xs = [x for x in xs if x <= fits[-1]]
     total = sum(points[x] for x in xs)
     ws = [points[x] / total for x in xs]  # fractions of the replayed steps: no overflow, any scale
-    if memory_budget is None:
+    if memory_budget is None or costs is None:
         chosen = _solve(xs, ws, None, max_graphs, 0.0)
     else:
         spare = memory_budget - costs.shared[xs[-1]]
@@ -244,7 +244,9 @@ def _checked(histogram: Mapping[int, float]) -> dict[int, float]:
 
 def _points(weights: dict[int, float], constraints: SizeConstraints) -> tuple[dict[int, float], dict[int, float]]:
     """({size a count rounds up to: its steps}, {count that runs eagerly: its steps})."""
-    q, points, eager = constraints.multiple_of, {}, {}
+    q = constraints.multiple_of
+    points: dict[int, float] = {}
+    eager: dict[int, float] = {}
     for n, w in weights.items():
         x = _round_up(n, q)
         if x > constraints.largest or (constraints.uniform_only and n % q):

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from graphcap.config.buffers import BufferConfig
 from graphcap.errors import BatchError, ConfigError, ConfigProblem
-from graphcap.inputs import BufferSpec
+from graphcap.inputs import AxesSampler, BufferSpec, Sampler
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 __all__ = [
     "check_extras",
@@ -106,18 +110,19 @@ def sampled(
     key-axis values (`capture.axes`), so rows that index axis slots stay below the batch's value."""
     out = {}
     for spec in extras:
-        if not spec.is_sampled:
+        sample = spec.sample
+        if isinstance(sample, str) or not spec.is_sampled:  # a str: "pad", every row holds the pad
             continue
         real = {"tokens": num_tokens, "reqs": num_reqs, "none": 0}[spec.rows]
         expected = real_shape(spec, None if spec.rows == "none" else real)
-        if spec.sample is None:
+        if sample is None:
             out[spec.name] = default_sample(spec, rng, expected)
             continue
         try:
-            if _takes_axes(spec.sample):
-                value = np.asarray(spec.sample(rng, real, axes=dict(axes or {})))
+            if _takes_axes(sample):
+                value = np.asarray(sample(rng, real, axes=dict(axes or {})))
             else:
-                value = np.asarray(spec.sample(rng, real))
+                value = np.asarray(sample(rng, real))
         except Exception as exc:
             raise ValueError(
                 f"BufferSpec {spec.name!r}: sample(rng, {real}) raised {type(exc).__name__}: {exc}; it must return "
@@ -142,7 +147,7 @@ def default_sample(spec: BufferSpec, rng: np.random.Generator, shape: tuple[int,
     return np.clip(scale * rng.uniform(0.5, 2.0, shape), -largest, largest).astype(spec.np_dtype)
 
 
-def _takes_axes(sample) -> bool:
+def _takes_axes(sample: Sampler | AxesSampler) -> TypeIs[AxesSampler]:
     try:
         return "axes" in inspect.signature(sample).parameters
     except (TypeError, ValueError):  # a builtin or C callable: the two-argument form
@@ -175,7 +180,7 @@ def full_shape(spec: BufferSpec, T: int, R: int) -> tuple[int, ...]:
 
 
 def real_shape(spec: BufferSpec, num_rows: int | None) -> tuple[int, ...]:
-    if spec.rows == "none":
+    if spec.rows == "none" or num_rows is None:  # None: the rows of a `none` buffer
         return spec.shape
     shape = list(spec.shape)
     shape.insert(spec.row_dim, num_rows)

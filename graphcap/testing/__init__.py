@@ -20,7 +20,7 @@ code that the command line uses; they are re-exported here for the tests and `to
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -163,4 +163,6 @@ def make_manager(config: CaptureConfig, *, faulty: bool = False, **kwargs: Any) 
     torch.set_num_threads(1)  # CI machines share few cores between jobs
     model = build_model(config)
     kwargs.setdefault("progress", False)
-    return CaptureManager(FaultyModel(model) if faulty else model, config, **kwargs)
+    if faulty:  # the reference model (TINY): an nn.Module
+        return CaptureManager(FaultyModel(cast(torch.nn.Module, model)), config, **kwargs)
+    return CaptureManager(model, config, **kwargs)
