@@ -73,10 +73,11 @@ def with_model_vocab(config: CaptureConfig, model: Any) -> tuple[CaptureConfig, 
     return config, True
 
 
-def _attr(config: Any) -> Any:
-    if config is None or isinstance(config, (dict, list, tuple)):
+def _attr(model_config: Any) -> Any:
+    """`vocab_size` of a model's own `config` attribute (a Hugging Face config, say), or None."""
+    if model_config is None or isinstance(model_config, (dict, list, tuple)):
         return None
-    return getattr(config, "vocab_size", None)
+    return getattr(model_config, "vocab_size", None)
 
 
 def is_built_in(model: Any, config: CaptureConfig) -> bool:

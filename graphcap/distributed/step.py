@@ -35,7 +35,7 @@ import contextlib
 import dataclasses
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +46,10 @@ from graphcap.distributed.sync import KINDS, GroupSync, config_mismatch
 from graphcap.errors import BatchError, DistributedTimeoutError, InvariantViolation
 from graphcap.inputs import BufferSpec, ForwardInputs
 from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode
+
+if TYPE_CHECKING:
+    from graphcap.config import CaptureConfig
+    from graphcap.staging import PersistentBuffers
 
 __all__ = ["COUNTS_BUFFER", "AgreedStep", "StepAgreement", "counts_buffers", "is_collective_error"]
 
@@ -121,7 +125,9 @@ class StepAgreement:
         self.current: AgreedStep | None = None
 
     @classmethod
-    def create(cls, config: Any, registry: KeyRegistry, buffers: Any, parallel: Parallel) -> StepAgreement | None:
+    def create(
+        cls, config: CaptureConfig, registry: KeyRegistry, buffers: PersistentBuffers, parallel: Parallel
+    ) -> StepAgreement | None:
         """The agreements of a manager over `buffers` (`PersistentBuffers`), None without groups.
 
         Collective: the ranks agree on `config` (and the torch and graphcap versions) first.

@@ -30,11 +30,14 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from graphcap.keys.axes import KeyAxes
 from graphcap.sizing.choice import GraphCosts, SizeConstraints, choose_sizes
 from graphcap.sizing.held_out import Budget, HeldOutChoice, choose_on_halves, choose_way, split_steps
+
+if TYPE_CHECKING:
+    from graphcap.config import CaptureConfig
 
 __all__ = [
     "AxisChoice",
@@ -64,7 +67,7 @@ class AxisPlan:
         """The planned combinations (`GraphKey.axes` of each), every one captured at every size."""
 
     @classmethod
-    def from_config(cls, config: Any) -> AxisPlan:
+    def from_config(cls, config: CaptureConfig) -> AxisPlan:
         return cls(config.capture.axes, config.capture.axis_combinations)
 
     @property

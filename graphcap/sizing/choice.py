@@ -25,7 +25,10 @@ import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from graphcap.config import CaptureConfig
 
 __all__ = ["GraphCosts", "SizeChoice", "SizeConstraints", "candidate_sizes", "choose_sizes"]
 
@@ -60,14 +63,14 @@ class SizeConstraints:
         return self.max_size - self.max_size % self.multiple_of
 
     @classmethod
-    def from_config(cls, config: Any) -> SizeConstraints:
+    def from_config(cls, config: CaptureConfig) -> SizeConstraints:
         """The config's bounds: `capture.max_size`, whole uniform requests when the mode captures
         uniform keys, and under `full_decode_only` at most `batching.max_num_seqs` requests."""
         cap = config.capture
         q = cap.uniform_query_len
         if cap.mode == "none":
             raise ValueError("capture.mode is none: no graph is captured, so there are no sizes to choose")
-        top = cap.max_size
+        top = config.capture_sizes.max_size  # = capture.max_size, resolved
         if cap.mode == "full_decode_only":
             top = min(top, config.batching.max_num_seqs * q)
         return cls(top, q if cap.mode != "piecewise" else 1, cap.mode == "full_decode_only")
