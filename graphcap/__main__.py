@@ -9,7 +9,7 @@ current directory: `graphcap.models.load_factory` searches it last).
 import os
 import sys
 
-if not sys.flags.safe_path and sys.path and os.path.abspath(sys.path[0] or ".") == os.getcwd():
+if not getattr(sys.flags, "safe_path", False) and sys.path and os.path.abspath(sys.path[0] or ".") == os.getcwd():
     del sys.path[0]
 
 from graphcap.cli import console_main

@@ -19,7 +19,7 @@ amin, amax = np.minimum.reduce, np.maximum.reduce
 _UNSIGNED = {np.dtype(f"i{size}"): np.dtype(f"u{size}") for size in (1, 2, 4, 8)}
 # Read-only constant operands, grown on demand. A ufunc given a cached array runs ~0.25 us
 # faster than given a Python int (which it converts to a 0-d array on every call).
-_CONSTANTS: dict[tuple[int, np.dtype], np.ndarray] = {}
+_CONSTANTS: dict[tuple[int, np.dtype | type], np.ndarray] = {}
 _INT32 = np.dtype(np.int32)
 _MAX_CONSTANTS = 256
 

@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from graphcap._fastnp import ONES_BYTES, amax, amin, ones, unsigned_max
 from graphcap.block_table import BlockTable
@@ -24,6 +25,7 @@ from graphcap.keys import GraphKey
 __all__ = ["IDLE", "StepBatch", "check_block_ids", "check_seq_lens", "check_token_ids", "dummy_batch", "step_or_idle"]
 
 _NO_EXTRAS: Mapping[str, np.ndarray] = MappingProxyType({})
+_NO_AXES: Mapping[str, int] = MappingProxyType({})
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
 
 
@@ -72,22 +74,50 @@ class StepBatch:
         "axes",
     )
 
+    query_lens: np.ndarray
+    seq_lens: np.ndarray
+    input_ids: np.ndarray | None
+    block_table: BlockTable | np.ndarray | None
+    num_reqs: int
+    num_tokens: int
+    min_query_len: int
+    max_query_len: int
+    extras: Mapping[str, np.ndarray]
+    kv_groups: Mapping[str, BlockTable | np.ndarray]
+    axes: Mapping[str, int]
+
     def __init__(
-        self, query_lens, seq_lens, input_ids=None, block_table=None, *, extras=None, kv_groups=None, axes=None
+        self,
+        query_lens: npt.ArrayLike,
+        seq_lens: npt.ArrayLike,
+        input_ids: npt.ArrayLike | None = None,
+        block_table: BlockTable | npt.ArrayLike | None = None,
+        *,
+        extras: Mapping[str, npt.ArrayLike] | None = None,
+        kv_groups: Mapping[str, BlockTable | npt.ArrayLike] | None = None,
+        axes: Mapping[str, int] | None = None,
     ) -> None:
         # Hot path (every step): a decode step's int32 query_lens is one memcmp against a shared
         # row of ones; the other arrays are taken by reference (no copy, no scan: stage does both).
-        q = query_lens
-        if type(q) is np.ndarray and q.dtype is _I32 and q.ndim == 1 and q.size and ONES_BYTES.startswith(q.tobytes()):
-            num_reqs = num_tokens = len(q)
+        q0 = query_lens
+        if (
+            type(q0) is np.ndarray
+            and q0.dtype is _I32
+            and q0.ndim == 1
+            and q0.size
+            and ONES_BYTES.startswith(q0.tobytes())
+        ):
+            num_reqs = num_tokens = len(q0)
             q_min = q_max = 1
             q = ones(num_reqs)
         else:
-            q, q_min, q_max, num_tokens = _query_lens(q)
+            q, q_min, q_max, num_tokens = _query_lens(q0)
             num_reqs = len(q)
-        s = seq_lens
-        if type(s) is not np.ndarray or s.ndim != 1 or (s.dtype is not _I32 and s.dtype is not _I64):
-            s = _converted(s, "seq_lens", 1)
+        s0 = seq_lens
+        if type(s0) is np.ndarray and s0.ndim == 1 and (s0.dtype is _I32 or s0.dtype is _I64):
+            s = s0
+        else:
+            s = _converted(s0, "seq_lens", 1)
             if len(s) == num_reqs:
                 check_seq_lens(q, s)
                 s = _owned_int32(s)
@@ -95,10 +125,13 @@ class StepBatch:
             raise BatchError(
                 f"seq_lens has {len(s)} entries but query_lens has {num_reqs}; give one entry per request in both"
             )
-        ids = input_ids
-        if ids is not None:
-            if type(ids) is not np.ndarray or ids.ndim != 1 or (ids.dtype is not _I32 and ids.dtype is not _I64):
-                ids = _converted(ids, "input_ids", 1)
+        ids0 = input_ids
+        ids: np.ndarray | None = None
+        if ids0 is not None:
+            if type(ids0) is np.ndarray and ids0.ndim == 1 and (ids0.dtype is _I32 or ids0.dtype is _I64):
+                ids = ids0
+            else:
+                ids = _converted(ids0, "input_ids", 1)
                 check_token_ids(ids)
                 ids = _owned_int32(ids)
             if len(ids) != num_tokens:
@@ -106,17 +139,23 @@ class StepBatch:
                     f"input_ids has {len(ids)} entries but query_lens sum to {num_tokens}; "
                     "give one token id per computed token, in request order"
                 )
-        bt = block_table
-        if bt is not None and not isinstance(bt, BlockTable):
-            if type(bt) is not np.ndarray or bt.ndim != 2 or (bt.dtype is not _I32 and bt.dtype is not _I64):
-                bt = _converted(bt, "block_table", 2)
-                check_block_ids(bt)
-                bt = _owned_int32(bt)
-            if bt.shape[0] != num_reqs:
-                raise BatchError(
-                    f"block_table has {bt.shape[0]} rows but the batch has {num_reqs} requests; "
-                    "give one row per request"
-                )
+        bt0 = block_table
+        bt: BlockTable | np.ndarray | None = None
+        if bt0 is not None:
+            if isinstance(bt0, BlockTable):
+                bt = bt0
+            else:
+                if type(bt0) is np.ndarray and bt0.ndim == 2 and (bt0.dtype is _I32 or bt0.dtype is _I64):
+                    bt = bt0
+                else:
+                    bt = _converted(bt0, "block_table", 2)
+                    check_block_ids(bt)
+                    bt = _owned_int32(bt)
+                if bt.shape[0] != num_reqs:
+                    raise BatchError(
+                        f"block_table has {bt.shape[0]} rows but the batch has {num_reqs} requests; "
+                        "give one row per request"
+                    )
         self.query_lens = q
         self.seq_lens = s
         self.input_ids = ids
@@ -127,7 +166,7 @@ class StepBatch:
         self.max_query_len = q_max
         self.extras = _NO_EXTRAS if not extras else _owned_extras(extras)
         self.kv_groups = _NO_EXTRAS if not kv_groups else _owned_group_tables(kv_groups, num_reqs)
-        self.axes: Mapping[str, int] = _NO_EXTRAS if not axes else _owned_axes(axes)
+        self.axes = _NO_AXES if not axes else _owned_axes(axes)
 
     def is_uniform(self, query_len: int) -> bool:
         """True when every request has exactly `query_len` tokens (an empty batch is uniform)."""
@@ -167,6 +206,11 @@ def dummy_batch(key: GraphKey, *, max_model_len: int | None = None) -> StepBatch
     states the key's axis values (`key.axes`).
     """
     T, R = key.num_tokens, key.num_reqs
+    if R is None:
+        raise BatchError(
+            f"dummy_batch({key}): a piecewise key has no request count to fill; "
+            "give the key its capture shape (KeyRegistry.capture_shape) instead"
+        )
     if key.uniform:
         if T % R:
             raise BatchError(f"uniform {key} must have num_tokens divisible by num_reqs")
@@ -229,7 +273,7 @@ def _check_int32(array: np.ndarray, name: str) -> None:
         raise BatchError(f"{name} holds {top}, above the int32 range of the buffers")
 
 
-def _query_lens(values) -> tuple[np.ndarray, int, int, int]:
+def _query_lens(values: npt.ArrayLike) -> tuple[np.ndarray, int, int, int]:
     """`(query_lens as a read-only int32 array the batch owns, min, max, sum)`, each checked."""
     if type(values) is np.ndarray and values.ndim == 1 and values.dtype is _I32 and len(values):
         q = values.copy()  # ours: the caller may reuse its array; num_tokens must stay true
@@ -254,8 +298,9 @@ def _query_lens(values) -> tuple[np.ndarray, int, int, int]:
     return q, q_min, q_max, int(np.add.reduce(q, dtype=_I64))
 
 
-def _converted(values, name: str, ndim: int) -> np.ndarray:
+def _converted(values: npt.ArrayLike, name: str, ndim: int) -> np.ndarray:
     """`values` as a new native integer numpy array (int64 or int32), shape-checked; values not yet range-checked."""
+    array: np.ndarray
     if isinstance(values, np.ndarray):
         array = values.copy()  # ours: the caller may reuse its own array for the next step
     else:

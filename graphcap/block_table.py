@@ -13,9 +13,10 @@ The rows *are* the staged `block_table` buffer, so they are what the graphs read
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
+import numpy.typing as npt
 
 from graphcap.errors import BatchError
 from graphcap.fields import INT32_MAX
@@ -79,12 +80,12 @@ class BlockTable:
     @property
     def num_rows(self) -> int:
         """Rows of the table (`batching.max_num_seqs`)."""
-        return self._rows.shape[0]
+        return int(self._rows.shape[0])
 
     @property
     def max_blocks_per_row(self) -> int:
         """Columns of a row (`kv_cache.max_model_len / block_size`, rounded up)."""
-        return self._rows.shape[1]
+        return int(self._rows.shape[1])
 
     def num_blocks(self, row: int) -> int:
         """Blocks row `row` holds."""
@@ -97,7 +98,7 @@ class BlockTable:
         view.flags.writeable = False
         return view
 
-    def holding(self, block_ids) -> tuple[int, int] | None:
+    def holding(self, block_ids: Iterable[int]) -> tuple[int, int] | None:
         """`(row, block)` of the first row holding one of `block_ids` among its blocks; None when no row does.
 
         O(blocks held): what an engine's scratch blocks are checked against (a live row's block is not free).
@@ -117,7 +118,7 @@ class BlockTable:
 
     # -- writes ------------------------------------------------------------------------------
 
-    def set_row(self, row: int, block_ids) -> None:
+    def set_row(self, row: int, block_ids: npt.ArrayLike) -> None:
         """Row `row` holds exactly `block_ids` (a new request, or one whose blocks were replaced)."""
         i = self._row(row, "set_row")
         blocks = self._blocks(block_ids, f"set_row(row {row})", 0)
@@ -128,7 +129,7 @@ class BlockTable:
             self._rows[i, len(blocks) : old] = self._pad
         self._set_count(i, len(blocks))
 
-    def append(self, row: int, block_ids) -> None:
+    def append(self, row: int, block_ids: npt.ArrayLike) -> None:
         """Row `row` gains `block_ids` after the blocks it holds (a request that grew)."""
         i = self._row(row, "append")
         start = int(self.counts[i])
@@ -294,7 +295,7 @@ class BlockTable:
             )
         return int(row)
 
-    def _blocks(self, block_ids, what: str, start: int) -> np.ndarray:
+    def _blocks(self, block_ids: npt.ArrayLike, what: str, start: int) -> np.ndarray:
         try:
             blocks = np.asarray(block_ids)
         except (ValueError, TypeError, OverflowError) as exc:

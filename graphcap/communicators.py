@@ -58,8 +58,8 @@ def communicators_of(communicators: Iterable[Communicator]) -> tuple[Communicato
 
 
 def pass_context(
-    context: Callable[[], AbstractContextManager] | None, communicators: tuple[Communicator, ...]
-) -> Callable[[], AbstractContextManager]:
+    context: Callable[[], AbstractContextManager[object]] | None, communicators: tuple[Communicator, ...]
+) -> Callable[[], AbstractContextManager[object]]:
     """`context` (None: none), with each communicator's `capture_begin` after entering it and `capture_end` before
     leaving; `TypeError` unless `context` is a callable returning a context manager."""
     if context is not None and not callable(context):

@@ -10,9 +10,10 @@ import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from graphcap.config import PadRules
@@ -20,13 +21,18 @@ from graphcap.config.buffers import BufferConfig, buffer_problems
 from graphcap.fields import COUNT_FIELDS, FIELDS
 from graphcap.keys import GraphKey
 
+if TYPE_CHECKING:
+    from graphcap.checks.plans import BasicPlan
+
 __all__ = [
+    "AxesSampler",
     "BufferSpec",
     "ForwardInputs",
     "HostView",
     "KVGroup",
     "KVGroupView",
     "PreparePhase",
+    "Sampler",
     "StagingLimits",
     "prepare_of",
 ]
@@ -34,6 +40,16 @@ __all__ = [
 PreparePhase = Literal["capture", "replay", "eager"]
 """What a staging feeds, as `model.prepare(inputs, phase)` learns it: a graph being captured or
 verified (`capture`), a real step's replay (`replay`), or an eager run (`eager`)."""
+
+
+Sampler = Callable[[np.random.Generator, int], npt.ArrayLike]
+"""`BufferSpec.sample(rng, num_real_rows)`: the real rows of a batch graphcap makes."""
+
+
+class AxesSampler(Protocol):
+    """`BufferSpec.sample(rng, num_real_rows, axes)`: the real rows, given the batch's key-axis values too."""
+
+    def __call__(self, rng: np.random.Generator, num_real_rows: int, /, *, axes: dict[str, int]) -> npt.ArrayLike: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +92,7 @@ class BufferSpec:
     pad: int | float | bool | Literal["last"] = 0
     row_dim: int = 0
     check: Callable[[np.ndarray, int], Any] | None = field(default=None, compare=False)
-    sample: Callable[[np.random.Generator, int], Any] | Literal["pad"] | None = field(default=None, compare=False)
+    sample: Sampler | AxesSampler | Literal["pad"] | None = field(default=None, compare=False)
     domain: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
@@ -227,7 +243,7 @@ class ForwardInputs:
     """Engine buffers (`BufferSpec`) by name: views of their padded rows."""
     kv_groups: Mapping[str, KVGroupView] = field(default_factory=dict)
     """Extra KV-cache groups (`kv_cache.groups`) by name: each one's `block_table` and `slot_mapping`."""
-    basic_plan: Any = field(default=None, init=False, repr=False, compare=False)
+    basic_plan: BasicPlan | None = field(default=None, init=False, repr=False, compare=False)
     """graphcap's own cache (`graphcap.checks.plans`): the views and expected bytes of this step's basic rules."""
     cumulative_plan: Any = field(default=None, init=False, repr=False, compare=False)
     """graphcap's own cache (`graphcap.checks.invariants`): the same for each cumulative (`reqs+1`) engine buffer,
@@ -269,7 +285,7 @@ class ForwardInputs:
 
 def prepare_of(model: Any) -> Callable[[ForwardInputs, PreparePhase], None] | None:
     """`model.prepare`, called as `prepare(inputs, phase)`; the earlier `prepare(inputs, capturing)` is refused."""
-    prepare = getattr(model, "prepare", None)
+    prepare: Callable[[ForwardInputs, PreparePhase], None] | None = getattr(model, "prepare", None)
     if prepare is None:
         return None
     if not callable(prepare):

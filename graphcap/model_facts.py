@@ -59,7 +59,7 @@ def model_vocab_size(model: Any) -> tuple[int, str] | None:
     return None
 
 
-def with_model_vocab(config: Any, model: Any) -> tuple[Any, bool]:
+def with_model_vocab(config: CaptureConfig, model: Any) -> tuple[CaptureConfig, bool]:
     """`config` with `model.vocab_size` set to the vocabulary `model` declares, and whether it was read off it.
 
     Unchanged (and False) when the model says nothing; a config whose value differs is corrected, with
@@ -81,20 +81,22 @@ def with_model_vocab(config: Any, model: Any) -> tuple[Any, bool]:
     return config, True
 
 
-def _attr(config: Any) -> Any:
-    if config is None or isinstance(config, (dict, list, tuple)):
+def _attr(model_config: Any) -> Any:
+    """`vocab_size` of a model's own `config` attribute (a Hugging Face config, say), or None."""
+    if model_config is None or isinstance(model_config, (dict, list, tuple)):
         return None
-    return getattr(config, "vocab_size", None)
+    return getattr(model_config, "vocab_size", None)
 
 
 def is_built_in(model: Any, config: CaptureConfig) -> bool:
     """`model` is graphcap's built-in model built from `config`'s shapes: the estimate's arithmetic holds for it."""
     from graphcap.models.llama import TinyLlama
 
-    built = getattr(model, "config", None)
+    if not isinstance(model, TinyLlama):
+        return False
+    built = model.config
     return (
-        isinstance(model, TinyLlama)
-        and config.model.factory is None
+        config.model.factory is None
         and built.model == config.model
         and (built.kv_cache.block_size, built.kv_cache.max_model_len)
         == (config.kv_cache.block_size, config.kv_cache.max_model_len)

@@ -169,7 +169,7 @@ class OutputRows:
             if t.shape == e.shape:
                 continue
             rows = e.shape[0] if e.dim() else None
-            truth = {n: "tokens", r: "reqs"}.get(rows) if n != r else None
+            truth = {n: "tokens", r: "reqs"}.get(rows) if n != r and rows is not None else None
             truth = truth or ("none" if e.shape == raw.shape else None)
             cut = "cut to the real tokens, as its rows are the padded token count" if raw.shape[:1] == (T,) else "whole"
             how = f"declared {kind!r}" if kind else f"undeclared: {cut}"
@@ -211,7 +211,7 @@ def _cut(t: torch.Tensor, kind: str | None, name: Any, rows: tuple[int, int, int
         return t
     want, real = (T, n) if kind == "tokens" else (R, r)
     if size != want:
-        other = {T: "tokens", R: "reqs"}.get(size) if T != R else None
+        other = {T: "tokens", R: "reqs"}.get(size) if T != R and size is not None else None
         fix = f"declare {_declaration(name, other)}" if other else "fix the declaration"
         raise CaptureError(
             f"{_label(name)} is declared {kind!r} (model.output_rows) but has shape {tuple(t.shape)}; a {kind!r} "

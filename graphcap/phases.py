@@ -85,12 +85,12 @@ def in_phase(name: Phase) -> Iterator[None]:
         _STATE.reset(token)
 
 
-def enter_phase(name: Phase) -> Token:
+def enter_phase(name: Phase) -> Token[tuple[Phase, bool]]:
     """`in_phase` without a generator, for a step entered on every call: pass the token to `leave_phase`."""
     return _STATE.set((name, False))
 
 
-def leave_phase(token: Token) -> None:
+def leave_phase(token: Token[tuple[Phase, bool]]) -> None:
     """Back to the phase before `enter_phase` gave `token`."""
     _STATE.reset(token)
 

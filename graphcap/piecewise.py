@@ -41,10 +41,13 @@ import functools
 import inspect
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from graphcap.errors import CaptureError, CaptureUnsafeError
 from graphcap.phases import recording
+
+if TYPE_CHECKING:
+    from graphcap.inputs import ForwardInputs
 
 __all__ = ["current_inputs", "eager_op"]
 
@@ -54,11 +57,11 @@ piecewise capture (the session then cuts the forward at each eager op), or a war
 piecewise key (its session runs eager ops outside the unsafe-op checker: their bodies never run in
 a graph)."""
 
-_INPUTS: ContextVar[Any] = ContextVar("graphcap_current_inputs", default=None)
+_INPUTS: ContextVar[ForwardInputs | None] = ContextVar("graphcap_current_inputs", default=None)
 _PHASE: ContextVar[tuple[Phase, Any]] = ContextVar("graphcap_phase", default=("eager", None))
 
 
-def current_inputs():
+def current_inputs() -> ForwardInputs:
     """The `ForwardInputs` of the step being run (an eager run, a capture, or a replay).
 
     Raises `CaptureError` outside a step: an eager op must be called from a forward that
@@ -74,7 +77,7 @@ def current_inputs():
 
 
 @contextlib.contextmanager
-def running(inputs: Any, phase: Phase = "eager", session: Any = None) -> Iterator[None]:
+def running(inputs: ForwardInputs, phase: Phase = "eager", session: Any = None) -> Iterator[None]:
     """Make `inputs` the current step (and say what the forward feeds) for the enclosed code."""
     token = _INPUTS.set(inputs)
     phase_token = _PHASE.set((phase, session))
@@ -88,7 +91,7 @@ def running(inputs: Any, phase: Phase = "eager", session: Any = None) -> Iterato
 class EagerOp:
     """A function marked to run eagerly between the pieces of a piecewise graph (see the module doc)."""
 
-    def __init__(self, fn: Callable, capturable: Callable | None = None) -> None:
+    def __init__(self, fn: Callable[..., Any], capturable: Callable[..., Any] | None = None) -> None:
         if not callable(fn):
             raise TypeError(f"eager_op decorates a function; got {type(fn).__name__}")
         if capturable is not None and not callable(capturable):
@@ -122,7 +125,7 @@ class EagerOp:
             return session.run_eager(self.fn, args, kwargs)
         return self.fn(*args, **kwargs)
 
-    def _in_full_graph(self, args: tuple, kwargs: dict) -> Any:
+    def _in_full_graph(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the function itself inside a full graph; a capture-unsafe body is refused naming this op."""
         try:
             return self.fn(*args, **kwargs)
@@ -140,7 +143,15 @@ class EagerOp:
         return f"eager_op({getattr(self.fn, '__qualname__', self.fn)})"
 
 
-def eager_op(fn: Callable | None = None, *, capturable: Callable | None = None):
+@overload
+def eager_op(fn: Callable[..., Any], *, capturable: Callable[..., Any] | None = None) -> EagerOp: ...
+@overload
+def eager_op(
+    fn: None = None, *, capturable: Callable[..., Any] | None = None
+) -> Callable[[Callable[..., Any]], EagerOp]: ...
+def eager_op(
+    fn: Callable[..., Any] | None = None, *, capturable: Callable[..., Any] | None = None
+) -> EagerOp | Callable[[Callable[..., Any]], EagerOp]:
     """Mark `fn` to run eagerly between graph pieces; `@eager_op` or `@eager_op(capturable=...)`."""
     if fn is None:
         return lambda f: EagerOp(f, capturable)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from graphcap.batch import StepBatch
+from graphcap.errors import BatchError
 from graphcap.keys import GraphKey
 
 if TYPE_CHECKING:
@@ -72,6 +73,11 @@ def probe_fills(key: GraphKey, *, max_model_len: int) -> tuple[Fill, ...]:
     fill alone: it is verified on the full batch only.
     """
     T, R = key.num_tokens, key.num_reqs
+    if R is None:
+        raise BatchError(
+            f"probe_fills({key}): a piecewise key has no request count to fill; "
+            "give the key its capture shape (KeyRegistry.capture_shape) instead"
+        )
     if key.uniform:
         q = T // R
         levels = [Fill(r * q, r) for r in (1, max(1, R // 2), R - 1) if 1 <= r < R]
@@ -167,7 +173,7 @@ def probe_batch(
         fills = probe_fills(key, max_model_len=max_model_len)
         fill = fills[len(fills) // 2]
     identity = probe_identity(key, fill)
-    caches = [(None, block_size, num_blocks, scratch_blocks)]
+    caches: list[tuple[str | None, int, int, Sequence[int]]] = [(None, block_size, num_blocks, scratch_blocks)]
     caches += [(g.name, g.block_size, g.num_blocks, (group_scratch or {}).get(g.name, ())) for g in groups]
     probe = _drawn(np.random.default_rng([seed, *identity]), identity, max_model_len, vocab_size, caches)
     if probe.writes_kv or own:

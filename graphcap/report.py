@@ -181,7 +181,7 @@ class CaptureReport:
             "config": self.config,
         }
 
-    def write(self, path: str | os.PathLike) -> Path:
+    def write(self, path: str | os.PathLike[str]) -> Path:
         """Write JSON (`.json`) or YAML (`.yaml`/`.yml`) atomically: complete or absent (see `atomic_write`).
 
         Raises `FileExistsError` when `path` is a file graphcap did not write (see `may_overwrite`).

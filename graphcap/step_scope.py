@@ -11,9 +11,12 @@ every step, and the one it enters (`scope.execute`) is made once.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from contextvars import Token
+from typing import Any
 
 from graphcap.errors import CaptureError
-from graphcap.phases import STEP_PHASES, enter_phase, leave_phase
+from graphcap.phases import STEP_PHASES, Phase, enter_phase, leave_phase
 
 __all__ = ["StepScope"]
 
@@ -28,8 +31,8 @@ class StepScope:
         """Held for the whole step (any context manager: a test's control experiment swaps in a no-op)."""
         self.running: str | None = None
         """The step running now (None between steps)."""
-        self.token = None  # the phase to go back to when the step ends
-        self.on_failure = None
+        self.token: Token[tuple[Phase, bool]] | None = None  # the phase to go back to when the step ends
+        self.on_failure: Callable[[str, Any, BaseException], None] | None = None
         """Called as `on_failure(call, phase, exc)` when an exception leaves a step, before it propagates
         unchanged (the manager's post-mortem, `graphcap.postmortem`); None: nothing."""
         self.execute = _Step(self, "execute")
@@ -66,5 +69,7 @@ class _Step:
         if exc[1] is not None and scope.on_failure is not None:
             scope.on_failure(self.what, self.phase, exc[1])  # under the lock, before the phase is left
         scope.running = None
-        leave_phase(scope.token)
+        token, scope.token = scope.token, None
+        if token is not None:  # set by `__enter__`
+            leave_phase(token)
         scope.lock.__exit__(None, None, None)

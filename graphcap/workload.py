@@ -38,7 +38,7 @@ def fill_batch(
         q = dummy_batch(key, max_model_len=kv.max_model_len).query_lens.astype(np.int64)
     elif num_reqs == 0:
         return StepBatch([], [])
-    elif key.uniform:
+    elif key.uniform and key.num_reqs is not None:  # a capture shape: its rows are set
         q = np.full(num_reqs, key.num_tokens // key.num_reqs, dtype=np.int64)
     else:
         q = np.ones(num_reqs, dtype=np.int64)

@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap.batch import StepBatch, dummy_batch
+from graphcap.errors import BatchError
 from graphcap.keys import GraphKey
+from graphcap.probe import probe_fills
 from graphcap.staging import PersistentBuffers
 from tests.conftest import BLOCK_SIZE, NUM_BLOCKS, make_buffers
 
@@ -216,6 +218,10 @@ def test_dummy_batch_refuses_keys_it_cannot_fill():
         dummy_batch(GraphKey(10, 4, True))
     with pytest.raises(ValueError, match=r"mixed\(tokens=64, reqs=4\) cannot hold 64 tokens in requests of at most 8"):
         dummy_batch(GraphKey(64, 4, False), max_model_len=8)
+    with pytest.raises(BatchError, match=r"dummy_batch\(piecewise\(tokens=8\)\): a piecewise key has no request count"):
+        dummy_batch(GraphKey(8, None, False))
+    with pytest.raises(BatchError, match=r"probe_fills\(piecewise\(tokens=8\)\): a piecewise key has no request count"):
+        probe_fills(GraphKey(8, None, False), max_model_len=16)
 
 
 def test_non_native_byte_order_arrays_are_checked_like_native_ones():

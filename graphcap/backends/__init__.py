@@ -113,8 +113,15 @@ def backend_for(
         backend.add_generators(generators)
         return backend, False
     generators = check_generators(generators, device)  # a tuple: an iterator is read once
-    options = {"sync_debug": config.checks.sync_debug, "capture_error_mode": config.capture.capture_error_mode}
-    return get_backend(backend, device, generators=generators, **options), True
+    checks, capture = config.checks, config.capture
+    made = get_backend(
+        backend,
+        device,
+        generators=generators,
+        sync_debug=checks.sync_debug,
+        capture_error_mode=capture.capture_error_mode,
+    )
+    return made, True
 
 
 def _shared_pool(other: GraphBackend | None, name: str, device: torch.device) -> GraphPool | None:

@@ -21,9 +21,10 @@ __all__ = ["native_binding", "signature"]
 _BINDING_NAMESPACES = (
     torch._C._VariableFunctions,
     torch._C._nn,
-    torch._C._special,
-    torch._C._linalg,
-    torch._C._fft,
+    # torch's stubs (torch/_C/__init__.pyi) do not declare these submodules; they exist in every build.
+    torch._C._special,  # type: ignore[attr-defined]
+    torch._C._linalg,  # type: ignore[attr-defined]
+    torch._C._fft,  # type: ignore[attr-defined]
     torch._C.TensorBase,
 )
 
@@ -60,8 +61,8 @@ def native_binding(func: Any, args: tuple, kwargs: dict) -> Callable | None:
     except TypeError:  # an unhashable constant: probe without the cache
         shape = None
     if shape is not None:
-        known = _found.get(shape, _UNKNOWN)
-        if known is not _UNKNOWN and known[0] is func:
+        known = _found.get(shape)
+        if known is not None and known[0] is func:
             return known[1]
     namespace, _, name = func._schema.name.partition("::")
     found = _probe_bindings(func, name, args, kwargs) if namespace == "aten" else None
@@ -70,17 +71,16 @@ def native_binding(func: Any, args: tuple, kwargs: dict) -> Callable | None:
     return found
 
 
-def signature(func: Any, args: tuple, kwargs: dict) -> tuple:
+def signature(func: Any, args: tuple, kwargs: dict) -> tuple[object, ...]:
     """The cache key of `native_binding`: the overload (by identity) and what the argument parser sees of each
     argument (`_signature`). `TypeError` for an unhashable constant."""
-    sig = (id(func), tuple([_signature(v) for v in args]))
+    sig: tuple[object, ...] = (id(func), tuple([_signature(v) for v in args]))
     if kwargs:
         sig += tuple([(k, _signature(v)) for k, v in kwargs.items()])
     hash(sig)  # TypeError for an unhashable constant, before the key is used
     return sig
 
 
-_UNKNOWN = object()
 _found: dict[tuple, tuple[Any, Callable | None]] = {}
 """(overload, binding) found for an overload and the types of its arguments: the Python argument parser picks the
 overload from the types alone (a zero-dimensional tensor may stand for a number, so that is part of the

@@ -21,9 +21,12 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 __all__ = ["is_async", "observed", "observing", "unwrap_async"]
 
@@ -86,7 +89,7 @@ def unwrap_async(records: list, args: tuple, kwargs: dict) -> tuple[tuple, dict]
 
 
 @functools.cache
-def _async_collective_tensor() -> type | None:
+def _async_collective_tensor() -> type[AsyncCollectiveTensor] | None:
     """funcol's AsyncCollectiveTensor, or None when torch.distributed is not built in."""
     try:
         from torch.distributed._functional_collectives import AsyncCollectiveTensor

@@ -18,7 +18,7 @@ import inspect
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -28,6 +28,7 @@ _EVAL_FRAME = "torch._dynamo.eval_frame"
 _WRAPPER = "compile_wrapper"  # the function torch.compile returns (torch/_dynamo/eval_frame.py)
 _MODULE_CALLS = ("__call__", "_call_impl", "_wrapped_call_impl")
 _stance_lock = threading.RLock()  # the stance is global: one eager_only() at a time, nestable
+_ProfileEvent = Literal["call", "return", "c_call", "c_return", "c_exception"]  # what sys.setprofile hooks see
 
 
 @contextlib.contextmanager
@@ -42,10 +43,11 @@ def eager_only() -> Iterator[list[str]]:
     entered: list[str] = []
     eval_frame = sys.modules.get(_EVAL_FRAME)
     set_stance = getattr(torch.compiler, "set_stance", None)
-    if eval_frame is None or set_stance is None:
+    wrapper_file = None if eval_frame is None else eval_frame.__file__
+    if wrapper_file is None or set_stance is None:
         yield entered
         return
-    with _stance_lock, set_stance("force_eager"), _watch(eval_frame.__file__, entered):
+    with _stance_lock, set_stance("force_eager"), _watch(wrapper_file, entered):
         yield entered
 
 
@@ -72,7 +74,7 @@ def _watch(wrapper_file: str, entered: list[str]) -> Iterator[None]:
     profiler, tracer = sys.getprofile(), sys.gettrace()
     if profiler is None or callable(profiler):
 
-        def hook(frame: Any, event: str, arg: Any) -> None:
+        def hook(frame: Any, event: _ProfileEvent, arg: Any) -> None:
             if event == "call":
                 note(frame)
             if profiler is not None:

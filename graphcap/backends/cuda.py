@@ -88,11 +88,14 @@ class CUDACapturedGraph(CapturedGraph):
         return self.pool_handle
 
     def _replay(self) -> None:
-        self.graph.replay()
+        graph = self.graph
+        assert graph is not None  # set by the capture; replay() refuses a released graph first
+        graph.replay()
 
     def _release(self) -> None:
         graph, self.graph = self.graph, None
-        graph.reset()
+        if graph is not None:
+            graph.reset()
 
 
 class CUDAGraphBackend(GraphBackend):

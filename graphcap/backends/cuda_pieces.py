@@ -127,10 +127,12 @@ class CUDAPieceSession(PieceSession):
 
 class _CUDAPiece:
     def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
-        self.graph = graph
+        self.graph: torch.cuda.CUDAGraph | None = graph
 
     def replay(self) -> None:
-        self.graph.replay()
+        graph = self.graph
+        assert graph is not None  # a released piece is never replayed
+        graph.replay()
 
     def release(self) -> None:
         graph, self.graph = self.graph, None

@@ -68,7 +68,9 @@ class EmulatedGraph(CapturedGraph):
         # The outputs are inference tensors: copy_ needs inference mode. A CUDA graph's replay runs no Python, so
         # no torch function mode of the engine sees its ops: neither does the tape's.
         with torch.inference_mode(), no_torch_function():
-            for leaf, value in zip(self.leaves, self.tape.run()):
+            tape = self.tape
+            assert tape is not None  # set by the capture; replay() refuses a released graph first
+            for leaf, value in zip(self.leaves, tape.run()):
                 if value is not None:
                     leaf.copy_(value)
 

@@ -208,9 +208,10 @@ class CapturedGraph:
             self._release()
         finally:
             self.output = None
-            if self._held:
+            pool = self.graph_pool
+            if self._held and pool is not None:  # held only from a pool
                 (handle,), self._held = self._held, ()
-                self.graph_pool.drop(handle)
+                pool.drop(handle)
 
     def _replay(self) -> None:
         raise NotImplementedError

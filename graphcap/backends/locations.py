@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ def _is_user(code: Any) -> bool:
 
 def user_location() -> str:
     """file:line of the innermost frame outside torch/ and graphcap/backends/."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and not _is_user(frame.f_code):
         frame = frame.f_back
     return "<unknown location>" if frame is None else _shown(frame.f_code.co_filename, frame.f_lineno)

@@ -160,7 +160,7 @@ class GraphPool:
         if self._new_handle is not None:
             self.handle = self._new_handle()
         self.num_rotations += 1
-        if moves:
+        if moves and held is not None:
             self._empty()
             try:
                 self.reserve(held.num_bytes)

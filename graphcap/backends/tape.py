@@ -18,7 +18,7 @@ forward runs. `compile_tape` turns the records into a `Tape`:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -31,13 +31,13 @@ from graphcap.errors import CaptureError
 
 __all__ = ["Tape", "TapeRecorder", "compile_tape"]
 
-_Builder = Callable[[list], tuple[list, dict]]
+_Builder = Callable[[list], tuple[Sequence[Any], dict]]
 # One replay step: (op, args, kwargs, fills, build, out, multi_out, frees).
 #   fills: ((arg position, slot), ...) for tensors made on the tape, at the top level of args
 #   build: None, or rebuilds (args, kwargs) when slots sit in lists or kwargs (cat, index)
 #   out: slot for a single tensor output (-1: not stored); multi_out: ((index, slot), ...)
 #   frees: slots whose last use is this step
-_Step = tuple[Any, tuple, dict, tuple, "_Builder | None", int, "tuple | None", tuple]
+_Step = tuple[Any, Sequence[Any], dict, tuple, "_Builder | None", int, "tuple | None", tuple]
 
 
 class _Raw(NamedTuple):
@@ -95,9 +95,10 @@ class Tape:
             if build is not None:
                 args, kwargs = build(slots)
             elif fills:
-                args = list(args)
+                filled = list(args)
                 for position, slot in fills:
-                    args[position] = slots[slot]
+                    filled[position] = slots[slot]
+                args = filled
             result = op(*args, **kwargs)
             if out >= 0:
                 slots[out] = result
@@ -126,11 +127,12 @@ class _Compiler:
         raw = []
         for step, (func, args, kwargs, out) in enumerate(records):
             args_t, fills, nested = self._template(func, args, step)
+            kwargs_t: dict[str, Any] = {}  # most ops: nothing to template
+            kw_fills: list[Any] = []
+            kw_nested: list[Any] = []
             if kwargs:
-                kwargs_t, kw_fills, kw_nested = self._template(func, kwargs, step)
-                kwargs_t = dict(zip(kwargs, kwargs_t))
-            else:  # most ops: nothing to template
-                kwargs_t, kw_fills, kw_nested = {}, [], []
+                kw_values, kw_fills, kw_nested = self._template(func, kwargs, step)
+                kwargs_t = dict(zip(kwargs, kw_values))
             made = self._outputs(func, out, step)
             call = observed(func, native_binding(func, args, kwargs) or func)
             raw.append(_Raw(call, args_t, kwargs_t, fills, nested, kw_fills, kw_nested, made))
@@ -250,12 +252,12 @@ class _Compiler:
         stored = [(index, slot) for index, slot in raw.made if self.last_use[slot] > step]
         out = stored[0][1] if len(stored) == 1 and stored[0][0] == -1 else -1
         multi_out = tuple(stored) if stored and out < 0 else None
-        frees = tuple(slot for slot in frees if self.made_at[slot] < step)
+        freed = tuple(slot for slot in frees if self.made_at[slot] < step)
         build = None
         if raw.nested or raw.kw_fills or raw.kw_nested:
             build = _builder(raw)
         args, fills = tuple(raw.args), tuple(raw.fills)
-        return (raw.call, args, raw.kwargs, fills, build, out, multi_out, frees)
+        return (raw.call, args, raw.kwargs, fills, build, out, multi_out, freed)
 
     def _peak_bytes(self, raw: list, frees_at: list[list[int]]) -> int:
         """Peak bytes of slot storages alive at once during a replay (externals excluded)."""

@@ -327,14 +327,16 @@ def python_upload_row(func: Any, args: tuple, kwargs: dict, device: torch.device
     """
     if func is torch.Tensor.copy_:
         row = UNSAFE_OPS["aten.copy_"]
-        return row if len(args) > 1 and row.applies(func, args, kwargs, device) else None
+        applies = row.applies
+        return row if len(args) > 1 and applies is not None and applies(func, args, kwargs, device) else None
     target, non_blocking = _TARGETS[func](args, kwargs)
     source = args[0] if args else None
     if not isinstance(target, torch.device) or not isinstance(source, torch.Tensor) or source.device.type != "cpu":
         return None  # a device tensor to the host is the `Tensor.to` / `Tensor.cpu` row's
     row = UNSAFE_OPS["aten._to_copy"]
     to_copy = {"device": target, "non_blocking": non_blocking}
-    return row if row.applies(func, (args[0],), to_copy, device) else None
+    applies = row.applies
+    return row if applies is not None and applies(func, (args[0],), to_copy, device) else None
 
 
 _TARGETS = {torch.Tensor.to: _to_target, torch.Tensor.cuda: _cuda_target}

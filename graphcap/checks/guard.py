@@ -230,7 +230,11 @@ class _Entry:
 
     def __init__(self, reached: Reached) -> None:
         self.name, self.value, self.container, self.key, self.what = reached
-        self.ptr = self.shape = self.stride = self.dtype = self.version = None
+        self.ptr: int | None = None
+        self.shape: tuple[int, ...] | None = None
+        self.stride: tuple[int, ...] | None = None
+        self.dtype: torch.dtype | None = None
+        self.version: int | None = None
         if isinstance(self.value, torch.Tensor):
             self._record(self.value)
 
@@ -286,7 +290,7 @@ class _Entry:
             )
         if not same:
             raise StaticInputMovedError(
-                f"static input {self.name!r} changed in place after capture: shape {list(self.shape)}, strides "
+                f"static input {self.name!r} changed in place after capture: shape {list(self.shape or ())}, strides "
                 f"{self.stride}, {self.dtype} at capture; {list(current.shape)}, {current.stride()}, "
                 f"{current.dtype} now, at the same address (resize_, set_, as_strided_ or an in-place view op); "
                 f"the graphs still read the captured shape; {_FIX}",
@@ -302,7 +306,7 @@ class _Entry:
         if self.what == "static input" and self.container is not None:
             message = (
                 f"static input {self.name!r} was registered again with a tensor at another address or shape "
-                f"(data_ptr {self.ptr:#x}, shape {list(self.shape)} at capture; "
+                f"(data_ptr {self.ptr or 0:#x}, shape {list(self.shape or ())} at capture; "
                 + (f"{ptr:#x}, {list(current.shape)} now" if ptr is not None else f"a {type(current).__name__} now")
                 + "); the graphs still read the old one: register the captured tensor again, or call capture() again "
                 "(under capture.strategy: lazy, capture() releases the graphs and capture_pending() then captures "
@@ -330,7 +334,8 @@ class _Sweep:
         self.held = [e.value for e in slotted]
         self.versioned = [e for e in self.entries if e.version is not None]
         self.tensors = [e.value for e in self.versioned]
-        self.ptrs, self.versions = [e.ptr for e in self.versioned], [e.version for e in self.versioned]
+        self.ptrs = [e.ptr for e in self.versioned]
+        self.versions: list[int | None] = [e.version for e in self.versioned]
         self.exact = [e for e in self.entries if e.ptr is not None and e.version is None]
 
     def holds(self) -> bool:
@@ -353,7 +358,7 @@ class _Sweep:
         except (LookupError, TypeError, RuntimeError):  # a slot emptied, or holding something else now
             return False
 
-    def _written_in_place(self, versions: list[int]) -> bool:
+    def _written_in_place(self, versions: list[int | None]) -> bool:
         """Whether every tensor whose version moved on kept its shape and strides (then its version is recorded)."""
         changed = [i for i, (now, then) in enumerate(zip(versions, self.versions)) if now != then]
         for i in changed:

@@ -309,9 +309,9 @@ def _check_full(inputs: ForwardInputs, lens: np.ndarray, kv_writes: bool = True)
             "block ids index the KV cache",
             key,
         )
-    bad = np.argwhere(table[r:] != pad.block_id)
-    if bad.size:
-        i, j = bad[0]
+    bad_rows = np.argwhere(table[r:] != pad.block_id)
+    if bad_rows.size:
+        i, j = bad_rows[0]
         _fail(
             "block_table",
             f"{r + i}, {j}",

@@ -83,9 +83,9 @@ def check_writes(
                 f"request {i} {verb} the null block 0, which padded rows and dummy runs share (capture writes it); "
                 "an engine never hands block 0 to a live request", key,
             )  # fmt: skip
-    null = np.flatnonzero(blocks == 0)
-    if null.size:
-        t = int(null[0])
+    null_tokens = np.flatnonzero(blocks == 0)
+    if null_tokens.size:
+        t = int(null_tokens[0])
         _fail(
             slot_name, t, f"outside block 0 (slots >= {bs})", int(slots[t]),
             f"request {int(req[t])} writes the null block 0, which padded rows and dummy runs share; "
@@ -116,15 +116,15 @@ def check_group_rows(
         if bad.size:
             t = n + int(bad[0])
             _fail(slot_name, t, pad.slot, int(slots[t]), "a padded token must never write the KV cache", key)
-        if level != "full":
+        if level != "full" or lens is None:  # `lens` comes with `full`
             continue
         if table.size and (table.min() < 0 or table.max() >= group.num_blocks):
             i, j = np.argwhere((table < 0) | (table >= group.num_blocks))[0]
             why = f"block ids index the group's KV cache (num_blocks {group.num_blocks})"
             _fail(table_name, f"{i}, {j}", f"in [0, {group.num_blocks})", int(table[i, j]), why, key)
-        bad = np.argwhere(table[r:] != pad.block_id)
-        if bad.size:
-            i, j = bad[0]
+        bad_rows = np.argwhere(table[r:] != pad.block_id)
+        if bad_rows.size:
+            i, j = bad_rows[0]
             why = "padded requests point at the pad block (padding.block_id)"
             _fail(table_name, f"{r + i}, {j}", pad.block_id, int(table[r + i, j]), why, key)
         real = slots[:n]

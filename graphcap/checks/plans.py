@@ -23,7 +23,8 @@ import numpy as np
 from graphcap._fastnp import ONES_BYTES, amax, amin
 
 if TYPE_CHECKING:  # numpy alone at run time (`graphcap inspect` re-checks without torch)
-    from graphcap.inputs import ForwardInputs
+    from graphcap.inputs import ForwardInputs, HostView, StagingLimits
+    from graphcap.keys import GraphKey
 
 __all__ = ["BasicPlan", "FullPlan", "basic_holds", "full_holds", "qsl_tail"]
 
@@ -98,6 +99,29 @@ class BasicPlan:
         "qsl_tail_bytes", "seq", "floor", "ok", "none", "lens", "seq_tail", "seq_tail_bytes", "slot_tail",
         "slot_tail_bytes", "real_slots_u", "block_size", "slot_ok", "slot_none", "full",
     )  # fmt: skip
+    # Declared for the type checker; the slots above hold them (set by `of`; `qsl_bytes`, `floor`: a uniform key).
+    key: GraphKey
+    n: int
+    r: int
+    host: HostView
+    limits: StagingLimits
+    uniform: bool
+    qsl: np.ndarray
+    qsl_bytes: bytes
+    qsl_hi: np.ndarray
+    qsl_lo: np.ndarray
+    qsl_tail: np.ndarray | None
+    qsl_tail_bytes: bytes
+    seq: np.ndarray
+    floor: np.ndarray
+    ok: np.ndarray
+    none: bytes
+    lens: np.ndarray
+    seq_tail: np.ndarray | None
+    seq_tail_bytes: bytes
+    slot_tail: np.ndarray | None
+    slot_tail_bytes: bytes
+    full: FullPlan | None
 
     @classmethod
     def of(cls, inputs: ForwardInputs) -> BasicPlan | None:
@@ -146,6 +170,8 @@ def full_holds(inputs: ForwardInputs, kv_writes: bool = True, dummy: bool = Fals
     `_check_kv_writes` name the broken rule (or find none: False is allowed to be cautious).
     """
     b = inputs.basic_plan
+    if b is None:  # `basic_holds` did not run (or found no plan): cautious
+        return False
     f = b.full
     if f is None:
         f = b.full = FullPlan.of(inputs, b)
@@ -174,6 +200,7 @@ def full_holds(inputs: ForwardInputs, kv_writes: bool = True, dummy: bool = Fals
     if amax(seq) > f.max_model_len:  # also keeps the int32 arithmetic below from wrapping
         return False
     # positions == seq_len - query_len + offset within the request
+    lens: int | np.ndarray
     if f.uniform_len:
         lens, ones = f.uniform_len, f.uniform_len == 1
     else:
@@ -223,6 +250,50 @@ class FullPlan:
         "table_tail_bytes", "row_starts", "block_size", "divide", "divisor", "modulo", "modulus", "index",
         "blocks", "expected", "scratch", "same", "none", "need", "columns", "table_rows", "mask", "zero",
     )  # fmt: skip
+    # Declared for the type checker; the slots above hold them (set by `of`).
+    n: int
+    r: int
+    slots: np.ndarray
+    slots_u: np.ndarray
+    slot_bound: int
+    pad_slots: bytes
+    ids_u: np.ndarray
+    vocab_bound: int
+    seq: np.ndarray
+    starts: np.ndarray
+    positions: np.ndarray
+    offsets: np.ndarray
+    context: np.ndarray
+    shift: np.ndarray
+    uniform_len: int
+    max_model_len: int
+    width: int | None
+    pos_tail: np.ndarray | None
+    pos_tail_bytes: bytes
+    ids_tail: np.ndarray
+    ids_tail_bytes: bytes
+    table: np.ndarray
+    table_u: np.ndarray | None
+    block_bound: int
+    table_tail: np.ndarray | None
+    table_tail_bytes: bytes
+    row_starts: np.ndarray
+    block_size: int
+    divide: np.ufunc
+    divisor: int
+    modulo: np.ufunc
+    modulus: int
+    index: np.ndarray
+    blocks: np.ndarray
+    expected: np.ndarray
+    scratch: np.ndarray
+    same: np.ndarray
+    none: bytes
+    need: np.ndarray
+    columns: np.ndarray
+    table_rows: np.ndarray
+    mask: np.ndarray
+    zero: np.ndarray
 
     @classmethod
     def of(cls, inputs: ForwardInputs, basic: BasicPlan) -> FullPlan | None:
@@ -241,7 +312,7 @@ class FullPlan:
         f.slots, f.seq, f.starts = host.slot_mapping[:n], host.seq_lens[:r], host.query_start_loc[:r]
         f.positions, f.offsets = host.positions[:n], np.arange(n, dtype=np.int32)
         f.slots_u, f.ids_u = f.slots.view(_U32), host.input_ids[:n].view(_U32)
-        f.slot_bound, f.vocab_bound = lim.num_slots, lim.vocab_size or _BOUND
+        f.slot_bound, f.vocab_bound = lim.num_blocks * bs, lim.vocab_size or _BOUND
         f.pad_slots = np.full(n, pad.slot, dtype=np.int32).tobytes()
         f.context, f.shift = np.empty(r, dtype=np.int32), np.empty(r, dtype=np.int32)
         f.uniform_len = T // R if basic.uniform else 0

@@ -65,7 +65,8 @@ class Expected(NamedTuple):
 
     output: Any
     caches: list[Cache]
-    index: list[tuple[torch.Tensor, ...]]
+    slot_index: list[tuple[torch.Tensor, ...]]
+    """Per cache, the index of the real slots (`_gather`)."""
     values: list[torch.Tensor]
 
 
@@ -143,7 +144,9 @@ class StepSampler:
         diff = difference(replayed, expected.output, tolerance, precision)
         what = "its output"
         if diff is None:
-            for cache, value, now in zip(expected.caches, expected.values, _gather(expected.caches, expected.index)):
+            for cache, value, now in zip(
+                expected.caches, expected.values, _gather(expected.caches, expected.slot_index)
+            ):
                 diff = difference(now, value, tolerance, precision)
                 if diff is not None:
                     what = f"the KV slots its tokens write in {cache.name!r}" + (

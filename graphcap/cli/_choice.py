@@ -7,11 +7,15 @@ import argparse
 import dataclasses
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graphcap.cli._common import UserError
 from graphcap.cli._histogram import read_steps
 from graphcap.sizing.sizes import CaptureSizes
+
+if TYPE_CHECKING:
+    from graphcap.config import CaptureConfig
+    from graphcap.sizing.choice import GraphCosts
 
 __all__ = ["backend_of", "choose"]
 
@@ -24,7 +28,9 @@ def backend_of(device: str) -> str:
     return "cuda" if device.startswith("cuda") else "emulated"
 
 
-def choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_graphs: int, budget: int | None) -> int:
+def choose(
+    args: argparse.Namespace, config: CaptureConfig | None, current: CaptureSizes, max_graphs: int, budget: int | None
+) -> int:
     """`--max-graphs`/`--memory-budget`: `sizes: [...]`, the table, the comparison, `--out`."""
     from graphcap.report_files import atomic_write
     from graphcap.sizing.axes import AxisPlan, axis_values_held_out, choose_axis_values, choose_with_axes, slot_waste
@@ -45,7 +51,9 @@ def choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gra
         except ValueError as exc:
             raise UserError(str(exc)) from None
         limit = f"capture.max_size {config.capture.max_size}"
-        if constraints.max_size < config.capture.max_size:  # full_decode_only: the largest uniform key
+        if (
+            config.capture.max_size is not None and constraints.max_size < config.capture.max_size
+        ):  # full_decode_only: the largest uniform key
             q = config.capture.uniform_query_len
             limit = f"batching.max_num_seqs {config.batching.max_num_seqs} x uniform_query_len {q}"
         plan = AxisPlan.from_config(config)
@@ -59,7 +67,7 @@ def choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gra
         created = _check_out(args.out, (args.config, args.histogram))
     steps = read_steps(args.histogram, plan)
     axes_chosen = None
-    if args.choose_axes:
+    if args.choose_axes and config is not None:  # a config plans the axes (checked above)
         try:
             values = choose_axis_values(steps, plan)
         except ValueError as exc:
@@ -97,9 +105,10 @@ def choose(args: argparse.Namespace, config: Any, current: CaptureSizes, max_gra
             f"--histogram {args.histogram}: no observed step can replay: the smallest token count {smallest} is "
             f"above {limit}, so no size can be chosen; raise that limit or give a histogram of this config's traffic"
         )
-    costs, each = None, []
+    costs: GraphCosts | None = None
+    each: list[GraphCosts] = []
     try:
-        if (config is not None and config.model.factory is None) or budget is not None:
+        if config is not None and (config.model.factory is None or budget is not None):  # a budget needs one
             priced = tuple(sorted({*candidates, *ladder_sizes(constraints)}))
             costs, each = _costs(config, priced)
         chosen = choose_with_axes(steps, max_graphs, constraints, plan, costs=costs, memory_budget=budget)
@@ -273,7 +282,7 @@ def _axes(plan: Any) -> str:
     return "; ".join(f"capture.axes.{name} {list(values)}" for name, values in plan.values.items()) or "none"
 
 
-def _costs(config: Any, sizes: tuple[int, ...]) -> tuple[Any, list[Any]]:
+def _costs(config: CaptureConfig, sizes: tuple[int, ...]) -> tuple[GraphCosts, list[GraphCosts]]:
     """`GraphCosts` for the backends the config's device may use, and with two (device `auto`) the
     larger of each part, so a choice within a budget fits on either."""
     from graphcap.memory.graph_costs import graph_costs

@@ -104,7 +104,7 @@ def run_command(args: argparse.Namespace) -> int:
     _common.setup_logging(args)
     _common.stage(f"{args.command} started")
     stdout = sys.stdout
-    sys.stdout = guarded = _GuardedStream(stdout)  # type: ignore[assignment]
+    sys.stdout = guarded = _GuardedStream(stdout)
     try:
         code = int(args.run(args) or 0)
         guarded.flush()  # a full disk shows here, while the error can still be reported

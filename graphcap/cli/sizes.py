@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
         return choose(args, config, sizes, max_graphs, budget)
     plan = AxisPlan() if config is None else AxisPlan.from_config(config)
     steps = read_steps(args.histogram, plan) if args.histogram else None
-    histogram, off_axes = None, 0.0  # the token counts of the steps whose axis values replay; the others' steps
+    histogram: dict[int, float] | None = None  # the token counts of the steps whose axis values replay
+    off_axes = 0.0  # the other steps
     if steps is not None:
         histogram = {}
         for (n, axes), w in steps.items():
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         span = f"{first}" if first == last else f"{first}-{last}"
         print(f"  {span:>13}  {padded:>7}  {(padded - first) / padded:>13.1%}")
     print(f"  {'>' + str(sizes.max_size):>13}  {'eager':>7}")
-    if registry is not None:
+    if registry is not None and config is not None:  # both come from a config
         tokens = list(dict.fromkeys(k.base for k in registry.planned))  # each token key once, whatever its axes
         uniform = [k for k in tokens if k.uniform]
         mixed = [k for k in tokens if not k.uniform and not k.piecewise]
@@ -126,9 +127,9 @@ def run(args: argparse.Namespace) -> int:
         print()
         if registry.axes:
             combos = len(registry.planned) // max(1, len(tokens))
-            axes = "; ".join(f"{name} {', '.join(map(str, values))}" for name, values in registry.axes.items())
+            listed = "; ".join(f"{name} {', '.join(map(str, values))}" for name, values in registry.axes.items())
             print(f"  graph keys: {len(registry.planned)} ({len(tokens)} token keys ({counts}) x {combos} combinations")
-            print(f"    of key axes: {axes})")
+            print(f"    of key axes: {listed})")
         else:
             print(f"  graph keys: {len(registry.planned)} ({counts})")
         if pieces:
@@ -138,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
         if mixed:
             rows: dict[int, list[int]] = {}
             for k in mixed:
-                rows.setdefault(k.num_tokens, []).append(k.num_reqs)
+                if k.num_reqs is not None:  # a mixed key's rows
+                    rows.setdefault(k.num_tokens, []).append(k.num_reqs)
             listing = " ".join(f"{size}/{','.join(map(str, sorted(r)))}" for size, r in rows.items())
             print(f"    mixed   (tokens/reqs): {listing}")
             if any(len(r) > 1 for r in rows.values()):

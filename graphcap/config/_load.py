@@ -14,14 +14,16 @@ from collections.abc import Mapping
 from dataclasses import fields
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from graphcap.config._schema import show_value
+from graphcap.config._schema import Section, show_value
 from graphcap.config._yaml import YamlSyntaxError, read_yaml
 from graphcap.config.buffers import BufferConfig
 from graphcap.config.root import SECTIONS, CaptureConfig
 from graphcap.config.sections import KVGroupConfig
 from graphcap.errors import ConfigError, ConfigFileNotFoundError, ConfigProblem
+
+_S = TypeVar("_S", bound=Section)
 
 __all__ = ["DEFAULT_CONFIG", "MAX_CONFIG_BYTES", "bundled_configs", "config_from_text", "load_config", "report_outside"]
 
@@ -195,7 +197,7 @@ def _from_text(
         outside = report_outside(config.report.postmortem, directory, "--set report.postmortem=...")
         if outside:
             problems.append(ConfigProblem("report.postmortem", outside))
-    if problems:
+    if problems or config is None:  # None: CaptureConfig refused it (its problems are listed)
         located = [p._replace(where=p.where or where(p.key)) for p in problems]
         located.sort(key=lambda p: _line_of(p.where))
         raise ConfigError(located, source)
@@ -207,7 +209,7 @@ def _buffers(value: Any, problems: list[ConfigProblem]) -> tuple[BufferConfig, .
     return _entries(value, BufferConfig, "buffers", problems)
 
 
-def _entries(value: Any, cls: type, key: str, problems: list[ConfigProblem]) -> tuple:
+def _entries(value: Any, cls: type[_S], key: str, problems: list[ConfigProblem]) -> tuple[_S, ...]:
     """A list of mappings (`buffers`, `kv_cache.groups`), each built as `cls` (keys `KEY[i].field`)."""
     if value is None:
         return ()
@@ -261,7 +263,9 @@ def _section_of(key: str) -> str:
     return key.partition(".")[0].partition("[")[0]
 
 
-def _apply_overrides(data: dict, overrides: Mapping[str, Any], problems: list[ConfigProblem]):
+def _apply_overrides(
+    data: dict[str, Any], overrides: Mapping[str, Any], problems: list[ConfigProblem]
+) -> tuple[dict[str, Any], set[str]]:
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
     applied = set()
     # `--set model.factory=pkg.mod:fn` means "this model": it replaces the file's (or the

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import field, fields
+from dataclasses import Field, field, fields
 from typing import Any, ClassVar, Literal
 
 from graphcap.config._yaml import YAML11_BOOLS
@@ -43,6 +43,7 @@ class Section:
     """Validation shared by every section: field types and ranges, then `_check()`."""
 
     __slots__ = ()
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]  # every section is a dataclass
     _key: ClassVar[str]
     _hints_cache: ClassVar[dict[type, dict[str, Any]]] = {}
 
@@ -119,9 +120,12 @@ def _matches(value: Any, option: Any) -> tuple[bool, Any]:
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
             )
             return (True, tuple(float(v) for v in value)) if ok else (False, value)
-        else:
-            ok = isinstance(value, (list, tuple)) and all(isinstance(v, item) for v in value)
+        else:  # a section, or a mapping (`Mapping[str, int]`: its section's checks look inside)
+            kind = typing.get_origin(item) or item
+            ok = isinstance(value, (list, tuple)) and all(isinstance(v, kind) for v in value)
         return (True, tuple(value)) if ok else (False, value)
+    if origin is Mapping:  # `Mapping[str, ...]`: the section's own checks look inside
+        return isinstance(value, Mapping), value
     if isinstance(option, type):
         return isinstance(value, option), value
     return False, value
@@ -142,7 +146,7 @@ def _describe(options: tuple) -> str:
         else:
             words.append(
                 {int: "an integer", float: "a number", str: "a string", Mapping: "a mapping"}.get(
-                    option, getattr(option, "__name__", str(option))
+                    typing.get_origin(option) or option, getattr(option, "__name__", str(option))
                 )
             )
     return " or ".join(words)

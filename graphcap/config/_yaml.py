@@ -32,7 +32,8 @@ class _Loader(yaml.SafeLoader):
     pure-Python composer seconds to build before any check could look at it.
     """
 
-    yaml_implicit_resolvers: ClassVar[dict] = {}
+    # types-PyYAML declares it per instance; PyYAML reads (and copies) it from the class.
+    yaml_implicit_resolvers: ClassVar[dict[str, list[tuple[str, re.Pattern[str]]]]] = {}  # type: ignore[misc]
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
@@ -130,7 +131,8 @@ def read_yaml(text: str, source: str = "<string>") -> YamlDocument:
         node = yaml.compose(text, Loader=_Loader)
     except _TooManyNodes as exc:
         message = f"{exc.problem}; a config holds a few dozen (is it the right file?)"
-        raise YamlSyntaxError(f"{source}:{exc.problem_mark.line + 1}", "", message) from None
+        line = "?" if exc.problem_mark is None else exc.problem_mark.line + 1
+        raise YamlSyntaxError(f"{source}:{line}", "", message) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{source}:{mark.line + 1}" if mark is not None else source
@@ -196,7 +198,9 @@ def _build(node: yaml.Node, key: str, doc: YamlDocument) -> Any:
             value = parse_scalar(node.value)
         except YamlSyntaxError as exc:  # an integer too long: located here
             raise YamlSyntaxError(f"{doc.source}:{line}", key, exc.message) from None
-        expected = {"null": type(None), "bool": bool, "int": int, "float": (float, int)}[node.tag[18:]]
-        if isinstance(value, expected):
-            return float(value) if node.tag.endswith("float") else value
+        if node.tag.endswith("float"):
+            if isinstance(value, (float, int)):
+                return float(value)
+        elif isinstance(value, {"null": type(None), "bool": bool, "int": int}[node.tag[18:]]):
+            return value
     raise YamlSyntaxError(f"{doc.source}:{line}", key, f"tag {node.tag} is not allowed")

@@ -86,7 +86,8 @@ def combination_problems(axes: Mapping, combinations: tuple) -> list[ConfigProbl
         return []
     if not axes:
         return [problem(key, "lists combinations but capture.axes names no axis: add the axes or drop the list")]
-    out, seen = [], {}
+    out: list[ConfigProblem] = []
+    seen: dict[tuple[tuple[str, int], ...], int] = {}
     names = ", ".join(axes)
     for i, entry in enumerate(combinations):
         where = f"{key}[{i}]"

@@ -25,7 +25,7 @@ def parse_bytes(text: str) -> int:
     names its key or flag)."""
     match = _BYTES.fullmatch(text) if isinstance(text, str) else None
     unit = _UNITS.get(match.group(2).lower()) if match else None
-    if unit is None or not 1 <= float(match.group(1)) * unit < MAX_BYTES:
+    if match is None or unit is None or not 1 <= float(match.group(1)) * unit < MAX_BYTES:
         raise ValueError(f"expected bytes or a size such as 4GiB, 512MiB or 8GB (at least 1 byte); got {text!r}")
     return int(float(match.group(1)) * unit)
 

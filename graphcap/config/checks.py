@@ -49,7 +49,9 @@ class ChecksConfig(Section):
     @property
     def tolerance(self) -> dict[str, float]:
         """Keyword arguments for `torch.testing.assert_close` (empty: its defaults)."""
-        return {} if self.atol is None else {"atol": self.atol, "rtol": self.rtol}
+        if self.atol is None or self.rtol is None:  # both or neither (checked)
+            return {}
+        return {"atol": self.atol, "rtol": self.rtol}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

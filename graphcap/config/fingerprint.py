@@ -16,7 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from graphcap.config.root import CaptureConfig
 
 __all__ = [
     "PER_RANK_KEYS",
@@ -32,7 +35,7 @@ PER_RANK_KEYS = frozenset({"device", "report.path"})
 """Keys that may differ between data-parallel ranks (left out of the fingerprint)."""
 
 
-def flat_config(config: Any) -> dict[str, str]:
+def flat_config(config: CaptureConfig | dict[str, Any]) -> dict[str, str]:
     """Dotted key -> the value as canonical JSON text, for a `CaptureConfig` or its `to_dict()`."""
     data = config if isinstance(config, dict) else config.to_dict()
     flat: dict[str, str] = {}
@@ -45,12 +48,12 @@ def flat_config(config: Any) -> dict[str, str]:
     return flat
 
 
-def compared_items(config: Any) -> dict[str, str]:
+def compared_items(config: CaptureConfig | dict[str, Any]) -> dict[str, str]:
     """`flat_config` without `PER_RANK_KEYS`: what the fingerprint covers, key by key."""
     return {k: v for k, v in flat_config(config).items() if k not in PER_RANK_KEYS}
 
 
-def config_fingerprint(config: Any) -> str:
+def config_fingerprint(config: CaptureConfig | dict[str, Any]) -> str:
     """16 hex digits of SHA-256 over every key but `PER_RANK_KEYS`: equal configs, equal fingerprints."""
     return _digest(compared_items(config)).hex()[:16]
 
@@ -66,12 +69,12 @@ def versions() -> dict[str, str]:
     return {"version.torch": torch.__version__, "version.graphcap": graphcap_version}
 
 
-def agreed_items(config: Any) -> dict[str, str]:
+def agreed_items(config: CaptureConfig) -> dict[str, str]:
     """What parallel ranks must share, key by key: `compared_items` and the `versions`."""
     return {**compared_items(config), **versions()}
 
 
-def fingerprint_int(config: Any) -> int:
+def fingerprint_int(config: CaptureConfig) -> int:
     """The fingerprint of `agreed_items` (versions included) as a non-negative int below 2**62 (an int64)."""
     return int.from_bytes(_digest(agreed_items(config))[:8], "big") >> 2
 

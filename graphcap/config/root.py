@@ -82,7 +82,7 @@ class CaptureConfig(Section):
                     "(lazy cuBLAS, Triton and torch.compile initialisation must happen outside the graph); set 1",
                 )
             )
-        if cap.max_size > bat.max_num_tokens:
+        if cap.max_size is not None and cap.max_size > bat.max_num_tokens:  # None: resolved by the section
             out.append(
                 problem(
                     "capture.max_size" if cap.sizes == "auto" else "capture.sizes",
@@ -126,7 +126,7 @@ class CaptureConfig(Section):
                 )
             seen.setdefault(buffer.name, i)
         for i, group in enumerate(kv.groups):  # padded rows of every group's table hold the pad block too
-            if pad.block_id >= group.num_blocks:
+            if group.num_blocks is not None and pad.block_id >= group.num_blocks:  # None: refused by the group
                 where = f"kv_cache.groups[{i}].num_blocks {group.num_blocks}"
                 out.append(
                     problem(
@@ -179,10 +179,10 @@ class CaptureConfig(Section):
 
 
 def _schedule(cap: sections.CaptureSectionConfig, max_num_tokens: int) -> CaptureSizes:
-    sizes = cap.sizes
-    if sizes == "auto":
-        sizes = default_capture_sizes(cap.max_size, cap.uniform_query_len)
-    return CaptureSizes(sizes, max_num_tokens)
+    if cap.sizes != "auto":
+        return CaptureSizes(cap.sizes, max_num_tokens)
+    max_size = sections.DEFAULT_MAX_SIZE if cap.max_size is None else cap.max_size  # resolved by the section already
+    return CaptureSizes(default_capture_sizes(max_size, cap.uniform_query_len), max_num_tokens)
 
 
 def _section_dict(section: Section) -> dict[str, Any]:

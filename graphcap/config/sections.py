@@ -159,7 +159,8 @@ class KVCacheConfig(Section):
 
     def _group_problems(self) -> list[ConfigProblem]:
         """Each group's name is its own; its cache holds one request of max_model_len (or one window)."""
-        out, seen = [], {}
+        out: list[ConfigProblem] = []
+        seen: dict[str, int] = {}
         for i, group in enumerate(self.groups):
             where = f"kv_cache.groups[{i}]"
             if group.name in seen:
@@ -169,7 +170,7 @@ class KVCacheConfig(Section):
             seen.setdefault(group.name, i)
             span = self.max_model_len if group.sliding_window is None else min(group.sliding_window, self.max_model_len)
             need = -(-span // group.block_size) + (group.sliding_window is not None) + 1  # a window straddles one more
-            if group.num_blocks < need:
+            if group.num_blocks is not None and group.num_blocks < need:  # None: refused by the group
                 what = "max_model_len" if group.sliding_window is None else f"a sliding window of {span}"
                 message = (
                     f"{group.num_blocks} blocks of {group.block_size} slots cannot hold one request's {what} "
@@ -235,13 +236,13 @@ class CaptureSectionConfig(Section):
     (eager reason `over_padding`): with sizes [1, 32] a 2-token step would replay 32 tokens. The default
     never triggers on the default schedule (it pads at most 1.8x; 4x with `uniform_query_len` 4); null:
     any padding replays."""
-    axes: Mapping = field(default_factory=dict)
+    axes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     """Key axes beyond tokens (`graphcap.config.axes`): an axis name (a Python identifier: `lora`, `ubatch`)
     to its captured values (ascending unique integers >= 0). Every token key is captured at every combination
     of values; a step states its values (`StepBatch(axes={"lora": 3})`; a missing axis is its smallest
     value), each padded to the smallest captured value at or above it; above the largest the step runs
     eagerly (eager reason `above_max_axis.NAME`). The model reads its key's values in `inputs.axes`."""
-    axis_combinations: tuple[Mapping, ...] = ()
+    axis_combinations: tuple[Mapping[str, int], ...] = ()
     """The combinations of axis values to capture, each a mapping giving every axis one of its values
     (`{lora: 4, ubatch: 2}`); empty: every combination. A step's padded values replay the listed combination
     that holds them with the fewest padded slots, or run eagerly (eager reason `no_axis_combination`)."""

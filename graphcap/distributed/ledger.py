@@ -174,13 +174,13 @@ class CollectiveLedger:
                 "ranks": self._ranks_of(func, args, kwargs),
             }
             body = self._bodies[signature] = _line(entry)[1:]
-        self._store.set(f"{self.rank}/{self._issued}", b'{"segment":%d,' % (self._segment - 1) + body)
+        self._store.set(f"{self.rank}/{self._issued}", b'{"segment":%d,' % (self._segment - 1) + body)  # type: ignore[arg-type]  # torch stubs: str; Store.set takes bytes
         self._issued += 1
         self.published += 1
 
     def _close(self, number: int, how: str) -> None:
         try:
-            self._store.set(f"{self.rank}/{self._issued}", _line({"segment": number, "end": how}))
+            self._store.set(f"{self.rank}/{self._issued}", _line({"segment": number, "end": how}))  # type: ignore[arg-type]  # torch stubs: str; Store.set takes bytes
         except Exception as exc:  # the store is gone: the key's own failure (or agreement) reports it
             log.warning("could not close this rank's collective stream of a capture segment: %s", exc)
 
@@ -250,7 +250,7 @@ class CollectiveLedger:
         if ranks is None:
             import torch.distributed as dist
 
-            group = dist.distributed_c10d._resolve_process_group(name)
+            group = dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]  # torch stubs: a GroupName (a NewType of str)
             ranks = self._groups[name] = list(dist.get_process_group_ranks(group))
         return ranks
 

@@ -35,7 +35,7 @@ import contextlib
 import dataclasses
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +46,10 @@ from graphcap.distributed.sync import KINDS, GroupSync, config_mismatch
 from graphcap.errors import BatchError, DistributedTimeoutError, InvariantViolation
 from graphcap.inputs import BufferSpec, ForwardInputs
 from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode
+
+if TYPE_CHECKING:
+    from graphcap.config import CaptureConfig
+    from graphcap.staging import PersistentBuffers
 
 __all__ = ["COUNTS_BUFFER", "AgreedStep", "StepAgreement", "counts_buffers", "is_collective_error"]
 
@@ -121,7 +125,9 @@ class StepAgreement:
         self.current: AgreedStep | None = None
 
     @classmethod
-    def create(cls, config: Any, registry: KeyRegistry, buffers: Any, parallel: Parallel) -> StepAgreement | None:
+    def create(
+        cls, config: CaptureConfig, registry: KeyRegistry, buffers: PersistentBuffers, parallel: Parallel
+    ) -> StepAgreement | None:
         """The agreements of a manager over `buffers` (`PersistentBuffers`), None without groups.
 
         Collective: the ranks agree on `config` (and the torch and graphcap versions) first.
@@ -245,9 +251,10 @@ class StepAgreement:
                 mismatch.__cause__ = refused
                 refused, batch = mismatch, IDLE
                 own, uniform = self._own(batch)
+        counts: tuple[int, ...]
         dispatch, counts, padded = own, (batch.num_tokens,), None
         if self.dp is not None:
-            dispatch, counts, padded = self._agree_dp(number, call, batch, uniform, own)
+            dispatch, counts, padded = self._agree_dp(self.dp, number, call, batch, uniform, own)
         elif own.mode is Mode.EAGER and call == "execute":  # the step's key: counted once, as without peers
             self.registry.dispatch(batch.num_tokens, batch.num_reqs, uniform, batch.axes)
         step = AgreedStep(number, dispatch, batch, counts, padded, refused)
@@ -310,11 +317,11 @@ class StepAgreement:
         crc = zlib.crc32(f"{key}/{batch.num_tokens}/{batch.num_reqs}".encode())
         for name, rows in self._key_rows(key, batch.num_reqs).items():
             if name != COUNTS_BUFFER:
-                crc = zlib.crc32(np.ascontiguousarray(rows).view(np.uint8), crc)
+                crc = zlib.crc32(np.ascontiguousarray(rows).view(np.uint8).data, crc)
         return crc + 2
 
     def _agree_dp(
-        self, number: int, call: str, batch: StepBatch, uniform: bool, own: Dispatch
+        self, dp: GroupSync, number: int, call: str, batch: StepBatch, uniform: bool, own: Dispatch
     ) -> tuple[Dispatch, tuple[int, ...], tuple[int, int] | None]:
         """The dispatch every DP rank reaches from the reduced counts.
 
@@ -325,7 +332,7 @@ class StepAgreement:
         cannot = own.mode is Mode.EAGER and not (batch.num_reqs == 0 and registry.mode != "none")
         values = registry.axis_values(batch.axes)  # an idle rank: every axis at its smallest value
         payload = [batch.num_tokens, int(cannot), int(not uniform), batch.num_reqs, *(v for _, v in values)]
-        agreement = self.dp.agree(number, call, payload, value=batch.num_tokens)
+        agreement = dp.agree(number, call, payload, value=batch.num_tokens)
         num_tokens, any_cannot, any_mixed, num_reqs, *largest = agreement.payload
         axes = tuple(zip((name for name, _ in values), largest))  # each axis's largest value on any rank
         counts = tuple(agreement.values)

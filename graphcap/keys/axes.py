@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping
+from typing import NoReturn
 
 from graphcap.errors import BatchError
 
@@ -41,7 +42,7 @@ class KeyAxes:
             if holders:
                 self.holder[values] = tuple(zip(self.names, min(holders, key=lambda d: (self._slots(d), d))))
 
-    def _slots(self, values: tuple[int, ...]) -> int:
+    def _slots(self, values: Iterable[int]) -> int:
         """Positions of `values` among their axes' captured values, summed (a combination's padded slots)."""
         return sum(self.values[name].index(value) for name, value in zip(self.names, values))
 
@@ -52,12 +53,16 @@ class KeyAxes:
             return self.defaults
         for name in axes:
             if name not in self.values:
-                planned = ", ".join(self.names) or "none"
-                raise BatchError(
-                    f"axes names {name!r}, which capture.axes does not plan (its axes: {planned}); "
-                    f"add it to capture.axes or leave it out of StepBatch(axes=...)"
-                )
+                self.refuse_unplanned(name)
         return tuple([(name, axes.get(name, floor)) for name, floor in self.defaults])
+
+    def refuse_unplanned(self, name: str) -> NoReturn:
+        """`BatchError` for a step naming axis `name`, which `capture.axes` does not plan; it names the planned ones."""
+        planned = ", ".join(self.names) or "none"
+        raise BatchError(
+            f"axes names {name!r}, which capture.axes does not plan (its axes: {planned}); "
+            f"add it to capture.axes or leave it out of StepBatch(axes=...)"
+        )
 
 
 def _padding_table(values: tuple[int, ...]) -> list[int]:

@@ -105,6 +105,6 @@ def reason_kind(reason: str) -> str:
     return reason.partition(".")[0]
 
 
-def planned_order(key: GraphKey) -> tuple:
+def planned_order(key: GraphKey) -> tuple[int, bool, bool, int, tuple[tuple[str, int], ...]]:
     """Planned order: by size; uniform, then mixed (more rows first), then piecewise; then by axis values."""
     return (key.num_tokens, not key.uniform, key.num_reqs is None, -(key.num_reqs or 0), key.axes)

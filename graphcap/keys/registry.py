@@ -93,6 +93,7 @@ class KeyRegistry:
         self._axis_names, self._axis_pad, self._axis_index = key_axes.names, key_axes.tables, key_axes.index
         self._axis_floors = key_axes.floors  # captured values: padded already
         planned: list[GraphKey] = []
+        padded = sizes.padded_counts()  # `sizes.pad(n)` by index
         # Index by token count: the dispatch hot path is one list index per kind (mixed: the
         # size's keys by ascending request rows).
         self._uniform: list[GraphKey | None] = [None] * (sizes.max_size + 1)
@@ -115,7 +116,7 @@ class KeyRegistry:
             planned = uniform + mixed + pieces
             if pieces:
                 by_size_pieces = {key.num_tokens: key for key in pieces}
-                self._piecewise = [by_size_pieces[sizes.pad(n)] for n in range(sizes.max_size + 1)]
+                self._piecewise = [by_size_pieces[padded[n]] for n in range(sizes.max_size + 1)]
             # Each token count maps to the smallest key that holds it. A uniform key is used
             # only where it pads no further than the schedule does (its size <= pad(n)).
             fill = iter(uniform)
@@ -123,13 +124,13 @@ class KeyRegistry:
             for n in range(sizes.max_size + 1):
                 while key is not None and key.num_tokens < n:
                     key = next(fill, None)
-                if key is not None and key.num_tokens <= sizes.pad(n):
+                if key is not None and key.num_tokens <= padded[n]:
                     self._uniform[n] = key
             if mixed:
                 by_size: dict[int, tuple[GraphKey, ...]] = {}
                 for key in mixed:
                     by_size[key.num_tokens] = (*by_size.get(key.num_tokens, ()), key)
-                self._mixed = [by_size[sizes.pad(n)] for n in range(sizes.max_size + 1)]
+                self._mixed = [by_size[padded[n]] for n in range(sizes.max_size + 1)]
         # The padding factor folded into the tables once: a uniform key past it is dropped from its
         # counts, and `_over_padding[n]` marks the counts whose schedule size is past it.
         self.max_padding_factor = max_padding_factor
@@ -138,7 +139,7 @@ class KeyRegistry:
         if max_padding_factor is not None:
             for n in range(1, sizes.max_size + 1):
                 limit = max_padding_factor * n
-                self._over_padding[n] = sizes.pad(n) > limit
+                self._over_padding[n] = padded[n] > limit
                 key = self._uniform[n]
                 if key is not None and key.num_tokens > limit:
                     self._uniform[n] = None
@@ -278,7 +279,7 @@ class KeyRegistry:
         for name, value in axes.items():
             i = index.get(name)
             if i is None:
-                self.axis_values(axes)  # raises: names the axis and the planned ones
+                self._key_axes.refuse_unplanned(name)
             table = tables[i]
             if not 0 <= value < len(table):
                 if value < 0:
@@ -329,9 +330,9 @@ class KeyRegistry:
             else:  # a uniform step whose uniform key pads past the factor: the guard decided
                 reason = "over_padding" if uniform and self._uniform_over[num_tokens] else "decode_only"
             return self._eager(num_tokens, num_reqs, reason, values)
-        fits = None  # the fewest rows that hold the step; a larger captured one replays instead
-        for key in keys:
-            if key.num_reqs >= num_reqs:
+        fits: GraphKey | None = None  # the fewest rows that hold the step; a larger captured one replays instead
+        for key in keys:  # mixed keys: num_reqs is set
+            if key.num_reqs is not None and key.num_reqs >= num_reqs:
                 if over:
                     return self._over_padding_of(num_tokens, num_reqs, fallback, values)
                 if at is not None:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from graphcap.config import CaptureConfig
-from graphcap.config.byte_counts import format_bytes
+from graphcap.config.byte_counts import format_bytes, parse_bytes
 from graphcap.keys import GraphKey, KeyRegistry
 from graphcap.memory.estimate import GraphMemory, estimate_memory, graphs_bytes
 from graphcap.report import GraphRecord
@@ -55,7 +55,8 @@ class MemoryBudget:
     def __init__(
         self, config: CaptureConfig, backend_name: str, measure: Callable[[GraphKey], GraphMemory] | None = None
     ) -> None:
-        self.limit: int | None = config.capture.memory_budget
+        budget = config.capture.memory_budget  # bytes: the section parses a size such as 4GiB
+        self.limit: int | None = parse_bytes(budget) if isinstance(budget, str) else budget
         self.pool_growth = 0
         """Device memory the captures of the live graphs added, as the pool measured it (`observe`)."""
         self.kind = "cuda" if backend_name == "cuda" else "emulated"

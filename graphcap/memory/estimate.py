@@ -37,9 +37,12 @@ import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graphcap.config.byte_counts import format_bytes
+
+if TYPE_CHECKING:
+    from graphcap.config import CaptureConfig
 
 __all__ = ["GraphMemory", "MemoryEstimate", "available_memory", "estimate_memory", "graphs_bytes"]
 
@@ -140,7 +143,7 @@ class MemoryEstimate:
 
 
 def estimate_memory(
-    config: Any,
+    config: CaptureConfig,
     *,
     backend: str = "emulated",
     model_estimate: Callable[[Any], int | Mapping[str, int]] | None = None,
@@ -205,7 +208,7 @@ _PIECEWISE_NOTES = {
 
 
 def _kept_references(
-    config: Any, registry: Any, order: list, graphs: Mapping[Any, GraphMemory]
+    config: CaptureConfig, registry: Any, order: list, graphs: Mapping[Any, GraphMemory]
 ) -> list[tuple[int, int, int]]:
     """Per key of `order` (capture order): the bytes of probe results kept when its verification begins and while
     its probes run (`graphcap.capture.references.SharedReferences`: each probe batch's real rows of logits, the
@@ -235,7 +238,7 @@ def _kept_references(
 
 
 def _capture_transient(
-    config: Any, backend: str, graphs: list[GraphMemory], references: list[tuple[int, int, int]] | None
+    config: CaptureConfig, backend: str, graphs: list[GraphMemory], references: list[tuple[int, int, int]] | None
 ) -> int:
     """The capture's peak above what its graphs keep (`graphs_bytes`); `graphs` in capture order, `references`
     per key the probe results kept when its verification begins and while its probes run, and its largest
@@ -279,7 +282,7 @@ def graphs_bytes(graphs: Iterable[GraphMemory], backend: str) -> int:
     return sum(g.output for g in graphs)
 
 
-def _weights(config: Any, backend: str) -> tuple[int, int]:
+def _weights(config: CaptureConfig, backend: str) -> tuple[int, int]:
     """(bytes of parameters and rotary tables, bytes above them while they are drawn).
 
     Each weight is drawn in float32 (randn, then scaled and shifted: two tensors alive), then cast;
@@ -299,13 +302,13 @@ def _weights(config: Any, backend: str) -> tuple[int, int]:
     return params * s + rope, transient
 
 
-def _kv_cache(config: Any) -> int:
+def _kv_cache(config: CaptureConfig) -> int:
     m, kv = config.model, config.kv_cache
     # kv_cache: [num_layers, 2, num_kv_heads, num_blocks + 1 (scratch), block_size, head_dim]
     return m.num_layers * 2 * m.num_kv_heads * (kv.num_blocks + 1) * kv.block_size * m.head_dim * _DTYPE_BYTES[m.dtype]
 
 
-def _buffers(config: Any, backend: str, extras: Iterable[Any]) -> int:
+def _buffers(config: CaptureConfig, backend: str, extras: Iterable[Any]) -> int:
     """The packed staging buffer with the engine buffers `extras` (twice on CUDA: pinned host and
     device) and its scratch; each field 64-byte aligned, as `PersistentBuffers` lays them out."""
     T, R = config.batching.max_num_tokens, config.batching.max_num_seqs
@@ -318,7 +321,7 @@ def _buffers(config: Any, backend: str, extras: Iterable[Any]) -> int:
     return packed * (2 if backend == "cuda" else 1) + scratch
 
 
-def _graph(config: Any, T: int, R: int) -> GraphMemory:
+def _graph(config: CaptureConfig, T: int, R: int) -> GraphMemory:
     """The tiny-llama forward at `T` tokens and `R` requests (see `TinyLlama.forward`).
 
     `transient` is every storage the forward's aten ops return, byte for byte, as the emulated

@@ -11,16 +11,19 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from graphcap.keys import KeyRegistry
 from graphcap.memory.estimate import estimate_memory
 from graphcap.sizing.choice import GraphCosts
 
+if TYPE_CHECKING:
+    from graphcap.config import CaptureConfig
+
 __all__ = ["graph_costs"]
 
 
-def graph_costs(config: Any, sizes: Iterable[int], backend: str) -> GraphCosts:
+def graph_costs(config: CaptureConfig, sizes: Iterable[int], backend: str) -> GraphCosts:
     """`GraphCosts` of capturing any subset of `sizes` with `config`, by `estimate_memory`.
 
     It mirrors how the estimate adds graphs up: on `cuda` every graph shares one pool that holds

@@ -30,6 +30,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from types import MappingProxyType
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -43,6 +44,7 @@ from graphcap.models.window import WindowedMemory, window_reference
 
 __all__ = [
     "MODELS",
+    "Model",
     "TinyLlama",
     "WindowedMemory",
     "build_model",
@@ -52,6 +54,14 @@ __all__ = [
     "window_reference",
 ]
 
+
+class Model(Protocol):
+    """What `build_model` returns: an object with `forward(inputs)` (a built-in model, or a factory's, usually an
+    `nn.Module`)."""
+
+    def forward(self, inputs: Any) -> Any: ...
+
+
 MODELS: Mapping[str, Callable[[CaptureConfig, torch.device], nn.Module]] = MappingProxyType({"tiny-llama": TinyLlama})
 """Built-in models: `model.name` -> builder(config, device). Must match `config.BUILTIN_MODELS`."""
 
@@ -59,7 +69,7 @@ _RUNNING: ContextVar[frozenset[str]] = ContextVar("graphcap_factories_running", 
 """The factories (`model.factory` specs) `build_model` is inside of, on this thread."""
 
 
-def build_model(config: CaptureConfig, device: torch.device | str | None = None) -> nn.Module:
+def build_model(config: CaptureConfig, device: torch.device | str | None = None) -> Model:
     """The model `config.model` names, on `device` (None: `resolve_device(config)`).
 
     A built-in model is built directly on the device with its KV cache sized from
@@ -81,7 +91,7 @@ def build_model(config: CaptureConfig, device: torch.device | str | None = None)
     if spec is not None and spec in _RUNNING.get():
         config, spec = _builtin_of(config), None
     if spec is None:
-        builder = MODELS.get(config.model.name)
+        builder = MODELS.get(config.model.name or "")
         if builder is None:
             raise _error("model.name", f"unknown model {config.model.name!r}; built in: {', '.join(MODELS)}")
         return builder(config, device)
@@ -103,7 +113,7 @@ def build_model(config: CaptureConfig, device: torch.device | str | None = None)
         )
     if isinstance(model, nn.Module):
         model = model.to(device)
-    return model
+    return cast(Model, model)  # it has a callable forward (checked above)
 
 
 def _builtin_of(config: CaptureConfig) -> CaptureConfig:

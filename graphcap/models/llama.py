@@ -13,6 +13,8 @@ failed in production (`repeats can not be negative` on CPU, a device assert on C
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +125,11 @@ class TinyLlama(nn.Module):
     output_rows = "tokens"
     """Every row of the logits is a token's (`graphcap.outputs`): steps cut them to the real tokens."""
 
+    rope_cos: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    rope_sin: torch.Tensor
+    kv_cache: torch.Tensor
+    _plane_offsets: torch.Tensor
+
     def __init__(self, config: CaptureConfig, device: torch.device | str = "cpu") -> None:
         super().__init__()
         cfg, kv = config.model, config.kv_cache
@@ -210,17 +217,22 @@ class TinyLlama(nn.Module):
         """Final norm and lm head: h [T, E] -> logits [T, vocab] float32."""
         return F.linear(_rms_norm(h, self.norm, self.eps), self.lm_head).float()
 
+    @property
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """`layers`, typed: the `DecoderLayer`s in order."""
+        return cast("Sequence[DecoderLayer]", self.layers)
+
     def forward(self, inputs) -> torch.Tensor:
         """Run one padded step; returns logits [T, vocab_size] float32 (see the class doc)."""
         cos, sin = self.rope(inputs.positions)
         h = self.embed.index_select(0, inputs.input_ids)  # h: [T, E]
         if self.attention == "per_request":  # an eager_op between graph pieces (see per_request.py)
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.decoder_layers):
                 q, k, v = layer.project_qkv(h, cos, sin)
                 h = layer.finish(h, attend_per_request(self, i, q, k, v))
             return self.logits(h)
         write_slots, read_rows, visible = self._paging(inputs)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             q, k, v = layer.project_qkv(h, cos, sin)
             h = layer.finish(h, self._attend(i, q, k, v, write_slots, read_rows, visible))
         return self.logits(h)

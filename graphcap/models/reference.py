@@ -35,7 +35,7 @@ def dense_reference(model: TinyLlama, token_ids_per_request: Sequence[Sequence[i
         n = ids.numel()
         cos, sin = model.rope(torch.arange(n, device=device))
         h = model.embed.index_select(0, ids)  # h: [n, E]
-        for layer in model.layers:
+        for layer in model.decoder_layers:
             q, k, v = layer.project_qkv(h, cos, sin)
             h = layer.finish(h, _causal_attention(q, k, v))
         out.append(model.logits(h))

@@ -31,10 +31,12 @@ class WindowedMemory(nn.Module):
     row the scratch that PAD tokens write. Allocated once and written in place.
     """
 
+    cache: torch.Tensor  # a buffer (register_buffer), declared for the type checker
+
     def __init__(self, config: CaptureConfig, group: str, *, dim: int = 8, seed: int = 1) -> None:
         super().__init__()
         spec = next((g for g in config.kv_cache.groups if g.name == group), None)
-        if spec is None or spec.sliding_window is None:
+        if spec is None or spec.sliding_window is None or spec.num_blocks is None:
             raise ValueError(f"WindowedMemory needs a kv_cache.groups entry {group!r} with a sliding_window")
         self.group, self.window, self.block_size = group, spec.sliding_window, spec.block_size
         generator = torch.Generator().manual_seed(seed)

@@ -30,11 +30,14 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from graphcap.keys.axes import KeyAxes
 from graphcap.sizing.choice import GraphCosts, SizeConstraints, choose_sizes
-from graphcap.sizing.held_out import HeldOutChoice, choose_on_halves, choose_way, split_steps
+from graphcap.sizing.held_out import Budget, HeldOutChoice, choose_on_halves, choose_way, split_steps
+
+if TYPE_CHECKING:
+    from graphcap.config import CaptureConfig
 
 __all__ = [
     "AxisChoice",
@@ -64,7 +67,7 @@ class AxisPlan:
         """The planned combinations (`GraphKey.axes` of each), every one captured at every size."""
 
     @classmethod
-    def from_config(cls, config: Any) -> AxisPlan:
+    def from_config(cls, config: CaptureConfig) -> AxisPlan:
         return cls(config.capture.axes, config.capture.axis_combinations)
 
     @property
@@ -234,10 +237,10 @@ def choose_with_axes(
     token_halves = None
     if halves is not None:
         token_halves = (_replayed_tokens(halves[0], plan), _replayed_tokens(halves[1], plan))
-    kwargs = {"costs": costs, "memory_budget": memory_budget}
+    kwargs: Budget = {"costs": costs, "memory_budget": memory_budget}
     held = choose_on_halves(marginal, token_halves, max_graphs // combos, constraints, **kwargs)
     held_out_values = None
-    if halves is not None and held.held_out is not None:
+    if halves is not None and token_halves is not None and held.held_out is not None:
         scored = []
         for tokens, scored_on in zip(token_halves, halves[::-1], strict=True):
             try:

@@ -25,7 +25,10 @@ import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from graphcap.config import CaptureConfig
 
 __all__ = ["GraphCosts", "SizeChoice", "SizeConstraints", "candidate_sizes", "choose_sizes"]
 
@@ -60,14 +63,14 @@ class SizeConstraints:
         return self.max_size - self.max_size % self.multiple_of
 
     @classmethod
-    def from_config(cls, config: Any) -> SizeConstraints:
+    def from_config(cls, config: CaptureConfig) -> SizeConstraints:
         """The config's bounds: `capture.max_size`, whole uniform requests when the mode captures
         uniform keys, and under `full_decode_only` at most `batching.max_num_seqs` requests."""
         cap = config.capture
         q = cap.uniform_query_len
         if cap.mode == "none":
             raise ValueError("capture.mode is none: no graph is captured, so there are no sizes to choose")
-        top = cap.max_size
+        top = config.capture_sizes.max_size  # = capture.max_size, resolved
         if cap.mode == "full_decode_only":
             top = min(top, config.batching.max_num_seqs * q)
         return cls(top, q if cap.mode != "piecewise" else 1, cap.mode == "full_decode_only")
@@ -199,7 +202,7 @@ def choose_sizes(
         missing = [x for x in xs if x not in costs.per_size or x not in costs.shared]
         if missing:
             raise ValueError(f"costs do not price size {missing[0]}; build them from candidate_sizes(...)")
-    if memory_budget is not None:
+    if memory_budget is not None and costs is not None:  # costs is not None with a budget (checked above)
         fits = [x for x in xs if costs.per_size[x] + costs.shared[x] <= memory_budget]
         if not fits:
             raise ValueError(
@@ -214,7 +217,7 @@ def choose_sizes(
             xs = [x for x in xs if x <= fits[-1]]
     total = sum(points[x] for x in xs)
     ws = [points[x] / total for x in xs]  # fractions of the replayed steps: no overflow, any scale
-    if memory_budget is None:
+    if memory_budget is None or costs is None:
         chosen = _solve(xs, ws, None, max_graphs, 0.0)
     else:
         spare = memory_budget - costs.shared[xs[-1]]
@@ -244,7 +247,9 @@ def _checked(histogram: Mapping[int, float]) -> dict[int, float]:
 
 def _points(weights: dict[int, float], constraints: SizeConstraints) -> tuple[dict[int, float], dict[int, float]]:
     """({size a count rounds up to: its steps}, {count that runs eagerly: its steps})."""
-    q, points, eager = constraints.multiple_of, {}, {}
+    q = constraints.multiple_of
+    points: dict[int, float] = {}
+    eager: dict[int, float] = {}
     for n, w in weights.items():
         x = _round_up(n, q)
         if x > constraints.largest or (constraints.uniform_only and n % q):

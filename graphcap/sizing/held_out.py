@@ -25,10 +25,13 @@ import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypedDict, TypeVar
 
 from graphcap.sizing.choice import GraphCosts, SizeChoice, SizeConstraints, choose_sizes
 from graphcap.sizing.sizes import default_capture_sizes
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsRichComparison
 
 __all__ = [
     "HeldOutChoice",
@@ -40,7 +43,7 @@ __all__ = [
     "split_steps",
 ]
 
-K = TypeVar("K")
+K = TypeVar("K", bound="SupportsRichComparison")
 WAYS = ("traffic", "ladder")
 _EXACT_DRAWS = 4096  # steps of one count drawn one by one; above, the normal limit of their binomial
 
@@ -98,6 +101,13 @@ def held_out_waste(sizes: tuple[int, ...], histogram: Mapping[int, float], const
     return 0.0 if padded == 0 else (padded - real) / padded
 
 
+class Budget(TypedDict):
+    """`choose_sizes`'s memory arguments, passed on by keyword."""
+
+    costs: GraphCosts | None
+    memory_budget: int | None
+
+
 def choose_held_out(
     histogram: Mapping[int, float],
     max_graphs: int,
@@ -127,8 +137,8 @@ def choose_on_halves(
     """`choose_held_out` on halves split by the caller (None: not split, `traffic` unscored): the halves of
     steps that carry more than a token count (key axes, `graphcap.sizing.axes`), each as its token counts."""
     ways = ("traffic",) if memory_budget is not None else WAYS
-    kwargs = {"costs": costs, "memory_budget": memory_budget}
-    held_out = None
+    kwargs: Budget = {"costs": costs, "memory_budget": memory_budget}
+    held_out: dict[str, float] | None = None
     if halves is not None:
         held_out = {}
         for way in ways:
@@ -146,7 +156,7 @@ def choose_on_halves(
 
 
 def choose_way(
-    way: str, histogram: Mapping[int, float], max_graphs: int, constraints: SizeConstraints, kwargs: dict
+    way: str, histogram: Mapping[int, float], max_graphs: int, constraints: SizeConstraints, kwargs: Budget
 ) -> SizeChoice:
     """The sizes `way` (of `WAYS`) chooses on `histogram`; `kwargs`: `costs` and `memory_budget` (`choose_sizes`'s)."""
     if way == "traffic":
@@ -161,7 +171,8 @@ def choose_way(
     real = choose_sizes(histogram, 1, constraints)
     costs = kwargs["costs"]
     priced = costs is not None and all(s in costs.per_size and s in costs.shared for s in sizes)
-    return SizeChoice(sizes, real.histogram, constraints, real.eager, costs.bytes_of(sizes) if priced else None)
+    graph_bytes = costs.bytes_of(sizes) if costs is not None and priced else None
+    return SizeChoice(sizes, real.histogram, constraints, real.eager, graph_bytes)
 
 
 def ladder_sizes(constraints: SizeConstraints) -> list[int]:

@@ -8,7 +8,7 @@ holds it. It is built once, so `CaptureSizes.pad(n)` on the hot path is one list
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 __all__ = ["CaptureSizes", "default_capture_sizes", "uniform_sizes"]
 
@@ -114,6 +114,10 @@ class CaptureSizes:
             raise ValueError(f"num_tokens must be >= 0; got {num_tokens}")
         return self._table[num_tokens]
 
+    def padded_counts(self) -> tuple[int, ...]:
+        """`pad(n)` of every token count `n` in `0..max_size`, by index."""
+        return tuple(self._table)
+
     def padding_table(self) -> list[tuple[int, int, int]]:
         """`(first, last, padded)` ranges: every token count in `[first, last]` pads to `padded`."""
         rows, lo = [], 1
@@ -142,7 +146,7 @@ class CaptureSizes:
     def __len__(self) -> int:
         return len(self.sizes)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         return iter(self.sizes)
 
     def __eq__(self, other: object) -> bool:

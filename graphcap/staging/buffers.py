@@ -13,15 +13,16 @@ plans and scratch) and `BlockTable`; the passes (`staging.passes`) are functions
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import cast
 
 import numpy as np
 import torch
 
 from graphcap.batch import StepBatch
 from graphcap.block_table import BlockTable
-from graphcap.config import PadRules
+from graphcap.config import CaptureConfig, PadRules
 from graphcap.fields import COUNTS_ENTRY, FIELD_TABLE
 from graphcap.inputs import BufferSpec, ForwardInputs, KVGroup, StagingLimits
 from graphcap.keys import GraphKey
@@ -125,7 +126,7 @@ class PersistentBuffers:
 
     @classmethod
     def from_config(
-        cls, config, device: torch.device | str | None = None, *, extras: Sequence[BufferSpec] = ()
+        cls, config: CaptureConfig, device: torch.device | str | None = None, *, extras: Sequence[BufferSpec] = ()
     ) -> PersistentBuffers:
         """Buffers sized from a `CaptureConfig` (batching maxima, KV cache, pad rules)."""
         kv = config.kv_cache
@@ -141,8 +142,14 @@ class PersistentBuffers:
             pad_rules=config.padding,
             poison=config.checks.poison_padding,
             extras=extras,
-            kv_groups=(
-                KVGroup(g.name, g.block_size, g.num_blocks, g.max_blocks_per_req(kv.max_model_len), g.sliding_window)
+            kv_groups=(  # each group's num_blocks is set: a group without it is refused at load
+                KVGroup(
+                    g.name,
+                    g.block_size,
+                    cast(int, g.num_blocks),
+                    g.max_blocks_per_req(kv.max_model_len),
+                    g.sliding_window,
+                )
                 for g in kv.groups
             ),
         )
@@ -252,7 +259,7 @@ class PersistentBuffers:
                 yield
 
     @contextmanager
-    def _set_aside(self, table: BlockTable, claim) -> Iterator[None]:
+    def _set_aside(self, table: BlockTable, claim: Callable[[], None]) -> Iterator[None]:
         if not table.top:
             yield
             return

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from graphcap.config.buffers import BufferConfig, cumulative_tail, real_rows
 from graphcap.errors import BatchError, ConfigError, ConfigProblem
-from graphcap.inputs import BufferSpec
+from graphcap.inputs import AxesSampler, BufferSpec, Sampler
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 __all__ = [
     "check_extras",
@@ -113,18 +117,19 @@ def sampled(
     key-axis values (`capture.axes`), so rows that index axis slots stay below the batch's value."""
     out = {}
     for spec in extras:
-        if not spec.is_sampled:
+        sample = spec.sample
+        if isinstance(sample, str) or not spec.is_sampled:  # a str: "pad", every row holds the pad
             continue
         real = real_rows(spec, num_tokens, num_reqs) or 0
         expected = real_shape(spec, None if spec.rows == "none" else real)
-        if spec.sample is None:
+        if sample is None:
             out[spec.name] = default_sample(spec, rng, expected, unlike_capture=not capture)
             continue
         try:
-            if _takes_axes(spec.sample):
-                value = np.asarray(spec.sample(rng, real, axes=dict(axes or {})))
+            if _takes_axes(sample):
+                value = np.asarray(sample(rng, real, axes=dict(axes or {})))
             else:
-                value = np.asarray(spec.sample(rng, real))
+                value = np.asarray(sample(rng, real))
         except Exception as exc:
             raise ValueError(
                 f"BufferSpec {spec.name!r}: sample(rng, {real}) raised {type(exc).__name__}: {exc}; it must return "
@@ -215,7 +220,7 @@ def domain_hint(extras: tuple[BufferSpec, ...], replayed: list, expected: list) 
     )
 
 
-def _takes_axes(sample) -> bool:
+def _takes_axes(sample: Sampler | AxesSampler) -> TypeIs[AxesSampler]:
     try:
         return "axes" in inspect.signature(sample).parameters
     except (TypeError, ValueError):  # a builtin or C callable: the two-argument form
@@ -263,7 +268,7 @@ _ROW_WORDS = {"tokens": "one row per real token", "reqs": "one row per real requ
 
 
 def real_shape(spec: BufferSpec, num_rows: int | None) -> tuple[int, ...]:
-    if spec.rows == "none":
+    if spec.rows == "none" or num_rows is None:  # None: the rows of a `none` buffer
         return spec.shape
     shape = list(spec.shape)
     shape.insert(spec.row_dim, num_rows)

@@ -11,6 +11,7 @@ engines without groups never enter this module.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from types import MappingProxyType
@@ -66,7 +67,7 @@ class GroupStaging:
                 num_blocks=spec.num_blocks,
                 max_model_len=max_model_len,
                 pad_block=pad.block_id,
-                before_write=lambda name=spec.name: self._claim(name),
+                before_write=functools.partial(self._claim, spec.name),
                 null_ok=spec.sliding_window is not None,
             )
             self._groups[spec.name] = _Group(spec, host, table)

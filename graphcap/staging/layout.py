@@ -75,7 +75,7 @@ class PackedLayout:
         self.device_tensor = self.host_tensor  # replaced by `start_device` on CUDA
         self.upload_pending = False
         """An upload was issued and may still read the pinned host rows."""
-        self._copy_done = None  # CUDA event of the last upload
+        self._copy_done: torch.cuda.Event | None = None  # CUDA event of the last upload
         self._views: dict[tuple[int, int], KeyViews] = {}
         self._geometry: dict[tuple[int, int], dict[str, tuple]] = {}  # (T, R) -> name -> (offset, size, stride)
 
@@ -162,15 +162,17 @@ class PackedLayout:
         # copy still reads.
         with no_torch_function():  # graphcap's own copy: an engine's torch modes need not see it
             rows[0].copy_(rows[1], non_blocking=True)
-            if self._copy_done is None:
+            done = self._copy_done
+            if done is None:
                 with torch.cuda.device(self.device):
-                    self._copy_done = torch.cuda.Event()
-            self._copy_done.record(torch.cuda.current_stream(self.device))
+                    done = self._copy_done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
         self.upload_pending = True
 
     def wait(self) -> None:
         """Wait until the last upload has read the pinned host staging (host writes come next)."""
-        self._copy_done.synchronize()
+        if self._copy_done is not None:  # None: nothing was uploaded yet
+            self._copy_done.synchronize()
         self.upload_pending = False
 
     # -- internals -------------------------------------------------------------------------

@@ -40,7 +40,7 @@ class PadWriter:
         self._tokens = tuple((host[f.name], getattr(pad, f.pad)) for f in TOKEN_FIELDS)
         self._seq, self._table, self._qsl = host["seq_lens"], host["block_table"], host["query_start_loc"]
         self._steps = np.arange(1, max_num_reqs + 1, dtype=np.int64)
-        self.qsl_written = None
+        self.qsl_written: object | None = None  # the plan that wrote the staged query_start_loc rows
         # At first every row is dirty: the zeroed buffers get every pad once.
         self.tokens, self.reqs = max_num_tokens, max_num_reqs
         self.table_rows, self.table_cols = max_num_reqs, self._table.shape[1]

@@ -13,7 +13,7 @@ dirtied them.
 
 from __future__ import annotations
 
-from typing import NoReturn, Protocol
+from typing import NoReturn, Protocol, cast
 
 import numpy as np
 import torch
@@ -156,8 +156,8 @@ def stage_general(bufs: Parts, batch: StepBatch, key: GraphKey, R: int) -> Forwa
             cap = p.table_cap
         elif bt is None:
             cap = p.null_cap
-        else:
-            cap = plans.fresh_capacity(p, bt.shape[1])
+        else:  # an array (any other source was refused above)
+            cap = plans.fresh_capacity(p, cast(np.ndarray, bt).shape[1])
         # 0 <= seq_len <= capacity (unsigned), then seq_len >= query_len.
         ok = p.ok_r
         np.less_equal(s.view(_U64 if wide else _U32), cap, out=ok)
@@ -168,8 +168,10 @@ def stage_general(bufs: Parts, batch: StepBatch, key: GraphKey, R: int) -> Forwa
     if bt is table:
         if table.top > r and _count(p.counts_padded):
             _refuse(bufs, batch, key)
-    elif bt is not None and r and (bt.shape[1] > bufs.max_blocks_per_req or unsigned_max(bt) >= plans.num_blocks):
-        _refuse(bufs, batch, key)
+    elif bt is not None and r:  # an array
+        fresh = cast(np.ndarray, bt)
+        if fresh.shape[1] > bufs.max_blocks_per_req or unsigned_max(fresh) >= plans.num_blocks:
+            _refuse(bufs, batch, key)
     if batch.extras or bufs.extras:
         check_extras_fit(bufs.extras, batch.extras, n, r)
     groups = bufs.kv_groups
@@ -261,7 +263,7 @@ def _fresh_slots(bufs: Parts, bt, p: Plan, base: np.ndarray | None, q) -> int:
         if pad.table_cols > width:  # columns an earlier, wider table left
             p.table[:, width : pad.table_cols] = bufs.limits.pad.block_id
     if q is None:  # decode: flat index of each request's last token
-        _add(base, p.row_offset, out=idx)  # seq_len - 1 + row * B * block_size
+        _add(cast(np.ndarray, base), p.row_offset, out=idx)  # seq_len - 1 + row * B * block_size
         plans.div(idx, p.div, out=idx)
     else:  # the general pass computed it
         idx = p.u

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 import numpy as np
+import torch
 
 from graphcap._fastnp import filled
 from graphcap.block_table import BlockTable
@@ -25,6 +26,7 @@ __all__ = ["Plan", "PlanCache"]
 
 _U32 = np.dtype(np.uint32)
 _MAX_PLANS = 1024
+_NO_CAP = np.zeros(0, dtype=_U32)  # the fresh capacity of a plan that saw no fresh table yet
 
 
 class Plan:
@@ -36,6 +38,48 @@ class Plan:
         "qsl", "qsl_from_1", "qsl_real", "qsl_content", "counts_padded", "arange", "all_true", "all_true_r",
         "fresh_width", "fresh_cap", "u", "u_reqs", "row_span", "mod_operand", "counts", "count_values",
     )  # fmt: skip
+    # Declared for the type checker; the slots above hold them (set by `PlanCache._plan`, then `decode`/`general`).
+    key: GraphKey
+    T: int
+    R: int
+    n: int
+    r: int
+    inputs: ForwardInputs
+    upload: tuple[torch.Tensor, torch.Tensor] | None
+    ok: np.ndarray
+    ok_r: np.ndarray
+    pos: np.ndarray
+    pos_u: np.ndarray
+    idx: np.ndarray
+    tmp: np.ndarray
+    ones: np.ndarray
+    vocab: np.ndarray | None
+    ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    seq: np.ndarray
+    table: np.ndarray
+    table_cap: np.ndarray
+    null_cap: np.ndarray
+    row_offset: np.ndarray
+    div: np.ndarray
+    modulus: np.ndarray
+    qsl: np.ndarray
+    qsl_from_1: np.ndarray
+    qsl_real: np.ndarray
+    qsl_content: np.ndarray
+    counts_padded: np.ndarray
+    arange: np.ndarray
+    all_true: bytes
+    all_true_r: bytes
+    fresh_width: int
+    fresh_cap: np.ndarray  # meaningful once `fresh_width` is a real width
+    u: np.ndarray
+    u_reqs: np.ndarray
+    row_span: np.ndarray
+    mod_operand: np.ndarray
+    counts: np.ndarray
+    count_values: np.ndarray
 
 
 class PlanCache:
@@ -77,6 +121,7 @@ class PlanCache:
         self._row_offset = np.arange(R, dtype=wide) * span
         self._scratch_u = np.zeros(size, dtype=wide)
         self._scratch_u_reqs = np.zeros(size, dtype=wide)
+        self.div: np.ufunc  # block index of a position: a shift when block_size is a power of two
         if bs & (bs - 1) == 0:
             self.div, self._divisor = np.right_shift, filled(bs.bit_length() - 1, size, np.intp)
             self._divisor_u = filled(bs.bit_length() - 1, size, wide)
@@ -159,7 +204,7 @@ class PlanCache:
         p.qsl, p.qsl_from_1, p.qsl_real = self.qsl[: R + 1], self.qsl[1 : r + 1], self.qsl[:r]
         p.counts_padded = self.table.counts[r:R]
         p.all_true, p.all_true_r = b"\x01" * n, b"\x01" * r
-        p.fresh_width, p.fresh_cap = -1, None
+        p.fresh_width, p.fresh_cap = -1, _NO_CAP
         p.counts, p.count_values = views.host[COUNTS_ENTRY], np.array([n, r], dtype=np.int32)
         return p
 

@@ -77,7 +77,7 @@ def refuse_step(
             )
     if bt is table and table is not None:
         table.check_step(s, r, r if key.num_reqs is None else key.num_reqs)
-    elif bt is not None:
+    elif isinstance(bt, np.ndarray):  # a table the step brings
         check_block_ids(bt)
         if r:
             _check_fresh_table(bt, s, lim)

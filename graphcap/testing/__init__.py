@@ -20,7 +20,7 @@ code that the command line uses; they are re-exported here for the tests and `to
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -169,4 +169,6 @@ def make_manager(
         torch.set_num_threads(threads)
     model = build_model(config)
     kwargs.setdefault("progress", False)
-    return remember_freeze_count(CaptureManager(FaultyModel(model) if faulty else model, config, **kwargs))
+    if faulty:  # the reference model (TINY): an nn.Module
+        return remember_freeze_count(CaptureManager(FaultyModel(cast(torch.nn.Module, model)), config, **kwargs))
+    return remember_freeze_count(CaptureManager(model, config, **kwargs))

@@ -12,7 +12,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch
@@ -61,7 +61,8 @@ class Wrapped(torch.nn.Module):
 
     @property
     def kv_cache(self) -> torch.Tensor:
-        return self.inner.kv_cache
+        # torch types a submodule's attributes as `Tensor | Module`; the wrapped model's cache is a tensor.
+        return cast(torch.Tensor, self.inner.kv_cache)
 
     def forward(self, inputs):
         return self.inner(inputs)

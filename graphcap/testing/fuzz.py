@@ -41,7 +41,13 @@ __all__ = [
 # fit); the others must be refused naming the field.
 INT_FORMS = ("list", "int32", "int64", "int8", "uint16", "uint64", ">i4", "strided")
 BAD_FORMS = ("float64", "bool", "wrong_ndim", "ragged", "str")
-_DTYPES = {"int32": np.int32, "int64": np.int64, "int8": np.int8, "uint16": np.uint16, "uint64": np.uint64}
+_DTYPES: dict[str, type[np.integer[Any]]] = {
+    "int32": np.int32,
+    "int64": np.int64,
+    "int8": np.int8,
+    "uint16": np.uint16,
+    "uint64": np.uint64,
+}
 
 
 @dataclass
@@ -64,7 +70,7 @@ class BatchPlan:
 
     def build(self) -> dict[str, Any]:
         """The StepBatch keyword arguments; an integer form that cannot hold the values becomes a list."""
-        out = {}
+        out: dict[str, Any] = {}
         for name, values in self.fields().items():
             form = self.forms.get(name, "list")
             if values is None:
@@ -97,7 +103,7 @@ def _int_form(values, form: str):
         base[:, 0] = flat
         view = base[:, 0]
         return view.reshape(len(values), len(values[0])) if values and isinstance(values[0], list) else view
-    dtype = np.dtype(">i4") if form == ">i4" else np.dtype(_DTYPES[form])
+    dtype: np.dtype[np.integer[Any]] = np.dtype(">i4") if form == ">i4" else np.dtype(_DTYPES[form])
     info = np.iinfo(dtype)
     if any(v < info.min or v > info.max for v in flat):
         return values

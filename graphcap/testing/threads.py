@@ -129,16 +129,16 @@ def run_threads(
         except BaseException as exc:  # reported by the caller, not lost in the thread
             errors.append(exc)
 
-    def side() -> None:
+    def side(run: Callable[[], object]) -> None:
         start.wait()
         try:
-            extra()
+            run()
         except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(t,), name=f"worker-{t}") for t in range(NUM_THREADS)]
     if extra is not None:
-        threads.append(threading.Thread(target=side, name="side"))
+        threads.append(threading.Thread(target=side, args=(extra,), name="side"))
     for t in threads:
         t.start()
     for t in threads:
@@ -154,5 +154,5 @@ class NoLock:
     def __enter__(self) -> NoLock:
         return self
 
-    def __exit__(self, *exc: object) -> bool:
-        return False
+    def __exit__(self, *exc: object) -> None:
+        return None
