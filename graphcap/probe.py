@@ -203,7 +203,8 @@ def _drawn(
     _, block_size, num_blocks, _ = caches[0]
     if (-(-(context + q) // block_size)).sum() > num_blocks - 1:  # too few blocks for random context
         context[:] = 0
-    tables, writes = {}, True
+    tables: dict[str | None, Any] = {}
+    writes = True
     for name, size, count, scratch in caches:
         free = np.unique(np.asarray(scratch, dtype=np.int64))
         # The built-in cache's context reads random blocks (its tokens write only through slot_mapping); a group's
@@ -224,7 +225,8 @@ def _drawn(
                     tables[name][i, j] = next(taken)
     ids = rng.integers(0, vocab_size, int(q.sum()))
     blocks = tables.pop(None)
-    return Probe(StepBatch(q, q + context, ids, blocks, kv_groups=tables), writes)
+    groups = {name: table for name, table in tables.items() if name is not None}
+    return Probe(StepBatch(q, q + context, ids, blocks, kv_groups=groups), writes)
 
 
 def _scratch_table(seq_lens: np.ndarray, block_size: int, free: np.ndarray, rng: np.random.Generator) -> np.ndarray:

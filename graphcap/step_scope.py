@@ -64,10 +64,10 @@ class _Step:
         scope.running = self.what
         scope.token = enter_phase(self.phase)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         scope = self.scope
-        if exc[1] is not None and scope.on_failure is not None:
-            scope.on_failure(self.what, self.phase, exc[1])  # under the lock, before the phase is left
+        if exc is not None and scope.on_failure is not None:
+            scope.on_failure(self.what, self.phase, exc)  # under the lock, before the phase is left
         scope.running = None
         token, scope.token = scope.token, None
         if token is not None:  # set by `__enter__`

@@ -163,7 +163,7 @@ class Capturer:
         """The KV caches the model holds (the built-in one and each group's), found by their shapes."""
         parts = self.parts
         kv = parts.config.kv_cache
-        shapes = [(None, kv.block_size, kv.num_blocks)]
+        shapes: list[tuple[str | None, int, int]] = [(None, kv.block_size, kv.num_blocks)]
         shapes += [(g.name, g.block_size, g.num_blocks) for g in parts.kv_groups]
         return caches_of(parts.model, parts.guard.registered, shapes)
 

@@ -122,7 +122,7 @@ class PartOf(Generic[T]):
         self.name = name
 
     def __get__(self, owner: Any, kind: type | None = None) -> T:
-        return getattr(owner._parts, self.name)  # type: ignore[no-any-return]
+        return getattr(owner._parts, self.name)
 
     def __set__(self, owner: Any, value: T) -> None:
         setattr(owner._parts, self.name, value)

@@ -79,7 +79,7 @@ def kept_blocks(
     pass propagates; on success it raises.
     """
     kv = parts.config.kv_cache
-    sizes = {None: kv.block_size, **{g.name: g.block_size for g in parts.kv_groups}}
+    sizes: dict[str | None, int] = {None: kv.block_size, **{g.name: g.block_size for g in parts.kv_groups}}
     used: dict[str | None, tuple[int, ...]] = {}
     for group, blocks in [(None, scratch.blocks), *scratch.groups.items()]:
         bound = probe_block_bound(keys, parts.registry.capture_shape, sizes[group]) if keys else 0

@@ -121,6 +121,10 @@ class BasicPlan:
     seq_tail_bytes: bytes
     slot_tail: np.ndarray | None
     slot_tail_bytes: bytes
+    real_slots_u: np.ndarray | None
+    block_size: np.uint32
+    slot_ok: np.ndarray
+    slot_none: bytes
     full: FullPlan | None
 
     @classmethod

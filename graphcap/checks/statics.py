@@ -157,7 +157,11 @@ def held_tensors(model: Any, path: str = "model") -> dict[int, Reached]:
 
 def _hold(obj: Any, path: str, depth: int, seen: set[int], found: dict[int, Reached]) -> None:
     if isinstance(obj, nn.Module):
-        slots = [(obj._parameters, "parameter"), (obj._buffers, "buffer"), (obj._modules, "submodule")]
+        slots: list[tuple[dict[str, Any], str]] = [
+            (obj._parameters, "parameter"),
+            (obj._buffers, "buffer"),
+            (obj._modules, "submodule"),
+        ]
         items = [(d, k, _attribute(path, k), what, v) for d, what in slots for k, v in d.items()]
         own = obj.__dict__
         items += [(own, k, f"{path}.{k}", "attribute", v) for k, v in list(own.items()) if k not in _MODULE_SLOTS]

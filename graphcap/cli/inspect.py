@@ -53,12 +53,13 @@ def run(args: argparse.Namespace) -> int:
         mode = s["mode"] + (f" ({s['reason']})" if s["reason"] else "")
         verdict = "ok" if check.violation is None else f"BROKEN {check.violation.field}"
         step = "-" if s["step"] is None else s["step"]
-        print(f"{check.index:>3} {step:>5}  {s['key_text']:<30} {mode:<16} {s['phase']:<7} {s['num_tokens']:>6} "
+        print(f"{check.position:>3} {step:>5}  {s['key_text']:<30} {mode:<16} {s['phase']:<7} {s['num_tokens']:>6} "
               f"{s['num_reqs']:>5}  {verdict}")  # fmt: skip
     broken = next((c for c in checks if c.violation is not None), None)
     if broken is not None:
         s, v = broken.step, broken.violation
-        step = f"step {s['step']}" if s["step"] is not None else f"the capture batch #{broken.index}"
+        assert v is not None  # `broken` was chosen for it
+        step = f"step {s['step']}" if s["step"] is not None else f"the capture batch #{broken.position}"
         print(f"first broken: {step} ({s['key_text']}, {s['phase']}): {v}")
         rows = broken.rows.get(v.field)
         if rows is not None and rows.size <= 64:

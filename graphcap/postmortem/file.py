@@ -24,7 +24,7 @@ import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from graphcap.errors import BatchError, ConfigError, InvariantViolation
 from graphcap.phases import failed_in
@@ -121,7 +121,7 @@ def write_postmortem(
     except Exception as failure:  # the original error is what matters: say why, never replace it
         _note(exc, f"graphcap: the post-mortem could not be written to {path}: {type(failure).__name__}: {failure}")
         return None
-    count = len(document["steps"])
+    count = len(cast("list[Any]", document["steps"]))
     _note(exc, f"graphcap: post-mortem of the last {count} staged steps in {path} (run: graphcap inspect {path})")
     with contextlib.suppress(AttributeError, TypeError):  # the path, also where notes do not exist (3.10)
         exc.graphcap_postmortem = str(path)  # type: ignore[attr-defined]

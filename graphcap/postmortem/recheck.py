@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from graphcap.errors import InvariantViolation
 from graphcap.fields import COUNTS_ENTRY, FIELDS
 from graphcap.keys.key import GraphKey
 from graphcap.postmortem.file import POSTMORTEM_MARKER, VERSION
+
+if TYPE_CHECKING:
+    from graphcap.inputs import ForwardInputs
 
 __all__ = ["PostmortemFileError", "StepCheck", "load_postmortem", "recheck"]
 
@@ -36,7 +39,7 @@ class PostmortemFileError(ValueError):
 class StepCheck(NamedTuple):
     """One recorded step and what the re-check found."""
 
-    index: int
+    position: int
     """Its place in the file (0: the oldest recorded)."""
     step: dict[str, Any]
     violation: InvariantViolation | None
@@ -168,9 +171,9 @@ def _check_step(
     axes = tuple(tuple(pair) for pair in step["key"]["axes"])
     key = GraphKey(step["key"]["num_tokens"], step["key"]["num_reqs"], step["key"]["uniform"], axes)
     n, r = step["num_tokens"], step["num_reqs"]
-    counts = views.get(COUNTS_ENTRY)
-    if counts is not None and (int(counts[0]), int(counts[1])) != (n, r):
-        actual = f"[{int(counts[0])}, {int(counts[1])}]"
+    staged = views.get(COUNTS_ENTRY)
+    if staged is not None and (int(staged[0]), int(staged[1])) != (n, r):
+        actual = f"[{int(staged[0])}, {int(staged[1])}]"
         why = "the staged counts are the step's"
         return InvariantViolation(COUNTS_ENTRY, None, f"[{n}, {r}]", actual, why, key), views
     host = SimpleNamespace(
@@ -184,7 +187,8 @@ def _check_step(
         ),
     )
     try:
-        check_invariants(_Inputs(host, key, limits, n, r), "full", dummy=step["dummy"], kv_writes=step["kv_writes"])
+        inputs = cast("ForwardInputs", _Inputs(host, key, limits, n, r))  # duck-typed: what the checks read
+        check_invariants(inputs, "full", dummy=step["dummy"], kv_writes=step["kv_writes"])
     except InvariantViolation as violation:
         return violation, views
     return None, views

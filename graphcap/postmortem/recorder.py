@@ -107,6 +107,7 @@ class FlightRecorder:
         slot = self._next
         _concatenate(plan.sources, out=plan.targets[slot])
         mode = self._mode
+        meta: tuple[Any, ...]
         if mode is None:
             meta = (
                 None,

@@ -9,9 +9,10 @@ invalid ones refused naming a broken field with nothing written.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
+import torch
 import yaml
 
 from graphcap.batch import StepBatch, dummy_batch
@@ -308,7 +309,7 @@ def check_plan(manager: CaptureManager, plan: BatchPlan, lim: Limits) -> str:
     before = snapshot(manager)
     try:
         batch = StepBatch(**plan.build())
-        out = manager.execute(batch).clone()
+        out = cast(torch.Tensor, manager.execute(batch)).clone()
     except REFUSALS as exc:
         if not expected:
             raise AssertionError(f"valid step refused: {exc}\n{plan}") from exc

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
+import torch
 
 from graphcap.capture.verification import assert_close
 from graphcap.manager import CaptureManager
@@ -47,7 +49,7 @@ def stress(manager: CaptureManager, num_steps: int, seed: int, *, spec_len: int 
             workload.advance(None)
             continue
         key = manager.dispatch(batch)
-        out = manager.execute(batch).clone()
+        out = cast(torch.Tensor, manager.execute(batch)).clone()
         ref = manager.eager(batch)
         try:
             assert_close(out, ref)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -50,7 +50,7 @@ def thread_batches(thread: int) -> list[StepBatch]:
 def expected_outputs(manager: CaptureManager) -> dict[tuple[int, int], torch.Tensor]:
     """Every thread's steps, run one at a time: the reference for the threaded runs."""
     return {
-        (thread, i): manager.execute(batch).clone()
+        (thread, i): cast(torch.Tensor, manager.execute(batch)).clone()
         for thread in range(NUM_THREADS)
         for i, batch in enumerate(thread_batches(thread))
     }
@@ -123,7 +123,7 @@ def run_threads(
         try:
             for i in order:
                 with manager.lock:
-                    out = manager.execute(batches[i]).clone()
+                    out = cast(torch.Tensor, manager.execute(batches[i])).clone()
                 if not torch.equal(out, expected[thread, int(i)]):
                     mismatches[0] += 1
         except BaseException as exc:  # reported by the caller, not lost in the thread
