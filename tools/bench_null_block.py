@@ -15,7 +15,7 @@ import platform
 
 import numpy as np
 import torch
-from bench_stage import OVERRIDES, interleaved, make_cases
+from _stage_steps import OVERRIDES, interleaved, make_cases
 
 from graphcap.batch import StepBatch
 from graphcap.checks.invariants import check_invariants

@@ -11,8 +11,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-import numpy as np
-
 from graphcap.config._schema import Section, problem, spec
 from graphcap.errors import ConfigProblem
 from graphcap.fields import RESERVED_NAMES
@@ -167,8 +165,10 @@ class BufferConfig(Section):
         return (self.name, self.rows, self.shape, self.dtype, self.pad, self.row_dim, self.domain)
 
 
-def cumulative_tail(spec: Any, last: int, num_padded: int) -> np.ndarray:
+def cumulative_tail(spec: Any, last: int, num_padded: int) -> Any:
     """The padded entries of a `reqs+1` buffer after the real entry `last`: `last + pad * (1, 2, ...)`."""
+    import numpy as np  # here: loading a config (`graphcap validate`) imports neither numpy nor torch
+
     return last + cumulative_step(spec.pad) * np.arange(1, num_padded + 1, dtype=np.int64)
 
 
