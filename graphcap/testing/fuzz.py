@@ -209,7 +209,11 @@ def violations(plan: BatchPlan, lim: Limits) -> set[str]:
         bad.add("max_num_tokens")
     if s and max(s) > lim.max_model_len:
         bad |= {"seq_lens", "max_model_len"}
-    if lim.full and bt is not None and not bad:
+    if bt is not None and not bad:  # every level: a real token's KV slot never lies in the null block 0
+        for row, query_len, seq_len in zip(bt, q, s):
+            if any(row[p // lim.block_size] == 0 for p in range(seq_len - query_len, seq_len)):
+                bad.add("slot_mapping")
+    if lim.full and bt is not None and not bad - {"slot_mapping"}:
         # A real request never reads or writes the null block; no two tokens write one slot.
         written = set()
         for row, query_len, seq_len in zip(bt, q, s):
