@@ -113,8 +113,9 @@ class CaptureManager(CaptureCalls):
         self._failures = FailurePolicy(config.capture.on_error, self._peers, " and ".join(around), index_hint)
         # With peers, a capture forward that fails part-way issues the collectives its peers wait in (not on
         # CUDA: a dispatch mode around the warmups would change what torch.compile traces there).
+        peers = self._peers
         self._ledger = (
-            CollectiveLedger(self._peers.rank, self._peers.partners(), parallel.failure_timeout, self.device)
+            CollectiveLedger(peers.rank, peers.partners(), parallel.failure_timeout, self.device, serial=peers.ledger)
             if self._peers is not None and self.device.type != "cuda"
             else None
         )

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -40,14 +42,17 @@ from typing import Any
 import numpy as np
 
 from graphcap.batch import IDLE, StepBatch
-from graphcap.config.fingerprint import agreed_items, fingerprint_int
-from graphcap.distributed.options import Parallel
+from graphcap.config.fingerprint import agreed_items
+from graphcap.distributed.options import Parallel, agreed_options
 from graphcap.distributed.sync import KINDS, GroupSync, config_mismatch
 from graphcap.errors import BatchError, DistributedTimeoutError, InvariantViolation
 from graphcap.inputs import BufferSpec, ForwardInputs
 from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode
 
 __all__ = ["COUNTS_BUFFER", "AgreedStep", "StepAgreement", "counts_buffers", "is_collective_error"]
+
+_next_ledger = 0
+"""The serial the next manager with peers proposes for its ledger (`StepAgreement.ledger`)."""
 
 COUNTS_BUFFER = "num_tokens_across_dp"
 """The engine buffer of per-rank token counts (`Parallel(token_counts=True)`): int32 [DP world size]."""
@@ -119,6 +124,8 @@ class StepAgreement:
         self.steps = 0
         """Steps executed: the number of the last `execute`."""
         self.current: AgreedStep | None = None
+        self.ledger = 0
+        """The serial of this manager's `CollectiveLedger` (its name in the store), agreed at construction."""
 
     @classmethod
     def create(cls, config: Any, registry: KeyRegistry, buffers: Any, parallel: Parallel) -> StepAgreement | None:
@@ -134,7 +141,9 @@ class StepAgreement:
             return buffers.layout.views(key.num_tokens, R).host
 
         peers = cls(registry, lambda batch, key: buffers.stage(batch, key, upload=False), key_rows, parallel)
-        peers.agree_on_config(fingerprint_int(config), agreed_items(config))
+        items = {**agreed_items(config), **agreed_options(parallel)}
+        digest = hashlib.sha256(json.dumps(sorted(items.items())).encode()).digest()
+        peers.agree_on_config(int.from_bytes(digest[:8], "big") >> 2, items)
         return peers
 
     # -- agreements outside steps ----------------------------------------------------------
@@ -142,10 +151,16 @@ class StepAgreement:
     def agree_on_config(self, fingerprint: int, items: Mapping[str, str]) -> None:
         """Every rank of the DP and TP groups holds the same fingerprint, else every rank raises `ConfigError`
         naming each differing key and every rank's value (DP, then TP: on a TP x DP grid every rank learns
-        every rank's config, so no rank is left waiting in a later agreement)."""
-        highest, complement = fingerprint, 2**62 - fingerprint
+        every rank's config, so no rank is left waiting in a later agreement).
+
+        The same reduction agrees the ledger's serial (`ledger`): the largest any rank of the grid proposes, so
+        a manager with peers made on some ranks only (a draft model's) leaves no later manager's ranks naming
+        their ledgers apart."""
+        global _next_ledger
+        highest, complement, serial = fingerprint, 2**62 - fingerprint, _next_ledger
         for sync in self.syncs:
-            highest, complement = sync.fingerprint_range(highest, complement)
+            highest, complement, serial = sync.fingerprint_range(highest, complement, serial)
+        self.ledger, _next_ledger = serial, serial + 1
         if highest == 2**62 - complement:  # the largest fingerprint is also the smallest: all equal
             return
         known = {self.rank: dict(items)}

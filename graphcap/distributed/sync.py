@@ -78,7 +78,6 @@ class GroupSync:
             raise ValueError("group given, but torch.distributed is not initialized; call init_process_group first")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds (Parallel(timeout=...)); got {timeout!r}")
-        self._dist = dist
         self.role = role
         self.timeout = _dt.timedelta(seconds=timeout)
         self.rank = dist.get_rank(group)
@@ -88,6 +87,9 @@ class GroupSync:
         self.ranks = [global_rank(group, r) for r in range(self.world_size)]
         """The world rank of each rank of the group (messages name world ranks)."""
         self.group = cpu_group(group, self.timeout)
+        """graphcap's own gloo group over the same ranks (a `ProcessGroupGloo`, `groups.cpu_group`)."""
+        self._max = dist.AllreduceOptions()
+        self._max.reduceOp = dist.ReduceOp.MAX
         W = self.world_size
         self._buffer = torch.zeros(PAYLOAD + 2 * W, dtype=torch.int64)  # host tensor, reused by every agreement
         self._values = self._buffer.numpy()  # the same memory: numpy writes cost less than tensor indexing
@@ -134,23 +136,33 @@ class GroupSync:
         every rank's value, instead of a misleading timeout or a capture failure later.
         `StepAgreement.agree_on_config` chains the same two steps over a DP and a TP group.
         """
-        if self.fingerprint_range(fingerprint, 2**62 - fingerprint) == (fingerprint, 2**62 - fingerprint):
+        highest, complement, _ = self.fingerprint_range(fingerprint, 2**62 - fingerprint)
+        if (highest, complement) == (fingerprint, 2**62 - fingerprint):
             return
         raise config_mismatch(self.gather({self.ranks[self.rank]: dict(items)}), self.role)
 
-    def fingerprint_range(self, highest: int, complement: int) -> tuple[int, int]:
-        """(the MAX of `highest`, the MAX of `complement`) over the group: `2**62 - complement` is the smallest
-        fingerprint, so every rank holds the same one when the two meet (collective)."""
-        highest, complement = self.agree(0, "construction", [highest, complement]).payload
-        return highest, complement
+    def fingerprint_range(self, highest: int, complement: int, serial: int = 0) -> tuple[int, int, int]:
+        """(the MAX of `highest`, the MAX of `complement`, the MAX of `serial`) over the group: `2**62 -
+        complement` is the smallest fingerprint, so every rank holds the same one when the two meet; `serial`
+        rides along (the ledger's name, `StepAgreement.agree_on_config`) (collective)."""
+        highest, complement, serial = self.agree(0, "construction", [highest, complement, serial]).payload
+        return highest, complement, serial
 
     def gather(self, known: dict[int, dict[str, str]]) -> dict[int, dict[str, str]]:
         """Every rank's `known` (world rank -> items), merged (collective; only after a mismatch)."""
-        gathered: list[Any] = [None] * self.world_size
+        import pickle
+
+        data = pickle.dumps(known)
         try:
-            self._dist.all_gather_object(gathered, known, group=self.group)
+            length = torch.tensor([len(data)], dtype=torch.int64)
+            self._wait(self.group.allreduce([length], self._max), "config agreement")
+            mine = torch.zeros(int(length.item()), dtype=torch.uint8)
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+            self._wait(self.group.allgather([parts], [mine]), "config agreement")
         except RuntimeError as exc:
             raise self._timeout_error("config agreement", str(exc)) from exc
+        gathered = [pickle.loads(part.numpy().tobytes()) for part in parts]  # pickle ignores the zero tail
         return {rank: items for part in gathered for rank, items in part.items()}
 
     def _out_of_step(self, calls: list[int], what: str) -> DistributedTimeoutError:
@@ -165,11 +177,12 @@ class GroupSync:
 
     def _all_reduce_max(self, tensor: torch.Tensor, what: str) -> None:
         try:
-            work = self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=self.group, async_op=True)
-            completed = work.wait(self.timeout)
+            self._wait(self.group.allreduce([tensor], self._max), what)
         except RuntimeError as exc:  # gloo: "Operation timed out!"; a dead peer: connection closed
             raise self._timeout_error(what, str(exc)) from exc
-        if completed is False:  # backends that report a timeout instead of raising
+
+    def _wait(self, work: Any, what: str) -> None:
+        if work.wait(self.timeout) is False:  # backends that report a timeout instead of raising
             raise self._timeout_error(what, "timed out")
 
     def _timeout_error(self, what: str, cause: str) -> DistributedTimeoutError:
@@ -190,11 +203,12 @@ def config_mismatch(known: Mapping[int, Mapping[str, str]], role: str) -> Config
         values = [known[rank].get(key, "<absent>") for rank in ranks]
         if len(set(values)) > 1:
             per_rank = ", ".join(f"rank {rank}: {value}" for rank, value in zip(ranks, values))
-            must = (
-                "every rank must run the same torch and graphcap"
-                if key.startswith("version.")
-                else "every rank must load the same config (only device and report.path may differ)"
-            )
+            if key.startswith("version."):
+                must = "every rank must run the same torch and graphcap"
+            elif key.startswith("Parallel."):
+                must = f"every rank must pass the same Parallel({key.partition('.')[2]}=...)"
+            else:
+                must = "every rank must load the same config (only device and report.path may differ)"
             problems.append(ConfigProblem(key, f"differs across the {len(ranks)} {role} ranks ({per_rank}); {must}"))
     return ConfigError(problems, f"the config of the {len(ranks)} {role} ranks")
 

@@ -1,0 +1,96 @@
+"""Ranks whose managers differ in what they were built with (spawned by `_spawn.spawn_world`).
+
+Two ranks. First a manager with peers that rank 0 alone makes (a TP=1 draft model's, on a group
+of rank 0 only), then a tensor-parallel manager both make whose rank 1 fails the first warmup of
+each size-4 key before its all-reduce: its gloo twin and its ledger must be named alike on both
+ranks. Then data-parallel managers built with different `Parallel` options on each rank. Each
+scenario returns what every rank saw, as plain data the parent asserts on.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import graphcap
+from tests.distributed._collective_worker import _step
+from tests.distributed._models import CONFIG, GatherMLP, TensorParallelMLP
+from tests.distributed._spawn import outcome
+
+TIMEOUT_S = 10.0
+"""`Parallel.timeout` and `failure_timeout`, and the model group's own timeout (what a wrong name waits for)."""
+
+
+def draft_then_tp(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """A manager with peers on rank 0 only, then a TP manager on both; then DP managers with other options."""
+    import torch.distributed as dist
+
+    from graphcap import CaptureManager, Parallel, load_config
+    from graphcap.models import build_model
+
+    res: dict[str, Any] = {}
+    short = datetime.timedelta(seconds=TIMEOUT_S)
+    alone = {r: dist.new_group([r], backend="gloo") for r in range(world)}  # made by every rank, in order
+    model_group = dist.new_group(list(range(world)), backend="gloo", timeout=short)
+    config = load_config(overrides={**CONFIG, "capture.on_error": "skip"})
+    if rank == 0:  # a TP=1 draft model's manager: its group holds this rank alone
+        draft = CaptureManager(
+            build_model(config), config, backend="emulated",
+            parallel=Parallel(tp_group=alone[0], timeout=TIMEOUT_S), progress=False,
+        )  # fmt: skip
+        res["draft_ledger"] = getattr(draft._peers, "ledger", None)
+
+    model = TensorParallelMLP(rank, world, "functional", model_group)
+    forward = model.forward
+
+    def failing(inputs):
+        if rank == 1 and inputs.key.num_tokens == 4 and graphcap.phase() == "warmup":
+            raise RuntimeError("injected failure on rank 1 before the all-reduce")
+        return forward(inputs)
+
+    model.forward = failing
+    parallel = Parallel(tp_group=model_group, timeout=TIMEOUT_S, failure_timeout=TIMEOUT_S)
+    made = outcome(lambda: CaptureManager(model, config, backend="emulated", parallel=parallel, progress=False))
+    res["tp_made"] = {k: v for k, v in made.items() if k != "value"}
+    if "value" in made:
+        manager = made["value"]
+        res["tp_ledger"] = getattr(manager._peers, "ledger", None)
+        done = res["tp_capture"] = outcome(lambda: len(manager.capture().captured))
+        done["skipped"] = sorted(manager.registry.skipped)
+        done["completed"] = manager._ledger.completed
+        if "value" in done:
+            done["steps"] = [_step(manager, model, n, 40 + n) for n in (2, 4)]
+
+    res.update(_options(rank, world))
+    return res
+
+
+def _options(rank: int, world: int) -> dict[str, Any]:
+    """DP managers whose ranks pass different `Parallel` options: refused at construction on every rank."""
+    import torch.distributed as dist
+
+    from graphcap import CaptureManager, Parallel, load_config
+
+    group = dist.group.WORLD
+    config = load_config(overrides=CONFIG)
+    res: dict[str, Any] = {}
+    cases = {
+        "pad_eager": {"pad_eager": (True, False)[rank]},
+        "token_counts": {"token_counts": rank == 0},
+        "pad_eager_unset": {"pad_eager": (None, True)[rank]},
+    }
+    for case, options in cases.items():
+        parallel = Parallel(dp_group=group, timeout=TIMEOUT_S, **options)
+        res[case] = outcome(
+            lambda p=parallel: CaptureManager(
+                GatherMLP(group, world), config, backend="emulated", parallel=p, progress=False
+            )
+        )
+        res[case].pop("value", None)
+    # The same options on both ranks: built, captured, and a skewed eager step (9 and 12 tokens) pads alike.
+    parallel = Parallel(dp_group=group, timeout=TIMEOUT_S, pad_eager=True, token_counts=True)
+    model = GatherMLP(group, world)
+    manager = CaptureManager(model, config, backend="emulated", parallel=parallel, progress=False)
+    manager.capture()
+    res["same"] = _step(manager, model, (9, 12)[rank], 60 + rank)
+    return res

@@ -1,0 +1,65 @@
+"""What ranks build their managers with is agreed: `Parallel` options, and names made from per-process order.
+
+One 2-rank gloo world (`_agreed_worker.draft_then_tp`), the emulated backend. A manager with peers
+that rank 0 alone makes (a TP=1 draft model's) must not shift the names of a later manager's gloo
+twin or ledger on that rank (a wrong twin name waits in the store's rendezvous; a wrong ledger
+name leaves the failing rank blind to what its peer waits in). DP ranks built with different
+`pad_eager` or `token_counts` (an eager step's collectives would differ in shape: gloo aborts)
+raise the same `ConfigError` at construction, naming the option and each rank's value.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from graphcap import GraphKey
+from tests.distributed import _agreed_worker as worker
+from tests.distributed._spawn import spawn_world
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return spawn_world(worker.draft_then_tp, 2, tmp_path_factory.mktemp("agreed_options"), timeout=240.0)
+
+
+def test_a_manager_one_rank_alone_makes_leaves_later_twins_and_ledgers_named_alike(ranks):
+    assert ranks[0]["draft_ledger"] == 0
+    for rank, result in enumerate(ranks):
+        assert result["tp_made"] == {}, f"rank {rank}: {result['tp_made']}"
+        assert result["tp_ledger"] == 1, f"rank {rank}"  # the largest serial any rank proposed
+        done = result["tp_capture"]
+        assert "value" in done, f"rank {rank}: {done}"
+        # Rank 1 failed the first warmup of size 4: it followed its peer's collectives, both skipped the keys.
+        assert done["skipped"] == [GraphKey(4, 4, False), GraphKey(4, 4, True)], f"rank {rank}: {done}"
+        assert done["completed"] == (2 if rank == 1 else 0), f"rank {rank}: {done}"
+        for step in done["steps"]:
+            assert step["match"] == "ok", f"rank {rank}: {step}"
+        assert done["steps"][0]["key"] == GraphKey(2, 2, True)
+
+
+@pytest.mark.parametrize(
+    ("case", "shown"),
+    [
+        ("pad_eager", "rank 0: True, rank 1: False"),
+        ("token_counts", "rank 0: True, rank 1: False"),
+        ("pad_eager_unset", "rank 0: None, rank 1: True"),
+    ],
+)
+def test_dp_ranks_built_with_different_options_raise_the_same_config_error(ranks, case, shown):
+    option = case.removesuffix("_unset")
+    messages = set()
+    for rank, result in enumerate(ranks):
+        refused = result[case]
+        assert refused["error"] == "ConfigError", f"rank {rank}: {refused}"
+        assert f"Parallel.{option}: differs across the 2 data-parallel ranks ({shown})" in refused["message"]
+        assert f"every rank must pass the same Parallel({option}=...)" in refused["message"]
+        messages.add(refused["message"])
+    assert len(messages) == 1  # every rank raises the same error
+
+
+def test_the_same_options_on_every_rank_build_and_step(ranks):
+    for rank, result in enumerate(ranks):
+        step = result["same"]
+        assert step["match"] == "ok", f"rank {rank}: {step}"
+        assert step["key"] == GraphKey(12, 1, False)  # padded to the largest count on both ranks
+        assert step["seen"] == [9, 12]
