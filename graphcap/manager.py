@@ -282,6 +282,8 @@ class CaptureManager(CaptureCalls):
             buffers.forget_padding()  # something other than staging wrote the rows
             raise
         buffers.upload()  # the rows just staged and checked
+        if self._peers is not None:  # a step's: its TP peers' rows passed too (a refusal makes every rank idle)
+            self._peers.staged()
         return inputs
 
     def _dispatch(self, batch: StepBatch, step: int | None = None, *, count: bool = True) -> Dispatch:

@@ -52,7 +52,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphcap.backends.collectives import observing
-from graphcap.distributed.step import is_collective_error
+from graphcap.distributed.agreed import is_collective_error
 from graphcap.phases import phase
 
 __all__ = ["CollectiveLedger"]

@@ -5,7 +5,7 @@ so ranks must replay the same key, capture in lockstep and stage the same rows. 
 agreement graphcap needs (a step's dispatch, a capture pass starting, a key's failure, the
 config) is one MAX all-reduce of a fixed-length int64 host tensor over a CPU (gloo) group:
 
-    [ payload (8) | value of each rank (W) | call of each rank (W) ]
+    [ payload (8) | value of each rank (W) | call of each rank (W) | apart (1) ]
 
 Each rank writes its payload, its own slot of the values and its own slot of the calls (zero
 elsewhere), so one MAX gives every rank the element-wise maximum of the payloads (the
@@ -14,7 +14,10 @@ and call. A call is the step number, the kind of call and a 16-bit tag of its de
 ranks whose calls differ (one skipped a step, one captures while another steps) fail this very
 reduction with "ranks out of step", naming every rank's call, instead of pairing it with
 another one. Every agreement has the same length, so no two calls reduce tensors of different
-lengths. One round trip, no device sync: the host keeps running ahead of the GPU.
+lengths. `apart` carries "out of step" from one group's agreement into the next one of the same
+call (a TP x DP grid agrees TP, then DP): a rank whose first agreement failed still joins the
+second, flagged, so the ranks of the other group learn it there instead of waiting. One round
+trip, no device sync: the host keeps running ahead of the GPU.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 from graphcap.distributed.groups import cpu_group, global_rank
 from graphcap.errors import ConfigError, ConfigProblem, DistributedTimeoutError
 
-__all__ = ["KINDS", "Agreement", "GroupSync", "call_tag", "config_mismatch"]
+__all__ = ["KINDS", "Agreement", "GroupSync", "call_tag", "call_word", "config_mismatch", "out_of_step"]
 
 PAYLOAD = 8
 KINDS = {
@@ -44,6 +47,7 @@ KINDS = {
     "resize_kv": (9, "resize_kv()"),
     "reset": (10, "reset()"),
     "capture_pending": (11, "capture_pending() starting"),
+    "staged": (12, "the staged-rows check of"),
 }
 """Kind of call -> (its number in the call slot, its name in "ranks out of step" messages)."""
 _NAMES = {number: name for number, name in KINDS.values()}
@@ -56,11 +60,20 @@ class Agreement(NamedTuple):
     """The element-wise MAX of every rank's payload."""
     values: list[int]
     """Each rank's value (index: the rank in the group)."""
+    calls: tuple[int, ...] = ()
+    """Each rank's call (agreements given `apart`)."""
+    apart: bool = False
+    """Whether the ranks made different calls, or one of them came flagged from an earlier agreement that did."""
 
 
 def call_tag(detail: str) -> int:
     """A 16-bit tag of a call's detail (a key): ranks agreeing on different keys differ in it."""
     return zlib.crc32(detail.encode()) & 0xFFFF
+
+
+def call_word(step: int, kind: str, detail: str = "") -> int:
+    """A rank's call in the call slot: the step, the kind of call, the tag of its detail."""
+    return (step << 24) | (KINDS[kind][0] << 16) | (call_tag(detail) if detail else 0)
 
 
 class GroupSync:
@@ -91,29 +104,45 @@ class GroupSync:
         self._max = dist.AllreduceOptions()
         self._max.reduceOp = dist.ReduceOp.MAX
         W = self.world_size
-        self._buffer = torch.zeros(PAYLOAD + 2 * W, dtype=torch.int64)  # host tensor, reused by every agreement
+        self._buffer = torch.zeros(PAYLOAD + 2 * W + 1, dtype=torch.int64)  # host tensor, reused by every agreement
         self._values = self._buffer.numpy()  # the same memory: numpy writes cost less than tensor indexing
 
-    def agree(self, step: int, kind: str, payload: Sequence[int] = (), value: int = 0, detail: str = "") -> Agreement:
+    def agree(
+        self,
+        step: int,
+        kind: str,
+        payload: Sequence[int] = (),
+        value: int = 0,
+        detail: str = "",
+        *,
+        apart: bool | None = None,
+    ) -> Agreement:
         """The one reduction (collective: every rank of the group calls it with the same step, kind and detail).
 
         `step`: the step number (steps executed before it, for capture); `kind`: a key of
         `KINDS` ("execute", "dispatch", "capture", ...); `payload`: at most 8 ints >= 0, maxed;
         `value`: this rank's int >= 0 that every rank learns. `DistributedTimeoutError` when it
-        does not complete within the timeout, or when the ranks made different calls.
+        does not complete within the timeout, or when the ranks made different calls. `apart`
+        (a bool: lenient): whether this rank comes out of step from an earlier agreement of the call;
+        the agreement then returns `Agreement.apart` and every call instead of raising.
         """
         if len(payload) > PAYLOAD:
             raise ValueError(f"an agreement carries at most {PAYLOAD} values; got {len(payload)}")
         W, buffer = self.world_size, self._values
         buffer.fill(0)
         buffer[: len(payload)] = payload
-        call = (step << 24) | (KINDS[kind][0] << 16) | (call_tag(detail) if detail else 0)
+        call = call_word(step, kind, detail)
         buffer[PAYLOAD + self.rank] = value
         buffer[PAYLOAD + W + self.rank] = call
+        buffer[PAYLOAD + 2 * W] = int(bool(apart))
         self._all_reduce_max(self._buffer, f"step {step}: {kind}{f' of {detail}' if detail else ''}")
         values = buffer.tolist()
-        calls = values[PAYLOAD + W :]
-        if any(c != call for c in calls):
+        calls = values[PAYLOAD + W : PAYLOAD + 2 * W]
+        differ = any(c != call for c in calls)
+        if apart is not None:
+            payload_max, each = values[: len(payload)], values[PAYLOAD : PAYLOAD + W]
+            return Agreement(payload_max, each, tuple(calls), differ or values[-1] > 0)
+        if differ:
             raise self._out_of_step(calls, f"step {step}: {kind}{f' of {detail}' if detail else ''}")
         return Agreement(values[: len(payload)], values[PAYLOAD : PAYLOAD + W])
 
@@ -148,8 +177,8 @@ class GroupSync:
         highest, complement, serial = self.agree(0, "construction", [highest, complement, serial]).payload
         return highest, complement, serial
 
-    def gather(self, known: dict[int, dict[str, str]]) -> dict[int, dict[str, str]]:
-        """Every rank's `known` (world rank -> items), merged (collective; only after a mismatch)."""
+    def gather(self, known: dict[int, Any]) -> dict[int, Any]:
+        """Every rank's `known` (world rank -> items, or a call), merged (collective; only after a mismatch)."""
         import pickle
 
         data = pickle.dumps(known)
@@ -166,14 +195,11 @@ class GroupSync:
         return {rank: items for part in gathered for rank, items in part.items()}
 
     def _out_of_step(self, calls: list[int], what: str) -> DistributedTimeoutError:
-        described = "; ".join(f"rank {self.ranks[i]}: {_describe(call)}" for i, call in enumerate(calls))
-        return DistributedTimeoutError(
-            f"{what}: ranks out of step: the {self.role} ranks made different calls ({described}); every rank "
-            "must call execute/dispatch "
-            "once per step (an idle rank passes None), and the same calls between steps (capture(), "
-            "capture_pending(), release(), resize_kv(), reset()) at the same point, with the same config. "
-            "No rank ran the step"
-        )
+        return out_of_step(dict(zip(self.ranks, calls)), what, self.role)
+
+    def gather_calls(self, known: dict[int, int]) -> dict[int, int]:
+        """Every rank's `known` calls (world rank -> call), merged (collective; only once ranks are out of step)."""
+        return {rank: int(call) for rank, call in self.gather(known).items()}
 
     def _all_reduce_max(self, tensor: torch.Tensor, what: str) -> None:
         try:
@@ -193,6 +219,17 @@ class GroupSync:
             "execute/dispatch once per step (an idle rank passes None) and capture the same keys; a rank that "
             "stopped stepping or died leaves the process group unusable: restart the ranks"
         )
+
+
+def out_of_step(calls: Mapping[int, int], what: str, role: str) -> DistributedTimeoutError:
+    """ "ranks out of step", naming the call of each rank of `calls` (world rank -> call)."""
+    described = "; ".join(f"rank {rank}: {_describe(calls[rank])}" for rank in sorted(calls))
+    return DistributedTimeoutError(
+        f"{what}: ranks out of step: the {role} ranks made different calls ({described}); every rank must call "
+        "execute/dispatch once per step (an idle rank passes None), and the same calls between steps (capture(), "
+        "capture_pending(), release(), resize_kv(), reset()) at the same point, with the same config. "
+        "No rank ran the step"
+    )
 
 
 def config_mismatch(known: Mapping[int, Mapping[str, str]], role: str) -> ConfigError:

@@ -3,7 +3,8 @@
 Two ranks. First a manager with peers that rank 0 alone makes (a TP=1 draft model's, on a group
 of rank 0 only), then a tensor-parallel manager both make whose rank 1 fails the first warmup of
 each size-4 key before its all-reduce: its gloo twin and its ledger must be named alike on both
-ranks. Then data-parallel managers built with different `Parallel` options on each rank. Each
+ranks; its rank 1 then has steps refused after their agreements (its `prepare` breaks a row).
+Then data-parallel managers built with different `Parallel` options on each rank. Each
 scenario returns what every rank saw, as plain data the parent asserts on.
 """
 
@@ -40,7 +41,7 @@ def draft_then_tp(rank: int, world: int, directory: str) -> dict[str, Any]:
         )  # fmt: skip
         res["draft_ledger"] = getattr(draft._peers, "ledger", None)
 
-    model = TensorParallelMLP(rank, world, "functional", model_group)
+    model = _Preparing(rank, world, "functional", model_group)
     forward = model.forward
 
     def failing(inputs):
@@ -60,8 +61,34 @@ def draft_then_tp(rank: int, world: int, directory: str) -> dict[str, Any]:
         done["completed"] = manager._ledger.completed
         if "value" in done:
             done["steps"] = [_step(manager, model, n, 40 + n) for n in (2, 4)]
+            res["tp_refused"] = _refused_after_agreement(rank, manager, model)
 
     res.update(_options(rank, world))
+    return res
+
+
+class _Preparing(TensorParallelMLP):
+    """The TP shard with a `prepare` that runs `on_prepare(inputs)` when set (after the step's agreements)."""
+
+    on_prepare = None
+
+    def prepare(self, inputs, phase) -> None:
+        if self.on_prepare is not None:
+            self.on_prepare(inputs)
+
+
+def _refused_after_agreement(rank: int, manager, model) -> dict[str, Any]:
+    """Rank 1's `prepare` breaks a row of a replayed step (2 tokens) and of an eager one (12 tokens): the
+    invariants refuse it after the TP and DP agreements; then the same steps again on both ranks."""
+    from tests.distributed._collective_worker import _break_seq_lens
+
+    res: dict[str, Any] = {}
+    for name, tokens in (("replay", 2), ("eager", 12)):
+        model.on_prepare = _break_seq_lens if rank == 1 else None
+        res[name] = _step(manager, model, tokens, 70 + tokens)
+        model.on_prepare = None
+        res[f"{name}_again"] = _step(manager, model, tokens, 70 + tokens)
+    res["stats"] = {"hits": sum(manager.stats.graph_hits.values()), "eager": sum(manager.stats.eager.values())}
     return res
 
 

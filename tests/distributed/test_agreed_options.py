@@ -5,7 +5,9 @@ that rank 0 alone makes (a TP=1 draft model's) must not shift the names of a lat
 twin or ledger on that rank (a wrong twin name waits in the store's rendezvous; a wrong ledger
 name leaves the failing rank blind to what its peer waits in). DP ranks built with different
 `pad_eager` or `token_counts` (an eager step's collectives would differ in shape: gloo aborts)
-raise the same `ConfigError` at construction, naming the option and each rank's value.
+raise the same `ConfigError` at construction, naming the option and each rank's value. A TP
+rank whose step is refused after the agreements (its `prepare` breaks a row) makes its peer
+raise too, naming it, instead of the peer's replay reducing with the idle rank's padding rows.
 """
 
 from __future__ import annotations
@@ -63,3 +65,16 @@ def test_the_same_options_on_every_rank_build_and_step(ranks):
         assert step["match"] == "ok", f"rank {rank}: {step}"
         assert step["key"] == GraphKey(12, 1, False)  # padded to the largest count on both ranks
         assert step["seen"] == [9, 12]
+
+
+@pytest.mark.parametrize(("case", "key"), [("replay", GraphKey(2, 2, True)), ("eager", GraphKey(12, 1, False))])
+def test_a_tp_rank_refused_after_the_agreement_makes_its_peer_raise_naming_it(ranks, case, key):
+    refused, peer = ranks[1]["tp_refused"][case], ranks[0]["tp_refused"][case]
+    assert refused["error"] == "InvariantViolation", refused
+    assert peer["error"] == "BatchError", peer  # never a wrong output: its replay would reduce with padding
+    assert "the batch of tensor-parallel rank 1 was refused after the agreement" in peer["message"]
+    assert "every rank of the tensor-parallel group ran this step idle" in peer["message"]
+    for rank, result in enumerate(ranks):
+        again = result["tp_refused"][f"{case}_again"]  # the same step on both ranks: runs, equals the reference
+        assert again["match"] == "ok", f"rank {rank}: {again}"
+        assert again["key"] == key, f"rank {rank}: {again}"
