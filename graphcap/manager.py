@@ -130,7 +130,8 @@ class CaptureManager(CaptureCalls):
         self._sampler = StepSampler(every) if every else None  # None: no cost on the replay path
         self.last_key: GraphKey | None = None
         """The key the last `execute`/`eager` step ran with: the captured key it replayed, or for an eager step
-        `GraphKey(num_tokens, num_reqs, False)` of its own counts (None before the first step). Public."""
+        `GraphKey(num_tokens, num_reqs, False)` of its own counts (with DP peers and padded eager steps: the
+        counts every rank padded to, a key that may have a graph) (None before the first step). Public."""
 
     @contextmanager
     def uncounted(self) -> Iterator[None]:
@@ -201,7 +202,7 @@ class CaptureManager(CaptureCalls):
                 self.stats.eager[reason] += 1
             return output
         self.last_key = key
-        sampled = self._sampler is not None and self._sampler.due()
+        sampled = self._sampler is not None and self._due(self._sampler)
         expected = self._sample_eager(batch, key) if sampled else None  # before the replay: it puts back its writes
         inputs = self._stage(batch, key, phase="replay")
         graph = self.graphs[key]
@@ -225,6 +226,10 @@ class CaptureManager(CaptureCalls):
             self._sampler.compare(key, output, expected, self.config.checks.tolerance, precision_of(self.model))
         self._kept.hold(graph, output)
         return output
+
+    def _due(self, sampler: StepSampler) -> bool:
+        """Whether this replay is sampled; with peers, decided once per agreed step (`StepAgreement.sampled`)."""
+        return sampler.due() if self._peers is None else self._peers.sampled(sampler.due)
 
     def _sample_eager(self, batch: StepBatch, key: GraphKey) -> Expected:
         """The eager run of a sampled step (`checks.sample_every`), its KV writes put back (`graphcap.checks.sampling`).

@@ -47,6 +47,8 @@ class AgreedStep:
     """Why this rank joined idle; raised once the step ran."""
     checked: bool = False
     """Whether the tensor-parallel ranks agreed that their staged rows passed (`StepAgreement.staged`)."""
+    sampled: bool | None = None
+    """Whether the step's replay is sampled (`StepAgreement.sampled`; None: not asked yet)."""
 
     def refuse(self, error: BaseException) -> tuple[StepBatch, Dispatch]:
         """Join the step idle after `error` (a refusal after the agreement); re-raise if already idle."""

@@ -11,7 +11,7 @@ run leaves them blocked in it. The order, per `execute` (and `dispatch`, which r
    capacity past them, which still holds what a larger earlier step wrote). TP ranks must stage
    the same rows; if they differ, every TP rank joins the step idle and raises `BatchError`.
 3. Data-parallel agreement (with a DP group): one agreement of the MAX of the token and request
-   counts, "cannot use a graph", "not uniform" and each key axis's value (`capture.axes`), and
+   counts, "past the padding factor", "not uniform" and each key axis's value (`capture.axes`), and
    every rank's token count; every rank reaches the same key (the same combination of axis
    values), or every rank runs eagerly. Padded eager steps (`Parallel.pad_eager`;
    by default whenever the forward may hold a collective): an eager step pads to the agreed
@@ -316,6 +316,17 @@ class StepAgreement:
         if step is not None and not step.checked:
             self._check_staged(step, None)
 
+    def sampled(self, due: Callable[[], bool]) -> bool:
+        """Whether the running step's replay is sampled (`checks.sample_every`; `due` counts one replay): asked
+        once per agreed step, so a rank that runs a step twice (refused, then idle) counts it once and samples
+        the same steps as its peers (every rank replays the same steps: their keys are agreed)."""
+        step = self.current
+        if step is None:
+            return due()
+        if step.sampled is None:
+            step.sampled = due()
+        return step.sampled
+
     def _check_staged(self, step: AgreedStep, refused: BaseException | None) -> None:
         step.checked = True
         if self.tp is None:
@@ -362,15 +373,19 @@ class StepAgreement:
     ) -> tuple[Dispatch, tuple[int, ...], tuple[int, int] | None]:
         """The dispatch every DP rank reaches from the reduced counts.
 
-        An idle rank (no requests) joins any key; a rank whose own step could not replay gives
-        its own reason, the others `peer`.
+        Whether a graph can serve is decided from the agreed key: it holds every rank's batch (its
+        counts and axis values are the largest), and every rank holds the same graphs, so a rank's
+        own key being pending or skipped does not keep its peers from replaying the agreed one. The
+        one rank-own reason every rank honours is `capture.max_padding_factor` on the rank's own
+        step ("over" in the payload). When the step runs eagerly, a rank whose own step could not
+        replay either gives its own reason, the others `peer`.
         """
         registry = self.registry
-        cannot = own.mode is Mode.EAGER and not (batch.num_reqs == 0 and registry.mode != "none")
+        over = own.mode is Mode.EAGER and own.reason == "over_padding" and batch.num_reqs > 0
         values = registry.axis_values(batch.axes)  # an idle rank: every axis at its smallest value
-        payload = [batch.num_tokens, int(cannot), int(not uniform), batch.num_reqs, *(v for _, v in values)]
+        payload = [batch.num_tokens, int(over), int(not uniform), batch.num_reqs, *(v for _, v in values)]
         agreement = self._agree(self.dp, number, call, payload, value=batch.num_tokens)
-        num_tokens, any_cannot, any_mixed, num_reqs, *largest = agreement.payload
+        num_tokens, any_over, any_mixed, num_reqs, *largest = agreement.payload
         axes = tuple(zip((name for name, _ in values), largest))  # each axis's largest value on any rank
         counts = tuple(agreement.values)
         padded = (num_tokens, num_reqs) if self.pads_eager() else None
@@ -378,6 +393,6 @@ class StepAgreement:
         eager = Dispatch(Mode.EAGER, padded_key, own.reason if own.mode is Mode.EAGER else "peer")
         # Counts the agreed key's demand, once, for a step; a dispatch() is a query and counts nothing.
         agreed = registry.dispatch(num_tokens, num_reqs, not any_mixed, dict(axes), count=call == "execute")
-        if any_cannot or agreed.mode is Mode.EAGER:
+        if any_over or agreed.mode is Mode.EAGER:
             return eager, counts, padded
         return agreed, counts, padded

@@ -64,7 +64,32 @@ def draft_then_tp(rank: int, world: int, directory: str) -> dict[str, Any]:
             res["tp_refused"] = _refused_after_agreement(rank, manager, model)
 
     res.update(_options(rank, world))
+    res["sampled"] = _sampled(rank, world)
     return res
+
+
+def _sampled(rank: int, world: int) -> list[dict[str, Any]]:
+    """`checks.sample_every: 2` on two DP ranks whose forward all-gathers; rank 1's second step is refused after
+    the agreement (its `prepare` breaks a row): both ranks must go on sampling the same steps."""
+    import torch.distributed as dist
+
+    from graphcap import CaptureManager, Parallel, load_config
+    from tests.distributed._collective_worker import _break_seq_lens
+
+    group = dist.new_group(list(range(world)), backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    config = load_config(overrides={**CONFIG, "checks.sample_every": 2})
+    model = GatherMLP(group, world)
+    parallel = Parallel(dp_group=group, timeout=TIMEOUT_S)
+    manager = CaptureManager(model, config, backend="emulated", parallel=parallel, progress=False)
+    manager.capture()
+    steps = []
+    for number in range(1, 6):
+        model.on_prepare = _break_seq_lens if (rank, number) == (1, 2) else None
+        done = _step(manager, model, (2, 3)[rank], 80 + number)
+        done["replays"], done["checked"] = manager._sampler.replays, manager._sampler.checked
+        steps.append(done)
+    model.on_prepare = None
+    return steps
 
 
 class _Preparing(TensorParallelMLP):

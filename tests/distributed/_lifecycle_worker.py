@@ -91,5 +91,8 @@ def agreed_calls(rank: int, world: int, directory: str) -> dict[str, Any]:
         _step(lazy, (1, 3)[rank], 20 + i)
     res["demand"] = {str(key): count for key, count in lazy.registry.demand.items() if count}
     res["first_lazy"] = (lazy.capture_pending(max_keys=1), sorted(str(key) for key in lazy.graphs))
+    # Rank 0's own uniform(1) is still pending; the agreed uniform(4) has a graph on every rank: it replays.
+    res["agreed_serves"] = _step(lazy, (1, 3)[rank], 30 + rank)
+    res["agreed_serves"]["hits"] = sum(lazy.stats.graph_hits.values())
     dist.destroy_process_group()
     return res

@@ -81,3 +81,10 @@ def test_lazy_demand_counts_the_agreed_key_not_each_ranks_own(ranks):
         # Rank 0's own uniform(1) never ran: only the agreed size counts (its uniform key and the mixed fallback).
         assert result["demand"] == {str(uniform(4)): 3, str(GraphKey(4, 4, False)): 3}, f"rank {rank}"
         assert result["first_lazy"] == (1, [str(uniform(4))])
+
+
+def test_a_graph_of_the_agreed_key_serves_though_a_ranks_own_key_is_pending(ranks):
+    for rank, result in enumerate(ranks):
+        step = result["agreed_serves"]  # rank 0: 1 decode (uniform(1) pending), rank 1: 3 decodes
+        assert step["match"] == "ok", f"rank {rank}: {step}"
+        assert step["key"] == uniform(4) and step["hits"] == 1, f"rank {rank}: {step}"

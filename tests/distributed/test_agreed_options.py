@@ -78,3 +78,15 @@ def test_a_tp_rank_refused_after_the_agreement_makes_its_peer_raise_naming_it(ra
         again = result["tp_refused"][f"{case}_again"]  # the same step on both ranks: runs, equals the reference
         assert again["match"] == "ok", f"rank {rank}: {again}"
         assert again["key"] == key, f"rank {rank}: {again}"
+
+
+def test_sampled_steps_are_counted_once_per_agreed_step_after_a_refusal(ranks):
+    for number in range(5):
+        counted = [(result["sampled"][number]["replays"], result["sampled"][number]["checked"]) for result in ranks]
+        assert counted[0] == counted[1] == (number + 1, (number + 1) // 2), f"step {number + 1}: {counted}"
+    for rank, result in enumerate(ranks):
+        for number, step in enumerate(result["sampled"], 1):
+            if (rank, number) == (1, 2):
+                assert step["error"] == "InvariantViolation", step
+            else:
+                assert step["match"] == "ok" and step["key"] == GraphKey(4, 4, True), f"rank {rank}: {step}"
