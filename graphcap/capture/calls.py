@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from graphcap.backends.sync_debug import beside_engine_threads
@@ -55,12 +55,15 @@ class CaptureCalls:
         of each extra group (README: "What capture() writes").
         """
         report_path = self.config.report.path
-        if report_path:
-            check_report_path(report_path)
+
+        def checked() -> CapturePass:  # the refusals, before anything is written
+            if report_path:
+                check_report_path(report_path)
+            return self._capture_pass(scratch_blocks, group_scratch_blocks)  # checks the scratch blocks first
+
         with self._scope("capture"):
             # Built under the lock: a resize_kv() waiting for it would otherwise leave the pass the old KV bound.
-            job = self._capture_pass(scratch_blocks, group_scratch_blocks)  # checks the scratch blocks first
-            self._check_ready()
+            job = self._check_ready("capture", checked)
             replaced = len(self.graphs)
             self._live.release_all("pending" if self._lazy.is_lazy else "not_captured")
             keys = [] if self._lazy.is_lazy else self.registry.capture_order()  # lazy: capture_pending() later
@@ -115,14 +118,18 @@ class CaptureCalls:
         check_time_limits(max_seconds, max_keys)
         with self._scope("capture_pending"), beside_engine_threads():  # no process-wide sync-debug mode
             # Under the lock: a resize_kv() waiting for it would otherwise leave the scratch check the old bound.
-            scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
-            group_scratch = group_scratch_ids(group_scratch_blocks, self.buffers.limits.kv_groups)
+            def checked() -> CapturePass:  # the refusals, before anything is written
+                scratch = scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
+                group_scratch = group_scratch_ids(group_scratch_blocks, self.buffers.limits.kv_groups)
+                # A key captured now must read what the live graphs read: one record checks them all.
+                self._guard.check_before_capture("capture_pending()", self.model, self.buffers.storage())
+                return self._pass_of(scratch, group_scratch)
+
             if self._peers is None and not self.registry.num_pending:  # peers must still agree that every rank stops
+                scratch_block_ids(scratch_blocks, self.config.kv_cache.num_blocks)
+                group_scratch_ids(group_scratch_blocks, self.buffers.limits.kv_groups)
                 return 0
-            # A key captured now must read what the live graphs read: one record checks them all.
-            self._guard.check_before_capture("capture_pending()", self.model, self.buffers.storage())
-            self._check_ready("capture_pending")
-            job = self._pass_of(scratch, group_scratch)
+            job = self._check_ready("capture_pending", checked)
             capture_key = lambda key: self._capture_keys(job, [key], False)  # noqa: E731
             with self._kept.protected():  # the last step's outputs stay valid until the next step
                 captured = self._lazy.run(capture_key, max_seconds, max_keys, start=start)
@@ -184,13 +191,22 @@ class CaptureCalls:
         shape = self.registry.capture_shape(key)
         return measure_graph(key.num_tokens, shape.num_reqs, run, self.backend)
 
-    def _check_ready(self, call: str = "capture") -> None:
-        """`ConfigError`: `num_warmups: 0` where the backend needs warmups (cuda), or a KV cache that shrank
-        without `resize_kv`. With peers, a rank that steps while they capture (`call`) fails here, out of step."""
+    def _check_ready(self, call: str, checked: Callable[[], CapturePass]) -> CapturePass:
+        """`checked()` (the call's own refusals), then `ConfigError`: `num_warmups: 0` where the backend needs
+        warmups (cuda), or a KV cache that shrank without `resize_kv`. With peers, a rank that steps while they
+        capture (`call`) fails here, out of step, and a refusal on any rank raises on every rank (one agreement
+        carries it), so no rank's pass agreement pairs with a peer's next step."""
         try:
-            self.backend.check_warmups(self.config.capture.num_warmups)
-        except ValueError as exc:
-            raise ConfigError([ConfigProblem("capture.num_warmups", str(exc))]) from None
-        check_kv_fits(self.config, self.model)
+            job = checked()
+            try:
+                self.backend.check_warmups(self.config.capture.num_warmups)
+            except ValueError as exc:
+                raise ConfigError([ConfigProblem("capture.num_warmups", str(exc))]) from None
+            check_kv_fits(self.config, self.model)
+        except Exception as exc:
+            if self._peers is not None:
+                self._peers.begin_capture(call, exc)
+            raise
         if self._peers is not None:
             self._peers.begin_capture(call)
+        return job

@@ -135,8 +135,8 @@ class StepAgreement:
         raise config_mismatch(known, role)
 
     def agree_call(self, kind: str, refused: BaseException | None = None, detail: str = "") -> None:
-        """A call that changes the live graphs between steps (`kind`: "release", "resize_kv", "reset"), agreed
-        like `capture()` (collective): a rank that makes it alone fails here on every rank, naming each rank's
+        """A call that changes the live graphs between steps (`kind`: "release", "resize_kv", "reset", "capture",
+        "capture_pending") (collective): a rank that makes it alone fails here on every rank, naming each rank's
         call ("ranks out of step"); a call `refused` on any rank (checked before agreeing) raises on every rank,
         the refusing rank its own error, so no rank changes its graphs alone."""
         known, apart = (self.rank + 1 if refused is not None else 0), False
@@ -153,13 +153,13 @@ class StepAgreement:
                 "every rank keeps its graphs, so the ranks stay in step"
             )
 
-    def begin_capture(self, call: str = "capture") -> None:
+    def begin_capture(self, call: str = "capture", refused: BaseException | None = None) -> None:
         """Before a capture pass (`call`: "capture" or "capture_pending") runs anything: ranks capturing while a
-        peer steps (or makes the other call) fail here, out of step, each rank's call named."""
+        peer steps (or makes the other call) fail here, out of step, each rank's call named; a pass `refused` on
+        any rank before it wrote anything (a scratch block out of range, a report path, a moved static input)
+        raises on every rank, the refusing rank its own error (`agree_call`)."""
         self.current = None
-        apart = False
-        for sync in self.order:
-            apart = self._agree(sync, self.steps, call, apart=apart).apart
+        self.agree_call(call, refused)
 
     def _agree(
         self,
