@@ -106,7 +106,7 @@ class CaptureManager(CaptureCalls):
         self._prepare = prepare_of(model)
         self._outputs = OutputRows.of(model)  # which output tensors are per token, per request or whole
         # DP and TP peers, or None; agrees on the config first (collective)
-        self._peers = StepAgreement.create(config, self.registry, self.buffers, parallel)
+        self._peers = StepAgreement.create(config, self.registry, self.buffers, parallel, self._guard.check)
         around = [name for name, given in (("capture_context", capture_context), ("communicators", self._communicators))
                   if given]  # fmt: skip
         index_hint = None if vocab_known else VOCAB_HINT.format(vocab=config.model.vocab_size)

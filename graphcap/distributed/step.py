@@ -49,7 +49,7 @@ from graphcap.config.fingerprint import agreed_items
 from graphcap.distributed.agreed import COUNTS_BUFFER, AgreedStep, counts_buffers, eager_key, is_collective_error
 from graphcap.distributed.options import Parallel, agreed_options
 from graphcap.distributed.sync import KINDS, Agreement, GroupSync, call_word, config_mismatch, out_of_step
-from graphcap.errors import BatchError, DistributedTimeoutError, InvariantViolation
+from graphcap.errors import BatchError, DistributedTimeoutError, InvariantViolation, StaticInputMovedError
 from graphcap.inputs import ForwardInputs
 from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode
 
@@ -91,10 +91,15 @@ class StepAgreement:
         self.current: AgreedStep | None = None
         self.ledger = 0
         """The serial of this manager's `CollectiveLedger` (its name in the store), agreed at construction."""
+        self.check_statics: Callable[[], None] | None = None
+        """The manager's static-input check (`StaticGuard.check`), run before a DP step's agreement."""
 
     @classmethod
-    def create(cls, config: Any, registry: KeyRegistry, buffers: Any, parallel: Parallel) -> StepAgreement | None:
-        """The agreements of a manager over `buffers` (`PersistentBuffers`), None without groups.
+    def create(
+        cls, config: Any, registry: KeyRegistry, buffers: Any, parallel: Parallel, statics: Any = None
+    ) -> StepAgreement | None:
+        """The agreements of a manager over `buffers` (`PersistentBuffers`), None without groups; `statics`: its
+        static-input check (`check_statics`).
 
         Collective: the ranks agree on `config` (and the torch and graphcap versions) first.
         """
@@ -106,6 +111,7 @@ class StepAgreement:
             return buffers.layout.views(key.num_tokens, R).host
 
         peers = cls(registry, lambda batch, key: buffers.stage(batch, key, upload=False), key_rows, parallel)
+        peers.check_statics = statics
         items = {**agreed_items(config), **agreed_options(parallel)}
         digest = hashlib.sha256(json.dumps(sorted(items.items())).encode()).digest()
         peers.agree_on_config(int.from_bytes(digest[:8], "big") >> 2, items)
@@ -246,6 +252,13 @@ class StepAgreement:
         except BatchError as exc:
             refused, batch = exc, IDLE
             own, uniform = self._own(batch)
+        cannot = False
+        if self.dp is not None and refused is None and self.check_statics is not None and self.registry.captured:
+            try:  # a static input replaced on this rank: refused before agreeing, every rank runs the step eagerly
+                self.check_statics()
+            except StaticInputMovedError as exc:
+                refused, batch, cannot = exc, IDLE, True
+                own, uniform = self._own(batch)
         apart = False
         if self.tp is not None:
             digest = 1 if refused is not None else self._digest(batch, own.key)
@@ -266,7 +279,7 @@ class StepAgreement:
         if self.dp is not None and apart:  # out of step in the TP agreement: tell the DP peers, then raise
             self._agree(self.dp, number, call, apart=True)
         if self.dp is not None:
-            dispatch, counts, padded = self._agree_dp(number, call, batch, uniform, own)
+            dispatch, counts, padded = self._agree_dp(number, call, batch, uniform, own, cannot)
         elif own.mode is Mode.EAGER and call == "execute":  # the step's key: counted once, as without peers
             self.registry.dispatch(batch.num_tokens, batch.num_reqs, uniform, batch.axes)
         step = AgreedStep(number, dispatch, batch, counts, padded, refused)
@@ -369,23 +382,24 @@ class StepAgreement:
         return crc + 2
 
     def _agree_dp(
-        self, number: int, call: str, batch: StepBatch, uniform: bool, own: Dispatch
+        self, number: int, call: str, batch: StepBatch, uniform: bool, own: Dispatch, cannot: bool = False
     ) -> tuple[Dispatch, tuple[int, ...], tuple[int, int] | None]:
         """The dispatch every DP rank reaches from the reduced counts.
 
         Whether a graph can serve is decided from the agreed key: it holds every rank's batch (its
         counts and axis values are the largest), and every rank holds the same graphs, so a rank's
         own key being pending or skipped does not keep its peers from replaying the agreed one. The
-        one rank-own reason every rank honours is `capture.max_padding_factor` on the rank's own
-        step ("over" in the payload). When the step runs eagerly, a rank whose own step could not
-        replay either gives its own reason, the others `peer`.
+        rank-own reasons every rank honours ("cannot" in the payload) are `capture.max_padding_factor`
+        on the rank's own step and `cannot` (a static input moved on this rank: it must not replay).
+        When the step runs eagerly, a rank whose own step could not replay either gives its own
+        reason, the others `peer`.
         """
         registry = self.registry
-        over = own.mode is Mode.EAGER and own.reason == "over_padding" and batch.num_reqs > 0
+        cannot = cannot or (own.mode is Mode.EAGER and own.reason == "over_padding" and batch.num_reqs > 0)
         values = registry.axis_values(batch.axes)  # an idle rank: every axis at its smallest value
-        payload = [batch.num_tokens, int(over), int(not uniform), batch.num_reqs, *(v for _, v in values)]
+        payload = [batch.num_tokens, int(cannot), int(not uniform), batch.num_reqs, *(v for _, v in values)]
         agreement = self._agree(self.dp, number, call, payload, value=batch.num_tokens)
-        num_tokens, any_over, any_mixed, num_reqs, *largest = agreement.payload
+        num_tokens, any_cannot, any_mixed, num_reqs, *largest = agreement.payload
         axes = tuple(zip((name for name, _ in values), largest))  # each axis's largest value on any rank
         counts = tuple(agreement.values)
         padded = (num_tokens, num_reqs) if self.pads_eager() else None
@@ -393,6 +407,6 @@ class StepAgreement:
         eager = Dispatch(Mode.EAGER, padded_key, own.reason if own.mode is Mode.EAGER else "peer")
         # Counts the agreed key's demand, once, for a step; a dispatch() is a query and counts nothing.
         agreed = registry.dispatch(num_tokens, num_reqs, not any_mixed, dict(axes), count=call == "execute")
-        if any_over or agreed.mode is Mode.EAGER:
+        if any_cannot or agreed.mode is Mode.EAGER:
             return eager, counts, padded
         return agreed, counts, padded

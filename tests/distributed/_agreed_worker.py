@@ -65,6 +65,31 @@ def draft_then_tp(rank: int, world: int, directory: str) -> dict[str, Any]:
 
     res.update(_options(rank, world))
     res["sampled"] = _sampled(rank, world)
+    res["moved"] = _moved_static(rank, world)
+    return res
+
+
+def _moved_static(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 replaces a parameter its graphs read (a static input), steps, then puts it back."""
+    import torch
+    import torch.distributed as dist
+
+    from graphcap import CaptureManager, Parallel, load_config
+
+    group = dist.new_group(list(range(world)), backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    config = load_config(overrides=CONFIG)
+    model = GatherMLP(group, world)
+    manager = CaptureManager(
+        model, config, backend="emulated", parallel=Parallel(dp_group=group, timeout=TIMEOUT_S), progress=False
+    )
+    manager.capture()
+    captured = model.w1
+    if rank == 1:
+        model.w1 = torch.nn.Parameter(captured.detach().clone(), requires_grad=False)
+    res: dict[str, Any] = {"moved": _step(manager, model, (2, 3)[rank], 90 + rank)}
+    res["moved"]["eager"] = dict(manager.stats.eager)
+    model.w1 = captured
+    res["restored"] = _step(manager, model, (2, 3)[rank], 92 + rank)
     return res
 
 

@@ -90,3 +90,12 @@ def test_sampled_steps_are_counted_once_per_agreed_step_after_a_refusal(ranks):
                 assert step["error"] == "InvariantViolation", step
             else:
                 assert step["match"] == "ok" and step["key"] == GraphKey(4, 4, True), f"rank {rank}: {step}"
+
+
+def test_a_static_input_replaced_on_one_dp_rank_is_refused_before_the_agreement(ranks):
+    moved, peer = ranks[1]["moved"]["moved"], ranks[0]["moved"]["moved"]
+    assert moved["error"] == "StaticInputMovedError", moved
+    assert peer.get("match") == "ok" and peer["eager"] == {"peer": 1}, peer  # the reference output, eagerly
+    for rank, result in enumerate(ranks):
+        restored = result["moved"]["restored"]  # put back: both ranks replay again
+        assert restored["match"] == "ok" and restored["key"] == GraphKey(4, 4, True), f"rank {rank}: {restored}"
