@@ -1,10 +1,11 @@
 """Per-step cost of agreeing with parallel peers, side by side with the step it guards.
 
 With a data-parallel group, every `CaptureManager.execute` first stages the batch for its own
-key (validation), then makes one agreement: a MAX all-reduce of 8 + 2 x world int64 values on a
-CPU (gloo) group (the counts, every rank's token count and call), and stages again when the
-agreed key differs. With a tensor-parallel group it adds a CRC-32 of the staged host rows and one
-more agreement. This spawns a gloo world on the CPU (file store in a temporary directory),
+key (validation), then makes one agreement: a MAX all-reduce of 9 + 2 x world int64 values on a
+CPU (gloo) group (the counts, every rank's token count and call, the out-of-step flag), and stages
+again when the agreed key differs. With a tensor-parallel group it adds a CRC-32 of the staged host
+rows and its agreement, and one more agreement before the launch (every rank's rows passed).
+This spawns a gloo world on the CPU (file store in a temporary directory),
 captures a small model on the emulated backend, and times on every rank, interleaved in rounds
 (the order alternating, every rank in lockstep):
 
@@ -13,7 +14,7 @@ captures a small model on the emulated backend, and times on every rank, interle
 - `execute` with the DP group: every rank 24 decodes (one key, one staging); and skewed, as in
   serving: rank 0 decodes 24 requests, rank 1 runs a mixed 40-token step, so rank 0 stages
   twice and replays the agreed `mixed(tokens=40, reqs=32)`;
-- `execute` with a TP group (both ranks 24 decodes): the step, the digest and its agreement.
+- `execute` with a TP group (both ranks 24 decodes): the step, the digest and its agreements.
 
 Rank 0 prints its medians and spreads; the numbers are host latency of a loopback collective
 beside an emulated replay, so they depend on the machine's load much more than bench_stage's.
@@ -83,7 +84,7 @@ def run_rank(rank: int, world_size: int, store: str, rounds: int, repeats: int) 
             manager.capture()
         sync = GroupSync(group, timeout=300.0)
         own, decode, mixed = rank_batch(rank), rank_batch(0), rank_batch(1)
-        floor = torch.zeros(8 + 2 * world_size, dtype=torch.int64)
+        floor = torch.zeros(9 + 2 * world_size, dtype=torch.int64)  # the agreement's length
         calls = [0]
 
         def agree():
@@ -97,7 +98,7 @@ def run_rank(rank: int, world_size: int, store: str, rounds: int, repeats: int) 
             ("GroupSync.agree (the agreement)", agree),
             ("execute, DP: 24 decodes on both ranks", lambda: managers["dp"].execute(decode)),
             ("execute, DP: rank 0 restaged to rank 1's key", lambda: managers["dp"].execute(own)),
-            ("execute, TP: 24 decodes (digest + agreement)", lambda: managers["tp"].execute(decode)),
+            ("execute, TP: 24 decodes (digest + 2 agreements)", lambda: managers["tp"].execute(decode)),
         ]
         agreed = managers["dp"].dispatch(own)
         samples: dict[str, list] = {name: [] for name, _ in rows}

@@ -20,6 +20,7 @@ from graphcap.capture.gc_hold import gc_frozen
 from graphcap.capture.lifecycle import LiveGraphs
 from graphcap.capture.runner import CapturePass
 from graphcap.config import CaptureConfig
+from graphcap.distributed.admission import agreed_admission
 from graphcap.keys import GraphKey
 from graphcap.memory.budget import MemoryBudget
 from graphcap.report import GraphRecord
@@ -56,6 +57,8 @@ def run_pass(
         live.reserve(budget)
         return [], 0
     admitted, declined = budget.split(job.config, keys, job.registry.captured)
+    if job.failures.peers is not None and budget.limit is not None:  # every rank keeps a key only if every rank can
+        admitted, declined = agreed_admission(job.failures.peers, keys, admitted, declined)
     collect_first = backend.name == "cuda"  # dead cycles holding device memory; the emulated backend has none
     with (
         gc_frozen(collect_first=collect_first),

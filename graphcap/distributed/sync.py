@@ -48,6 +48,7 @@ KINDS = {
     "reset": (10, "reset()"),
     "capture_pending": (11, "capture_pending() starting"),
     "staged": (12, "the staged-rows check of"),
+    "budget": (13, "the memory-budget admission of"),
 }
 """Kind of call -> (its number in the call slot, its name in "ranks out of step" messages)."""
 _NAMES = {number: name for number, name in KINDS.values()}
@@ -254,7 +255,7 @@ def _describe(call: int) -> str:
     """A call as its rank made it: "execute() of step 3", "capturing a key after step 2"."""
     step, kind = call >> 24, (call >> 16) & 0xFF
     name = _NAMES.get(kind, "an unknown call")
-    if kind in (3, 4):
+    if kind in (3, 4, 13):
         return f"{name} a key (tag {call & 0xFFFF}) after step {step}"
     if kind in (1, 2, 8, 9, 10, 11):  # between steps: the number is the steps executed before it
         return f"{name} after step {step}"
