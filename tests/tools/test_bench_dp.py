@@ -18,3 +18,5 @@ def test_bench_dp_quick_prints_the_step_and_its_agreement_side_by_side():
     ):
         assert row in done.stdout, done.stdout
     assert "agreed mixed(tokens=40, reqs=32)" in done.stdout
+    assert "pairs, interleaved call by call: GroupSync.agree" in done.stdout
+    assert "agreement / all-reduce per pair: median" in done.stdout
