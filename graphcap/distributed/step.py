@@ -11,7 +11,8 @@ run leaves them blocked in it. The order, per `execute` (and `dispatch`, which r
    capacity past them, which still holds what a larger earlier step wrote). TP ranks must stage
    the same rows; if they differ, every TP rank joins the step idle and raises `BatchError`.
 3. Data-parallel agreement (with a DP group): one agreement of the MAX of the token and request
-   counts, "past the padding factor", "not uniform" and each key axis's value (`capture.axes`), and
+   counts, "cannot use a graph" (the rank's own step past `capture.max_padding_factor`, or a static
+   input moved on it: checked before agreeing), "not uniform" and each key axis's value (`capture.axes`), and
    every rank's token count; every rank reaches the same key (the same combination of axis
    values), or every rank runs eagerly. Padded eager steps (`Parallel.pad_eager`;
    by default whenever the forward may hold a collective): an eager step pads to the agreed
