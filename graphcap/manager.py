@@ -110,16 +110,17 @@ class CaptureManager:
         self._prepare = prepare_of(model)
         self._outputs = OutputRows.of(model)  # which output tensors are per token, per request or whole
         # DP and TP peers, or None; agrees on the config first (collective)
-        self._peers = StepAgreement.create(config, self.registry, self.buffers, parallel)
+        self._peers = StepAgreement.create(config, self.registry, self.buffers, parallel, self._guard.check)
         around = [name for name, given in (("capture_context", capture_context), ("communicators", self._communicators))
                   if given]  # fmt: skip
         index_hint = None if vocab_known else VOCAB_HINT.format(vocab=config.model.vocab_size)
         failures = FailurePolicy(config.capture.on_error, self._peers, " and ".join(around), index_hint)
         # With peers, a capture forward that fails part-way issues the collectives its peers wait in (not on
         # CUDA: a dispatch mode around the warmups would change what torch.compile traces there).
+        peers = self._peers
         ledger = (
-            CollectiveLedger(self._peers.rank, self._peers.partners(), parallel.failure_timeout, self.device)
-            if self._peers is not None and self.device.type != "cuda"
+            CollectiveLedger(peers.rank, peers.partners(), parallel.failure_timeout, self.device, serial=peers.ledger)
+            if peers is not None and self.device.type != "cuda"
             else None
         )
         measure = None if is_built_in(model, config) else self._measure_key  # the model that is there
@@ -137,7 +138,8 @@ class CaptureManager:
         self._sampler = StepSampler(every) if every else None  # None: no cost on the replay path
         self.last_key: GraphKey | None = None
         """The key the last `execute`/`eager` step ran with: the captured key it replayed, or for an eager step
-        `GraphKey(num_tokens, num_reqs, False)` of its own counts (None before the first step). Public."""
+        `GraphKey(num_tokens, num_reqs, False)` of its own counts (with DP peers and padded eager steps: the
+        counts every rank padded to, a key that may have a graph) (None before the first step). Public."""
         self._parts = CaptureParts(
             model=model,
             config=config,
@@ -300,7 +302,7 @@ class CaptureManager:
             return output
         self.last_key = key
         sampler = self._sampler  # before the replay: the sampled eager run puts back its writes
-        expected = self._sample_eager(sampler, batch, key) if sampler is not None and sampler.due() else None
+        expected = self._sample_eager(sampler, batch, key) if sampler is not None and self._due(sampler) else None
         inputs = self._stage(batch, key, phase="replay")
         graph = self.graphs[key]
         self._guard.check_before_replay()  # what the graph writes: before the launch
@@ -324,6 +326,10 @@ class CaptureManager:
             sampler.compare(key, output, expected, self.config.checks.tolerance, precision_of(self.model))
         self._kept.hold(graph, output)
         return output
+
+    def _due(self, sampler: StepSampler) -> bool:
+        """Whether this replay is sampled; with peers, decided once per agreed step (`StepAgreement.sampled`)."""
+        return sampler.due() if self._peers is None else self._peers.sampled(sampler.due)
 
     def _sample_eager(self, sampler: StepSampler, batch: StepBatch, key: GraphKey) -> Expected:
         """The eager run of a sampled step (`checks.sample_every`), its KV writes put back (`graphcap.checks.sampling`).
@@ -386,6 +392,8 @@ class CaptureManager:
         if self._flight is not None:
             self._flight.record(inputs, dummy or batch.block_table is None, kv_writes)
         buffers.upload()  # the rows just staged and checked
+        if self._peers is not None:  # a step's: its TP peers' rows passed too (a refusal makes every rank idle)
+            self._peers.staged()
         return inputs
 
     def _dispatch(self, batch: StepBatch, step: int | None = None, *, count: bool = True) -> Dispatch:

@@ -65,7 +65,7 @@ def test_the_limit_counts_from_the_first_line_of_the_call():
 
     def slow_check_ready(*args):  # the work before the first key takes a whole second
         clock.now += 1.0
-        check_ready(*args)
+        return check_ready(*args)
 
     manager.capturer.check_ready = slow_check_ready
     assert manager.capture_pending(max_seconds=0.5) == 0

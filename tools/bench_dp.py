@@ -1,10 +1,11 @@
 """Per-step cost of agreeing with parallel peers, side by side with the step it guards.
 
 With a data-parallel group, every `CaptureManager.execute` first stages the batch for its own
-key (validation), then makes one agreement: a MAX all-reduce of 8 + 2 x world int64 values on a
-CPU (gloo) group (the counts, every rank's token count and call), and stages again when the
-agreed key differs. With a tensor-parallel group it adds a CRC-32 of the staged host rows and one
-more agreement. This spawns a gloo world on the CPU (file store in a temporary directory),
+key (validation), then makes one agreement: a MAX all-reduce of 9 + 2 x world int64 values on a
+CPU (gloo) group (the counts, every rank's token count and call, the out-of-step flag), and stages
+again when the agreed key differs. With a tensor-parallel group it adds a CRC-32 of the staged host
+rows and its agreement, and one more agreement before the launch (every rank's rows passed).
+This spawns a gloo world on the CPU (file store in a temporary directory),
 captures a small model on the emulated backend, and times on every rank, interleaved in rounds
 (the order alternating, every rank in lockstep):
 
@@ -13,7 +14,9 @@ captures a small model on the emulated backend, and times on every rank, interle
 - `execute` with the DP group: every rank 24 decodes (one key, one staging); and skewed, as in
   serving: rank 0 decodes 24 requests, rank 1 runs a mixed 40-token step, so rank 0 stages
   twice and replays the agreed `mixed(tokens=40, reqs=32)`;
-- `execute` with a TP group (both ranks 24 decodes): the step, the digest and its agreement.
+- `execute` with a TP group (both ranks 24 decodes): the step, the digest and its agreements;
+- then pairs of one agreement and one bare all-reduce of the same length, call by call (the order
+  alternating): their ratio per pair, both seeing the same load.
 
 Rank 0 prints its medians and spreads; the numbers are host latency of a loopback collective
 beside an emulated replay, so they depend on the machine's load much more than bench_stage's.
@@ -32,6 +35,7 @@ import datetime
 import os
 import platform
 import tempfile
+import time
 
 import numpy as np
 import torch
@@ -83,7 +87,7 @@ def run_rank(rank: int, world_size: int, store: str, rounds: int, repeats: int) 
             manager.capture()
         sync = GroupSync(group, timeout=300.0)
         own, decode, mixed = rank_batch(rank), rank_batch(0), rank_batch(1)
-        floor = torch.zeros(8 + 2 * world_size, dtype=torch.int64)
+        floor = torch.zeros(9 + 2 * world_size, dtype=torch.int64)  # the agreement's length
         calls = [0]
 
         def agree():
@@ -97,7 +101,7 @@ def run_rank(rank: int, world_size: int, store: str, rounds: int, repeats: int) 
             ("GroupSync.agree (the agreement)", agree),
             ("execute, DP: 24 decodes on both ranks", lambda: managers["dp"].execute(decode)),
             ("execute, DP: rank 0 restaged to rank 1's key", lambda: managers["dp"].execute(own)),
-            ("execute, TP: 24 decodes (digest + agreement)", lambda: managers["tp"].execute(decode)),
+            ("execute, TP: 24 decodes (digest + 2 agreements)", lambda: managers["tp"].execute(decode)),
         ]
         agreed = managers["dp"].dispatch(own)
         samples: dict[str, list] = {name: [] for name, _ in rows}
@@ -105,8 +109,10 @@ def run_rank(rank: int, world_size: int, store: str, rounds: int, repeats: int) 
             order = rows if round_index % 2 == 0 else rows[::-1]
             for name, fn in order:
                 samples[name].append(measure(fn, repeats, max(2, repeats // 10), before=dist.barrier))
+        pairs = _pairs(agree, lambda: dist.all_reduce(floor, op=dist.ReduceOp.MAX), rounds * repeats)
         if rank == 0:
             _print(world_size, rounds, repeats, agreed, samples)
+            _print_pairs(floor.numel(), pairs)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -127,6 +133,30 @@ def _print(world_size: int, rounds: int, repeats: int, agreed, samples: dict[str
         median = float(np.median(values))
         p10, p90 = np.percentile(values, [10, 90])
         print(f"{name:<46} {median:>7.1f}us {p10:>7.1f}us {p90:>7.1f}us {median / step:>6.2f}x")
+
+
+def _pairs(agree, bare, count: int) -> np.ndarray:
+    """`count` pairs of one agreement and one bare all-reduce back to back (the order alternating), in lockstep on
+    every rank: [pair, (agreement us, all-reduce us)]. Each pair sees the same load, so their ratio is the cost."""
+    times = np.zeros((count, 2))
+    for i in range(count):
+        calls = ((0, agree), (1, bare)) if i % 2 == 0 else ((1, bare), (0, agree))
+        for column, fn in calls:
+            start = time.perf_counter()
+            fn()
+            times[i, column] = (time.perf_counter() - start) * 1e6
+    return times
+
+
+def _print_pairs(length: int, pairs: np.ndarray) -> None:
+    ratio = pairs[:, 0] / pairs[:, 1]
+    p10, p90 = np.percentile(ratio, [10, 90])
+    agree, bare = np.median(pairs, axis=0)
+    print(
+        f"# {len(pairs)} pairs, interleaved call by call: GroupSync.agree {agree:.1f}us, dist.all_reduce {length} x "
+        f"int64 {bare:.1f}us (medians); agreement / all-reduce per pair: median {np.median(ratio):.2f}x "
+        f"(p10 {p10:.2f}x, p90 {p90:.2f}x)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -36,6 +36,7 @@ from graphcap.checks.sampling import Cache
 from graphcap.communicators import key_captured_hook
 from graphcap.config import CaptureConfig
 from graphcap.config.byte_counts import format_bytes
+from graphcap.distributed.admission import agreed_admission
 from graphcap.errors import ConfigError, ConfigProblem
 from graphcap.keys import GraphKey, Mode
 from graphcap.memory.budget import OVER_BUDGET
@@ -68,13 +69,16 @@ class Capturer:
         """`CaptureManager.capture` (see its docstring)."""
         parts = self.parts
         report_path = parts.config.report.path
-        if report_path:
-            check_report_path(report_path)
+
+        def checked() -> Scratch:  # the refusals, before anything is written
+            if report_path:
+                check_report_path(report_path)
+            return self.scratch(scratch_blocks, group_scratch_blocks)  # checks the scratch blocks first
+
         live, lazy, registry = parts.live, parts.lazy, parts.registry
         with parts.scope("capture"):
             # Under the lock: a resize_kv() waiting for it would otherwise leave the pass the old KV bound.
-            scratch = self.scratch(scratch_blocks, group_scratch_blocks)  # checks the scratch blocks first
-            self.check_ready()
+            scratch = self.check_ready("capture", checked)
             replaced = len(live.graphs)
             live.release_all("pending" if lazy.is_lazy else "not_captured")
             keys = [] if lazy.is_lazy else registry.capture_order()  # lazy: capture_pending() later
@@ -118,16 +122,20 @@ class Capturer:
         check_time_limits(max_seconds, max_keys)
         with parts.scope("capture_pending"), beside_engine_threads():  # no process-wide sync-debug mode
             # Under the lock: a resize_kv() waiting for it would otherwise leave the scratch check the old bound.
-            blocks = scratch_block_ids(scratch_blocks, parts.config.kv_cache.num_blocks)
-            groups = group_scratch_ids(group_scratch_blocks, parts.kv_groups)
+            def checked() -> Scratch:  # the refusals, before anything is written
+                blocks = scratch_block_ids(scratch_blocks, parts.config.kv_cache.num_blocks)
+                groups = group_scratch_ids(group_scratch_blocks, parts.kv_groups)
+                if parts.live.graphs:  # a key captured now must read what the live graphs read: one record checks all
+                    parts.guard.check_before_capture("capture_pending()", parts.model, parts.buffers.storage())
+                else:  # no graph alive (the first keys failed or were dropped): nothing reads the old record
+                    parts.guard.disarm()
+                return self._checked(blocks, groups)
+
             if parts.peers is None and not parts.registry.num_pending:  # peers must still agree that every rank stops
+                scratch_block_ids(scratch_blocks, parts.config.kv_cache.num_blocks)
+                group_scratch_ids(group_scratch_blocks, parts.kv_groups)
                 return 0
-            if parts.live.graphs:  # a key captured now must read what the live graphs read: one record checks them all
-                parts.guard.check_before_capture("capture_pending()", parts.model, parts.buffers.storage())
-            else:  # no graph alive (the first keys failed or were dropped): nothing reads the old record
-                parts.guard.disarm()
-            self.check_ready("capture_pending")
-            scratch = self._checked(blocks, groups)
+            scratch = self.check_ready("capture_pending", checked)
             capture_key = lambda key: self.capture_keys(scratch, [key], False)  # noqa: E731
             with parts.kept.protected():  # the last step's outputs stay valid until the next step
                 captured = parts.lazy.run(capture_key, max_seconds, max_keys, start=start)
@@ -185,17 +193,26 @@ class Capturer:
         num_reqs = capture_reqs(parts.registry, key)
         return measure_graph(key.num_tokens, num_reqs, Recorder(parts).key_run(key), parts.backend)
 
-    def check_ready(self, call: str = "capture") -> None:
-        """`ConfigError`: `num_warmups: 0` where the backend needs warmups (cuda), or a KV cache that shrank
-        without `resize_kv`. With peers, a rank that steps while they capture (`call`) fails here, out of step."""
+    def check_ready(self, call: str, checked: Callable[[], Scratch]) -> Scratch:
+        """`checked()` (the call's own refusals), then `ConfigError`: `num_warmups: 0` where the backend needs
+        warmups (cuda), or a KV cache that shrank without `resize_kv`. With peers, a rank that steps while they
+        capture (`call`) fails here, out of step, and a refusal on any rank raises on every rank (one agreement
+        carries it), so no rank's pass agreement pairs with a peer's next step."""
         parts = self.parts
         try:
-            parts.backend.check_warmups(parts.config.capture.num_warmups)
-        except ValueError as exc:
-            raise ConfigError([ConfigProblem("capture.num_warmups", str(exc))]) from None
-        check_kv_fits(parts.config, parts.model)
+            scratch = checked()
+            try:
+                parts.backend.check_warmups(parts.config.capture.num_warmups)
+            except ValueError as exc:
+                raise ConfigError([ConfigProblem("capture.num_warmups", str(exc))]) from None
+            check_kv_fits(parts.config, parts.model)
+        except Exception as exc:
+            if parts.peers is not None:
+                parts.peers.begin_capture(call, exc)
+            raise
         if parts.peers is not None:
             parts.peers.begin_capture(call)
+        return scratch
 
     def _run_pass(self, scratch: Scratch, keys: list[GraphKey], progress: bool | None) -> tuple[list[KeyOutcome], int]:
         """Capture and verify `keys` within the budget, and keep what passed in the live graphs.
@@ -212,6 +229,8 @@ class Capturer:
             live.reserve(budget)
             return [], 0
         admitted, over = budget.split(parts.config, keys, parts.registry.captured)
+        if parts.peers is not None and budget.limit is not None:  # every rank keeps a key only if every rank can
+            admitted, over = agreed_admission(parts.peers, keys, admitted, over)
         declined = [KeyOutcome(r.key, "skipped", 0.0, message=r.reason, eager_reason=OVER_BUDGET) for r in over]
         collect_first = backend.name == "cuda"  # dead cycles holding device memory; the emulated backend has none
         with (

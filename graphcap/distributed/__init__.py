@@ -2,8 +2,9 @@
 
 `options.Parallel` is what an engine passes (`CaptureManager(..., parallel=Parallel(...))`).
 
-`groups` picks the CPU group an agreement runs on; `sync` is the one reduction, carrying the
-step and the call; `step` orders a step so no rank strands its peers. docs/guide/distributed.md is the
+`groups` makes the CPU group an agreement runs on; `sync` is the one reduction, carrying the
+step and the call; `step` orders a step so no rank strands its peers; `agreed` is what a rank
+runs in an agreed step. docs/guide/distributed.md is the
 user's view.
 """
 

@@ -52,7 +52,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphcap.backends.collectives import observing
-from graphcap.distributed.step import is_collective_error
+from graphcap.distributed.agreed import is_collective_error
 from graphcap.phases import phase
 
 __all__ = ["CollectiveLedger"]
@@ -62,8 +62,9 @@ log = logging.getLogger("graphcap")
 _CAPTURE_PHASES = ("warmup", "capture", "verify")  # the keys of graphcap.capture.failures.PHASES
 _NAMESPACE = "_c10d_functional::"
 _SERIALS = itertools.count()
-"""Ledgers made in this process: ranks make their managers with peers in the same order (construction is
-collective), so the n-th ledger of every rank shares its store prefix."""
+"""Ledgers made in this process without a `serial` (standalone ones); a manager's ledger takes the serial its
+ranks agreed at construction (`StepAgreement.ledger`), the same on every partner whatever other managers
+each rank made."""
 
 
 class _Unfollowable(Exception):
@@ -96,11 +97,18 @@ class CollectiveLedger:
 
     `rank`: this world rank; `partners`: the world ranks of its DP and TP groups; `timeout`:
     `Parallel.failure_timeout`; `device`: where placeholder tensors are made; `store`: the store
-    the streams live in (default: the default process group's).
+    the streams live in (default: the default process group's); `serial`: the ledger's name in the store,
+    the same on every partner (a manager's: agreed at construction; None: this process's next own one).
     """
 
     def __init__(
-        self, rank: int, partners: Sequence[int], timeout: float, device: Any, store: Any | None = None
+        self,
+        rank: int,
+        partners: Sequence[int],
+        timeout: float,
+        device: Any,
+        store: Any | None = None,
+        serial: int | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -110,7 +118,7 @@ class CollectiveLedger:
         self.partners = tuple(sorted(set(partners) - {rank}))
         self.timeout = timeout
         self.device = torch.device(device)
-        self._store_prefix = f"graphcap/ledger/{next(_SERIALS)}"
+        self._store_prefix = f"graphcap/ledger/{f'x{next(_SERIALS)}' if serial is None else serial}"
         self._store = dist.PrefixStore(self._store_prefix, store)
         self._segment = 0
         self._open = False

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["Parallel", "parallel_of"]
+__all__ = ["AGREED", "Parallel", "agreed_options", "parallel_of"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,6 +60,16 @@ class Parallel:
     def has_peers(self) -> bool:
         """Whether any group is given (no group: the manager agrees with nobody)."""
         return self.dp_group is not None or self.tp_group is not None
+
+
+AGREED = ("pad_eager", "token_counts")
+"""The fields every rank of a manager's groups must set alike (they decide the shapes of a step's collectives);
+agreed at construction with the config (`agreed_options`)."""
+
+
+def agreed_options(parallel: Parallel) -> dict[str, str]:
+    """`Parallel.NAME` -> the value of each field of `AGREED`, as the construction agreement compares them."""
+    return {f"Parallel.{name}": repr(getattr(parallel, name)) for name in AGREED}
 
 
 def parallel_of(parallel: Parallel | None, group: Any) -> Parallel:

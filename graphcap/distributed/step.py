@@ -11,7 +11,8 @@ run leaves them blocked in it. The order, per `execute` (and `dispatch`, which r
    capacity past them, which still holds what a larger earlier step wrote). TP ranks must stage
    the same rows; if they differ, every TP rank joins the step idle and raises `BatchError`.
 3. Data-parallel agreement (with a DP group): one agreement of the MAX of the token and request
-   counts, "cannot use a graph", "not uniform" and each key axis's value (`capture.axes`), and
+   counts, "cannot use a graph" (the rank's own step past `capture.max_padding_factor`, or a static
+   input moved on it: checked before agreeing), "not uniform" and each key axis's value (`capture.axes`), and
    every rank's token count; every rank reaches the same key (the same combination of axis
    values), or every rank runs eagerly. Padded eager steps (`Parallel.pad_eager`;
    by default whenever the forward may hold a collective): an eager step pads to the agreed
@@ -20,11 +21,15 @@ run leaves them blocked in it. The order, per `execute` (and `dispatch`, which r
    (`inputs.extras["num_tokens_across_dp"]`, with `Parallel(token_counts=True)`). Lazy demand
    counts the agreed key, never a rank's own.
 4. The manager stages for the agreed key and runs; a refusal found then (the model's `prepare`,
-   the invariants) also runs the step idle before raising. A collective error inside the step
-   becomes `DistributedTimeoutError` naming the step and the key.
+   the invariants) also runs the step idle before raising. With a TP group, one more TP
+   agreement before the launch (`staged`) tells every TP rank whether each one's rows passed:
+   a refused TP rank's peers raise too and run idle, instead of reducing with its padding rows.
+   A collective error inside the step becomes `DistributedTimeoutError` naming the step and the key.
 
 Every agreement carries the step number and the call (see `GroupSync`), so ranks out of step
-fail at the first mismatched call. The calls that change the live graphs between steps
+fail at the first mismatched call. Every call agrees TP, then DP (`order`); on a grid, ranks out
+of step in the TP agreement join the DP one flagged, so every rank of the grid raises (`_agree`).
+The calls that change the live graphs between steps
 (`release`, `resize_kv`, `reset`) are agreed too (`agree_call`): one rank calling one alone fails
 at once on every rank, naming each rank's call.
 """
@@ -32,7 +37,8 @@ at once on every rank, naming each rank's call.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import hashlib
+import json
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -40,11 +46,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from graphcap.batch import IDLE, StepBatch
-from graphcap.config.fingerprint import agreed_items, fingerprint_int
-from graphcap.distributed.options import Parallel
-from graphcap.distributed.sync import KINDS, GroupSync, config_mismatch
-from graphcap.errors import BatchError, DistributedTimeoutError, InvariantViolation
-from graphcap.inputs import BufferSpec, ForwardInputs
+from graphcap.config.fingerprint import agreed_items
+from graphcap.distributed.agreed import COUNTS_BUFFER, AgreedStep, counts_buffers, eager_key, is_collective_error
+from graphcap.distributed.options import Parallel, agreed_options
+from graphcap.distributed.sync import KINDS, Agreement, GroupSync, call_word, config_mismatch, out_of_step
+from graphcap.errors import BatchError, DistributedTimeoutError, InvariantViolation, StaticInputMovedError
+from graphcap.inputs import ForwardInputs
 from graphcap.keys import Dispatch, GraphKey, KeyRegistry, Mode
 
 if TYPE_CHECKING:
@@ -53,47 +60,8 @@ if TYPE_CHECKING:
 
 __all__ = ["COUNTS_BUFFER", "AgreedStep", "StepAgreement", "counts_buffers", "is_collective_error"]
 
-COUNTS_BUFFER = "num_tokens_across_dp"
-"""The engine buffer of per-rank token counts (`Parallel(token_counts=True)`): int32 [DP world size]."""
-
-
-def counts_buffers(parallel: Parallel) -> tuple[BufferSpec, ...]:
-    """The engine buffer that holds every DP rank's token count, with `Parallel(token_counts=True)`."""
-    if not parallel.token_counts:
-        return ()
-    import torch.distributed as dist
-
-    return (BufferSpec(COUNTS_BUFFER, "none", shape=(dist.get_world_size(parallel.dp_group),), dtype="int32"),)
-
-
-@dataclasses.dataclass
-class AgreedStep:
-    """What one rank runs in an agreed step."""
-
-    number: int
-    dispatch: Dispatch
-    """The agreed mode and key: a captured key, or the eager key of `batch` (padded with `pad_eager`)."""
-    batch: StepBatch
-    """The rank's batch, or the empty batch when it joins the step idle."""
-    counts: tuple[int, ...]
-    """Every data-parallel rank's real token count (this rank's alone without a DP group)."""
-    padded: tuple[int, int] | None
-    """(tokens, requests) every rank's eager step pads to (`pad_eager`), else None."""
-    refused: BaseException | None = None
-    """Why this rank joined idle; raised once the step ran."""
-
-    def refuse(self, error: BaseException) -> tuple[StepBatch, Dispatch]:
-        """Join the step idle after `error` (a refusal after the agreement); re-raise if already idle."""
-        if self.batch is IDLE:
-            raise error
-        self.refused, self.batch = error, IDLE
-        if self.dispatch.mode is Mode.EAGER:
-            self.dispatch = self.dispatch._replace(key=_eager_key(IDLE, self.padded, self.dispatch.key.axes))
-        return self.batch, self.dispatch
-
-    def raise_refusal(self) -> None:
-        if self.refused is not None:
-            raise self.refused
+_next_ledger = 0
+"""The serial the next manager with peers proposes for its ledger (`StepAgreement.ledger`)."""
 
 
 class StepAgreement:
@@ -111,6 +79,9 @@ class StepAgreement:
         self.dp = GroupSync(parallel.dp_group, timeout, "data-parallel") if parallel.dp_group is not None else None
         self.tp = GroupSync(parallel.tp_group, timeout, "tensor-parallel") if parallel.tp_group is not None else None
         self.syncs = [sync for sync in (self.dp, self.tp) if sync is not None]
+        """DP, then TP: the order of construction's and a capture pass's own agreements."""
+        self.order = [sync for sync in (self.tp, self.dp) if sync is not None]
+        """TP, then DP: the order of every call's agreement (steps, capture passes starting, lifecycle calls)."""
         self.rank = dist.get_rank()
         self.registry = registry
         self._stage = stage
@@ -123,12 +94,22 @@ class StepAgreement:
         self.steps = 0
         """Steps executed: the number of the last `execute`."""
         self.current: AgreedStep | None = None
+        self.ledger = 0
+        """The serial of this manager's `CollectiveLedger` (its name in the store), agreed at construction."""
+        self.check_statics: Callable[[], None] | None = None
+        """The manager's static-input check (`StaticGuard.check`), run before a DP step's agreement."""
 
     @classmethod
     def create(
-        cls, config: CaptureConfig, registry: KeyRegistry, buffers: PersistentBuffers, parallel: Parallel
+        cls,
+        config: CaptureConfig,
+        registry: KeyRegistry,
+        buffers: PersistentBuffers,
+        parallel: Parallel,
+        statics: Callable[[], None] | None = None,
     ) -> StepAgreement | None:
-        """The agreements of a manager over `buffers` (`PersistentBuffers`), None without groups.
+        """The agreements of a manager over `buffers` (`PersistentBuffers`), None without groups; `statics`: its
+        static-input check (`check_statics`).
 
         Collective: the ranks agree on `config` (and the torch and graphcap versions) first.
         """
@@ -140,7 +121,10 @@ class StepAgreement:
             return buffers.layout.views(key.num_tokens, R).host
 
         peers = cls(registry, lambda batch, key: buffers.stage(batch, key, upload=False), key_rows, parallel)
-        peers.agree_on_config(fingerprint_int(config), agreed_items(config))
+        peers.check_statics = statics
+        items = {**agreed_items(config), **agreed_options(parallel)}
+        digest = hashlib.sha256(json.dumps(sorted(items.items())).encode()).digest()
+        peers.agree_on_config(int.from_bytes(digest[:8], "big") >> 2, items)
         return peers
 
     # -- agreements outside steps ----------------------------------------------------------
@@ -148,10 +132,16 @@ class StepAgreement:
     def agree_on_config(self, fingerprint: int, items: Mapping[str, str]) -> None:
         """Every rank of the DP and TP groups holds the same fingerprint, else every rank raises `ConfigError`
         naming each differing key and every rank's value (DP, then TP: on a TP x DP grid every rank learns
-        every rank's config, so no rank is left waiting in a later agreement)."""
-        highest, complement = fingerprint, 2**62 - fingerprint
+        every rank's config, so no rank is left waiting in a later agreement).
+
+        The same reduction agrees the ledger's serial (`ledger`): the largest any rank of the grid proposes, so
+        a manager with peers made on some ranks only (a draft model's) leaves no later manager's ranks naming
+        their ledgers apart."""
+        global _next_ledger
+        highest, complement, serial = fingerprint, 2**62 - fingerprint, _next_ledger
         for sync in self.syncs:
-            highest, complement = sync.fingerprint_range(highest, complement)
+            highest, complement, serial = sync.fingerprint_range(highest, complement, serial)
+        self.ledger, _next_ledger = serial, serial + 1
         if highest == 2**62 - complement:  # the largest fingerprint is also the smallest: all equal
             return
         known = {self.rank: dict(items)}
@@ -161,11 +151,16 @@ class StepAgreement:
         raise config_mismatch(known, role)
 
     def agree_call(self, kind: str, refused: BaseException | None = None, detail: str = "") -> None:
-        """A call that changes the live graphs between steps (`kind`: "release", "resize_kv", "reset"), agreed
-        like `capture()` (collective): a rank that makes it alone fails here on every rank, naming each rank's
+        """A call that changes the live graphs between steps (`kind`: "release", "resize_kv", "reset", "capture",
+        "capture_pending") (collective): a rank that makes it alone fails here on every rank, naming each rank's
         call ("ranks out of step"); a call `refused` on any rank (checked before agreeing) raises on every rank,
         the refusing rank its own error, so no rank changes its graphs alone."""
-        failed = self.first_failed(refused is not None, kind, detail)
+        known, apart = (self.rank + 1 if refused is not None else 0), False
+        for sync in self.order:  # TP, then DP, as steps: on a grid a call meets whatever its peers made
+            agreement = self._agree(sync, self.steps, kind, value=known, detail=detail, apart=apart)
+            apart, failed_ranks = agreement.apart, [value for value in agreement.values if value]
+            known = min(failed_ranks) if failed_ranks else 0
+        failed = known - 1 if known else None
         if refused is not None:
             raise refused
         if failed is not None:
@@ -174,12 +169,42 @@ class StepAgreement:
                 "every rank keeps its graphs, so the ranks stay in step"
             )
 
-    def begin_capture(self, call: str = "capture") -> None:
+    def begin_capture(self, call: str = "capture", refused: BaseException | None = None) -> None:
         """Before a capture pass (`call`: "capture" or "capture_pending") runs anything: ranks capturing while a
-        peer steps (or makes the other call) fail here, out of step, each rank's call named."""
+        peer steps (or makes the other call) fail here, out of step, each rank's call named; a pass `refused` on
+        any rank before it wrote anything (a scratch block out of range, a report path, a moved static input)
+        raises on every rank, the refusing rank its own error (`agree_call`)."""
         self.current = None
-        for sync in self.syncs:
-            sync.agree(self.steps, call)
+        self.agree_call(call, refused)
+
+    def _agree(
+        self,
+        sync: GroupSync,
+        number: int,
+        kind: str,
+        payload: Any = (),
+        value: int = 0,
+        detail: str = "",
+        *,
+        apart: bool = False,
+    ) -> Agreement:
+        """One agreement of a call, in the order every call keeps (`order`: TP, then DP).
+
+        With one group, its agreement raises "ranks out of step" itself. On a TP x DP grid a rank whose TP
+        agreement found the ranks out of step (`apart`) still joins its DP agreement, flagged: every DP group
+        holds a rank of every TP group, so after the DP agreement every rank of the grid knows, and every rank
+        gathers every rank's call and raises the same "ranks out of step", instead of leaving the ranks of
+        the other groups waiting in their next agreement."""
+        if len(self.order) == 1:
+            return sync.agree(number, kind, payload, value, detail)
+        agreement = sync.agree(number, kind, payload, value, detail, apart=apart)
+        if agreement.apart and sync is self.order[-1]:
+            known = {self.rank: call_word(number, kind, detail)}
+            for each in self.order:
+                known = each.gather_calls(known)
+            what = f"step {number}: {kind}{f' of {detail}' if detail else ''}"
+            raise out_of_step(known, what, " x ".join(each.role for each in self.order))
+        return agreement
 
     def first_failed(self, failed: bool, kind: str, what: str) -> int | None:
         """The lowest world rank that failed `what` (DP, then TP: every rank of a TP x DP grid learns it)."""
@@ -237,10 +262,19 @@ class StepAgreement:
         except BatchError as exc:
             refused, batch = exc, IDLE
             own, uniform = self._own(batch)
+        cannot = False
+        if self.dp is not None and refused is None and self.check_statics is not None and self.registry.captured:
+            try:  # a static input replaced on this rank: refused before agreeing, every rank runs the step eagerly
+                self.check_statics()
+            except StaticInputMovedError as exc:
+                refused, batch, cannot = exc, IDLE, True
+                own, uniform = self._own(batch)
+        apart = False
         if self.tp is not None:
             digest = 1 if refused is not None else self._digest(batch, own.key)
-            digests = self.tp.agree(number, call, value=digest).values
-            if len(set(digests)) > 1:
+            agreement = self._agree(self.tp, number, call, value=digest)
+            apart, digests = agreement.apart, agreement.values
+            if not apart and len(set(digests)) > 1:
                 shown = ", ".join(f"rank {self.tp.ranks[i]}: {d:x}" for i, d in enumerate(digests))
                 own_reason = "" if refused is None else f"; this rank's batch was refused: {refused}"
                 mismatch = BatchError(
@@ -253,8 +287,10 @@ class StepAgreement:
                 own, uniform = self._own(batch)
         counts: tuple[int, ...]
         dispatch, counts, padded = own, (batch.num_tokens,), None
+        if self.dp is not None and apart:  # out of step in the TP agreement: tell the DP peers, then raise
+            self._agree(self.dp, number, call, apart=True)
         if self.dp is not None:
-            dispatch, counts, padded = self._agree_dp(self.dp, number, call, batch, uniform, own)
+            dispatch, counts, padded = self._agree_dp(self.dp, number, call, batch, uniform, own, cannot)
         elif own.mode is Mode.EAGER and call == "execute":  # the step's key: counted once, as without peers
             self.registry.dispatch(batch.num_tokens, batch.num_reqs, uniform, batch.axes)
         step = AgreedStep(number, dispatch, batch, counts, padded, refused)
@@ -270,6 +306,8 @@ class StepAgreement:
             try:
                 output = run(step.batch, step.dispatch)
             except (BatchError, InvariantViolation) as exc:
+                if not step.checked:  # refused before the TP peers' check: they learn it there and run idle too
+                    self._check_staged(step, exc)
                 output = run(*step.refuse(exc))
         step.raise_refusal()
         return output
@@ -291,6 +329,40 @@ class StepAgreement:
             ) from exc
         finally:
             self.current = None
+
+    def staged(self) -> None:
+        """After the rank staged the agreed step's rows and they passed `prepare` and the invariants, before
+        it launches anything (the manager calls it): with a TP group, one agreement that every TP rank's did.
+        A TP rank refused then (its `prepare` broke a row) would run the step idle, and its peers' replay
+        would all-reduce their partial sums with its padding rows: a wrong output without an error. So its
+        peers raise `BatchError` naming it here, and every rank of the group runs the step idle."""
+        step = self.current
+        if step is not None and not step.checked:
+            self._check_staged(step, None)
+
+    def sampled(self, due: Callable[[], bool]) -> bool:
+        """Whether the running step's replay is sampled (`checks.sample_every`; `due` counts one replay): asked
+        once per agreed step, so a rank that runs a step twice (refused, then idle) counts it once and samples
+        the same steps as its peers (every rank replays the same steps: their keys are agreed)."""
+        step = self.current
+        if step is None:
+            return due()
+        if step.sampled is None:
+            step.sampled = due()
+        return step.sampled
+
+    def _check_staged(self, step: AgreedStep, refused: BaseException | None) -> None:
+        step.checked = True
+        if self.tp is None:
+            return
+        values = self.tp.agree(step.number, "staged", value=int(refused is not None)).values
+        failed = [rank for rank, value in zip(self.tp.ranks, values) if value]
+        if failed and refused is None:
+            raise BatchError(
+                f"step {step.number}: {step.dispatch.key}: the batch of tensor-parallel rank {failed[0]} was refused "
+                "after the agreement (its own error names why); every rank of the tensor-parallel group ran this "
+                "step idle, so no rank all-reduced with a rank that did not compute the batch"
+            )
 
     def write_counts(self, inputs: ForwardInputs) -> None:
         """Fill the per-rank token counts of the step being staged (graphcap's batches: the same on every rank)."""
@@ -321,44 +393,38 @@ class StepAgreement:
         return crc + 2
 
     def _agree_dp(
-        self, dp: GroupSync, number: int, call: str, batch: StepBatch, uniform: bool, own: Dispatch
+        self,
+        dp: GroupSync,
+        number: int,
+        call: str,
+        batch: StepBatch,
+        uniform: bool,
+        own: Dispatch,
+        cannot: bool = False,
     ) -> tuple[Dispatch, tuple[int, ...], tuple[int, int] | None]:
         """The dispatch every DP rank reaches from the reduced counts.
 
-        An idle rank (no requests) joins any key; a rank whose own step could not replay gives
-        its own reason, the others `peer`.
+        Whether a graph can serve is decided from the agreed key: it holds every rank's batch (its
+        counts and axis values are the largest), and every rank holds the same graphs, so a rank's
+        own key being pending or skipped does not keep its peers from replaying the agreed one. The
+        rank-own reasons every rank honours ("cannot" in the payload) are `capture.max_padding_factor`
+        on the rank's own step and `cannot` (a static input moved on this rank: it must not replay).
+        When the step runs eagerly, a rank whose own step could not replay either gives its own
+        reason, the others `peer`.
         """
         registry = self.registry
-        cannot = own.mode is Mode.EAGER and not (batch.num_reqs == 0 and registry.mode != "none")
+        cannot = cannot or (own.mode is Mode.EAGER and own.reason == "over_padding" and batch.num_reqs > 0)
         values = registry.axis_values(batch.axes)  # an idle rank: every axis at its smallest value
         payload = [batch.num_tokens, int(cannot), int(not uniform), batch.num_reqs, *(v for _, v in values)]
-        agreement = dp.agree(number, call, payload, value=batch.num_tokens)
+        agreement = self._agree(dp, number, call, payload, value=batch.num_tokens)
         num_tokens, any_cannot, any_mixed, num_reqs, *largest = agreement.payload
         axes = tuple(zip((name for name, _ in values), largest))  # each axis's largest value on any rank
         counts = tuple(agreement.values)
         padded = (num_tokens, num_reqs) if self.pads_eager() else None
-        eager_key = _eager_key(batch, padded, values if padded is None else axes)
-        eager = Dispatch(Mode.EAGER, eager_key, own.reason if own.mode is Mode.EAGER else "peer")
+        padded_key = eager_key(batch, padded, values if padded is None else axes)
+        eager = Dispatch(Mode.EAGER, padded_key, own.reason if own.mode is Mode.EAGER else "peer")
         # Counts the agreed key's demand, once, for a step; a dispatch() is a query and counts nothing.
         agreed = registry.dispatch(num_tokens, num_reqs, not any_mixed, dict(axes), count=call == "execute")
         if any_cannot or agreed.mode is Mode.EAGER:
             return eager, counts, padded
         return agreed, counts, padded
-
-
-def _eager_key(batch: StepBatch, padded: tuple[int, int] | None, axes: tuple[tuple[str, int], ...]) -> GraphKey:
-    """The key of an eager step: the batch's own counts, or the counts every rank pads to, at axis values `axes`."""
-    num_tokens, num_reqs = padded if padded is not None else (batch.num_tokens, batch.num_reqs)
-    return KeyRegistry.eager_key(num_tokens, num_reqs, axes)
-
-
-def is_collective_error(exc: BaseException) -> bool:
-    """Whether `exc` comes from a collective (a torch.distributed error, or gloo's/NCCL's RuntimeError)."""
-    if isinstance(exc, DistributedTimeoutError) or not isinstance(exc, RuntimeError):
-        return False
-    import torch.distributed as dist
-
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc)
-    return any(mark in text for mark in ("gloo", "Gloo", "NCCL", "c10d", "ProcessGroup"))

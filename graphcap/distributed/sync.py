@@ -5,7 +5,7 @@ so ranks must replay the same key, capture in lockstep and stage the same rows. 
 agreement graphcap needs (a step's dispatch, a capture pass starting, a key's failure, the
 config) is one MAX all-reduce of a fixed-length int64 host tensor over a CPU (gloo) group:
 
-    [ payload (8) | value of each rank (W) | call of each rank (W) ]
+    [ payload (8) | value of each rank (W) | call of each rank (W) | apart (1) ]
 
 Each rank writes its payload, its own slot of the values and its own slot of the calls (zero
 elsewhere), so one MAX gives every rank the element-wise maximum of the payloads (the
@@ -14,7 +14,10 @@ and call. A call is the step number, the kind of call and a 16-bit tag of its de
 ranks whose calls differ (one skipped a step, one captures while another steps) fail this very
 reduction with "ranks out of step", naming every rank's call, instead of pairing it with
 another one. Every agreement has the same length, so no two calls reduce tensors of different
-lengths. One round trip, no device sync: the host keeps running ahead of the GPU.
+lengths. `apart` carries "out of step" from one group's agreement into the next one of the same
+call (a TP x DP grid agrees TP, then DP): a rank whose first agreement failed still joins the
+second, flagged, so the ranks of the other group learn it there instead of waiting. One round
+trip, no device sync: the host keeps running ahead of the GPU.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 from graphcap.distributed.groups import cpu_group, global_rank
 from graphcap.errors import ConfigError, ConfigProblem, DistributedTimeoutError
 
-__all__ = ["KINDS", "Agreement", "GroupSync", "call_tag", "config_mismatch"]
+__all__ = ["KINDS", "Agreement", "GroupSync", "call_tag", "call_word", "config_mismatch", "out_of_step"]
 
 PAYLOAD = 8
 KINDS = {
@@ -44,6 +47,8 @@ KINDS = {
     "resize_kv": (9, "resize_kv()"),
     "reset": (10, "reset()"),
     "capture_pending": (11, "capture_pending() starting"),
+    "staged": (12, "the staged-rows check of"),
+    "budget": (13, "the memory-budget admission of"),
 }
 """Kind of call -> (its number in the call slot, its name in "ranks out of step" messages)."""
 _NAMES = {number: name for number, name in KINDS.values()}
@@ -56,11 +61,20 @@ class Agreement(NamedTuple):
     """The element-wise MAX of every rank's payload."""
     values: list[int]
     """Each rank's value (index: the rank in the group)."""
+    calls: tuple[int, ...] = ()
+    """Each rank's call (agreements given `apart`)."""
+    apart: bool = False
+    """Whether the ranks made different calls, or one of them came flagged from an earlier agreement that did."""
 
 
 def call_tag(detail: str) -> int:
     """A 16-bit tag of a call's detail (a key): ranks agreeing on different keys differ in it."""
     return zlib.crc32(detail.encode()) & 0xFFFF
+
+
+def call_word(step: int, kind: str, detail: str = "") -> int:
+    """A rank's call in the call slot: the step, the kind of call, the tag of its detail."""
+    return (step << 24) | (KINDS[kind][0] << 16) | (call_tag(detail) if detail else 0)
 
 
 class GroupSync:
@@ -78,7 +92,6 @@ class GroupSync:
             raise ValueError("group given, but torch.distributed is not initialized; call init_process_group first")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds (Parallel(timeout=...)); got {timeout!r}")
-        self._dist = dist
         self.role = role
         self.timeout = _dt.timedelta(seconds=timeout)
         self.rank = dist.get_rank(group)
@@ -88,30 +101,49 @@ class GroupSync:
         self.ranks = [global_rank(group, r) for r in range(self.world_size)]
         """The world rank of each rank of the group (messages name world ranks)."""
         self.group = cpu_group(group, self.timeout)
+        """graphcap's own gloo group over the same ranks (a `ProcessGroupGloo`, `groups.cpu_group`)."""
+        self._max = dist.AllreduceOptions()
+        self._max.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
         W = self.world_size
-        self._buffer = torch.zeros(PAYLOAD + 2 * W, dtype=torch.int64)  # host tensor, reused by every agreement
+        self._buffer = torch.zeros(PAYLOAD + 2 * W + 1, dtype=torch.int64)  # host tensor, reused by every agreement
         self._values = self._buffer.numpy()  # the same memory: numpy writes cost less than tensor indexing
 
-    def agree(self, step: int, kind: str, payload: Sequence[int] = (), value: int = 0, detail: str = "") -> Agreement:
+    def agree(
+        self,
+        step: int,
+        kind: str,
+        payload: Sequence[int] = (),
+        value: int = 0,
+        detail: str = "",
+        *,
+        apart: bool | None = None,
+    ) -> Agreement:
         """The one reduction (collective: every rank of the group calls it with the same step, kind and detail).
 
         `step`: the step number (steps executed before it, for capture); `kind`: a key of
         `KINDS` ("execute", "dispatch", "capture", ...); `payload`: at most 8 ints >= 0, maxed;
         `value`: this rank's int >= 0 that every rank learns. `DistributedTimeoutError` when it
-        does not complete within the timeout, or when the ranks made different calls.
+        does not complete within the timeout, or when the ranks made different calls. `apart`
+        (a bool: lenient): whether this rank comes out of step from an earlier agreement of the call;
+        the agreement then returns `Agreement.apart` and every call instead of raising.
         """
         if len(payload) > PAYLOAD:
             raise ValueError(f"an agreement carries at most {PAYLOAD} values; got {len(payload)}")
         W, buffer = self.world_size, self._values
         buffer.fill(0)
         buffer[: len(payload)] = payload
-        call = (step << 24) | (KINDS[kind][0] << 16) | (call_tag(detail) if detail else 0)
+        call = call_word(step, kind, detail)
         buffer[PAYLOAD + self.rank] = value
         buffer[PAYLOAD + W + self.rank] = call
+        buffer[PAYLOAD + 2 * W] = int(bool(apart))
         self._all_reduce_max(self._buffer, f"step {step}: {kind}{f' of {detail}' if detail else ''}")
         values = buffer.tolist()
-        calls = values[PAYLOAD + W :]
-        if any(c != call for c in calls):
+        calls = values[PAYLOAD + W : PAYLOAD + 2 * W]
+        differ = any(c != call for c in calls)
+        if apart is not None:
+            payload_max, each = values[: len(payload)], values[PAYLOAD : PAYLOAD + W]
+            return Agreement(payload_max, each, tuple(calls), differ or values[-1] > 0)
+        if differ:
             raise self._out_of_step(calls, f"step {step}: {kind}{f' of {detail}' if detail else ''}")
         return Agreement(values[: len(payload)], values[PAYLOAD : PAYLOAD + W])
 
@@ -134,42 +166,50 @@ class GroupSync:
         every rank's value, instead of a misleading timeout or a capture failure later.
         `StepAgreement.agree_on_config` chains the same two steps over a DP and a TP group.
         """
-        if self.fingerprint_range(fingerprint, 2**62 - fingerprint) == (fingerprint, 2**62 - fingerprint):
+        highest, complement, _ = self.fingerprint_range(fingerprint, 2**62 - fingerprint)
+        if (highest, complement) == (fingerprint, 2**62 - fingerprint):
             return
         raise config_mismatch(self.gather({self.ranks[self.rank]: dict(items)}), self.role)
 
-    def fingerprint_range(self, highest: int, complement: int) -> tuple[int, int]:
-        """(the MAX of `highest`, the MAX of `complement`) over the group: `2**62 - complement` is the smallest
-        fingerprint, so every rank holds the same one when the two meet (collective)."""
-        highest, complement = self.agree(0, "construction", [highest, complement]).payload
-        return highest, complement
+    def fingerprint_range(self, highest: int, complement: int, serial: int = 0) -> tuple[int, int, int]:
+        """(the MAX of `highest`, the MAX of `complement`, the MAX of `serial`) over the group: `2**62 -
+        complement` is the smallest fingerprint, so every rank holds the same one when the two meet; `serial`
+        rides along (the ledger's name, `StepAgreement.agree_on_config`) (collective)."""
+        highest, complement, serial = self.agree(0, "construction", [highest, complement, serial]).payload
+        return highest, complement, serial
 
-    def gather(self, known: dict[int, dict[str, str]]) -> dict[int, dict[str, str]]:
-        """Every rank's `known` (world rank -> items), merged (collective; only after a mismatch)."""
-        gathered: list[Any] = [None] * self.world_size
+    def gather(self, known: dict[int, Any]) -> dict[int, Any]:
+        """Every rank's `known` (world rank -> items, or a call), merged (collective; only after a mismatch)."""
+        import pickle
+
+        data = pickle.dumps(known)
         try:
-            self._dist.all_gather_object(gathered, known, group=self.group)
+            length = torch.tensor([len(data)], dtype=torch.int64)
+            self._wait(self.group.allreduce([length], self._max), "config agreement")
+            mine = torch.zeros(int(length.item()), dtype=torch.uint8)
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+            self._wait(self.group.allgather([parts], [mine]), "config agreement")
         except RuntimeError as exc:
             raise self._timeout_error("config agreement", str(exc)) from exc
+        gathered = [pickle.loads(part.numpy().tobytes()) for part in parts]  # pickle ignores the zero tail
         return {rank: items for part in gathered for rank, items in part.items()}
 
     def _out_of_step(self, calls: list[int], what: str) -> DistributedTimeoutError:
-        described = "; ".join(f"rank {self.ranks[i]}: {_describe(call)}" for i, call in enumerate(calls))
-        return DistributedTimeoutError(
-            f"{what}: ranks out of step: the {self.role} ranks made different calls ({described}); every rank "
-            "must call execute/dispatch "
-            "once per step (an idle rank passes None), and the same calls between steps (capture(), "
-            "capture_pending(), release(), resize_kv(), reset()) at the same point, with the same config. "
-            "No rank ran the step"
-        )
+        return out_of_step(dict(zip(self.ranks, calls)), what, self.role)
+
+    def gather_calls(self, known: dict[int, int]) -> dict[int, int]:
+        """Every rank's `known` calls (world rank -> call), merged (collective; only once ranks are out of step)."""
+        return {rank: int(call) for rank, call in self.gather(known).items()}
 
     def _all_reduce_max(self, tensor: torch.Tensor, what: str) -> None:
         try:
-            work = self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=self.group, async_op=True)
-            completed = work.wait(self.timeout)
+            self._wait(self.group.allreduce([tensor], self._max), what)
         except RuntimeError as exc:  # gloo: "Operation timed out!"; a dead peer: connection closed
             raise self._timeout_error(what, str(exc)) from exc
-        if completed is False:  # backends that report a timeout instead of raising
+
+    def _wait(self, work: Any, what: str) -> None:
+        if work.wait(self.timeout) is False:  # backends that report a timeout instead of raising
             raise self._timeout_error(what, "timed out")
 
     def _timeout_error(self, what: str, cause: str) -> DistributedTimeoutError:
@@ -182,6 +222,17 @@ class GroupSync:
         )
 
 
+def out_of_step(calls: Mapping[int, int], what: str, role: str) -> DistributedTimeoutError:
+    """ "ranks out of step", naming the call of each rank of `calls` (world rank -> call)."""
+    described = "; ".join(f"rank {rank}: {_describe(calls[rank])}" for rank in sorted(calls))
+    return DistributedTimeoutError(
+        f"{what}: ranks out of step: the {role} ranks made different calls ({described}); every rank must call "
+        "execute/dispatch once per step (an idle rank passes None), and the same calls between steps (capture(), "
+        "capture_pending(), release(), resize_kv(), reset()) at the same point, with the same config. "
+        "No rank ran the step"
+    )
+
+
 def config_mismatch(known: Mapping[int, Mapping[str, str]], role: str) -> ConfigError:
     """The `ConfigError` naming each key whose value differs between the ranks of `known` (world rank -> items)."""
     ranks = sorted(known)
@@ -190,11 +241,12 @@ def config_mismatch(known: Mapping[int, Mapping[str, str]], role: str) -> Config
         values = [known[rank].get(key, "<absent>") for rank in ranks]
         if len(set(values)) > 1:
             per_rank = ", ".join(f"rank {rank}: {value}" for rank, value in zip(ranks, values))
-            must = (
-                "every rank must run the same torch and graphcap"
-                if key.startswith("version.")
-                else "every rank must load the same config (only device and report.path may differ)"
-            )
+            if key.startswith("version."):
+                must = "every rank must run the same torch and graphcap"
+            elif key.startswith("Parallel."):
+                must = f"every rank must pass the same Parallel({key.partition('.')[2]}=...)"
+            else:
+                must = "every rank must load the same config (only device and report.path may differ)"
             problems.append(ConfigProblem(key, f"differs across the {len(ranks)} {role} ranks ({per_rank}); {must}"))
     return ConfigError(problems, f"the config of the {len(ranks)} {role} ranks")
 
@@ -203,7 +255,7 @@ def _describe(call: int) -> str:
     """A call as its rank made it: "execute() of step 3", "capturing a key after step 2"."""
     step, kind = call >> 24, (call >> 16) & 0xFF
     name = _NAMES.get(kind, "an unknown call")
-    if kind in (3, 4):
+    if kind in (3, 4, 13):
         return f"{name} a key (tag {call & 0xFFFF}) after step {step}"
     if kind in (1, 2, 8, 9, 10, 11):  # between steps: the number is the steps executed before it
         return f"{name} after step {step}"

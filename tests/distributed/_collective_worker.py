@@ -246,7 +246,7 @@ def grid(rank: int, world: int, directory: str) -> dict[str, Any]:
     from graphcap.distributed import GroupSync
 
     sync = GroupSync(dp, timeout=DP_TIMEOUT_S)
-    res["twin_ranks"] = dist.get_process_group_ranks(sync.group)
+    res["twin_ranks"] = sync.ranks if sync.group.size() == len(sync.ranks) else None
     res["twin_is_new"] = sync.group is not dp
     res["reduced"] = sync.reduce_max([rank], "probe")
     model = TensorParallelMLP(dist.get_rank(tp), 2, "functional", tp)

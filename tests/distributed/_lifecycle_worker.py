@@ -65,11 +65,16 @@ def agreed_calls(rank: int, world: int, directory: str) -> dict[str, Any]:
     res["resize_refused"] = outcome(lambda: manager.resize_kv(40, cache))
     res["graphs_after_refusal"] = len(manager.graphs)
     res["step4"] = _step(manager, 4, 7 + rank, step=4)
+    # capture() refused on rank 1 before it agrees (a scratch block out of range): every rank raises, none
+    # released a graph, and the next step replays on both.
+    res["capture_refused"] = outcome(lambda: manager.capture(scratch_blocks=[999] if rank == 1 else ()))
+    res["graphs_after_capture_refused"] = len(manager.graphs)
+    res["after_capture_refused"] = _step(manager, 4, 30 + rank, step=5)
     # Eager steps of different sizes with the default pad_eager (None): rank 1 above the largest size.
-    res["eager_skewed"] = _step(manager, (2, 12)[rank], 8 + rank, step=5)
+    res["eager_skewed"] = _step(manager, (2, 12)[rank], 8 + rank, step=6)
     # Every rank releases together: agreed, every later step runs eagerly (reason "released").
     res["release_both"] = outcome(manager.release)
-    res["after_release"] = _step(manager, (3, 5)[rank], 9 + rank, step=6)
+    res["after_release"] = _step(manager, (3, 5)[rank], 9 + rank, step=7)
     res["eager_reasons"] = dict(manager.stats.eager)
 
     plain = build_model(load_config(overrides={**CONFIG, "model.num_layers": 1}))
@@ -91,5 +96,12 @@ def agreed_calls(rank: int, world: int, directory: str) -> dict[str, Any]:
         _step(lazy, (1, 3)[rank], 20 + i)
     res["demand"] = {str(key): count for key, count in lazy.registry.demand.items() if count}
     res["first_lazy"] = (lazy.capture_pending(max_keys=1), sorted(str(key) for key in lazy.graphs))
+    # Rank 0's own uniform(1) is still pending; the agreed uniform(4) has a graph on every rank: it replays.
+    res["agreed_serves"] = _step(lazy, (1, 3)[rank], 30 + rank)
+    res["agreed_serves"]["hits"] = sum(lazy.stats.graph_hits.values())
+    # capture_pending() refused on rank 1 before it agrees: every rank raises and keeps serving.
+    res["pending_refused"] = outcome(lambda: lazy.capture_pending(max_keys=1, scratch_blocks=[999] if rank else ()))
+    res["pending_refused"]["graphs"] = len(lazy.graphs)
+    res["after_pending_refused"] = _step(lazy, (1, 3)[rank], 40 + rank)
     dist.destroy_process_group()
     return res

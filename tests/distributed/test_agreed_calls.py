@@ -81,3 +81,26 @@ def test_lazy_demand_counts_the_agreed_key_not_each_ranks_own(ranks):
         # Rank 0's own uniform(1) never ran: only the agreed size counts (its uniform key and the mixed fallback).
         assert result["demand"] == {str(uniform(4)): 3, str(GraphKey(4, 4, False)): 3}, f"rank {rank}"
         assert result["first_lazy"] == (1, [str(uniform(4))])
+
+
+def test_a_graph_of_the_agreed_key_serves_though_a_ranks_own_key_is_pending(ranks):
+    for rank, result in enumerate(ranks):
+        step = result["agreed_serves"]  # rank 0: 1 decode (uniform(1) pending), rank 1: 3 decodes
+        assert step["match"] == "ok", f"rank {rank}: {step}"
+        assert step["key"] == uniform(4) and step["hits"] == 1, f"rank {rank}: {step}"
+
+
+@pytest.mark.parametrize(
+    ("scenario", "call", "after"),
+    [("capture_refused", "capture() starting", 4), ("pending_refused", "capture_pending() starting", 4)],
+)
+def test_a_capture_refused_on_one_rank_before_it_agrees_raises_on_every_rank(ranks, scenario, call, after):
+    refused, peer = ranks[1][scenario], ranks[0][scenario]
+    assert refused["error"] == "ValueError" and "999" in refused["message"], refused
+    assert peer["error"] == "DistributedTimeoutError", peer
+    assert f"{call} after step {after}: rank 1 refused it" in peer["message"], peer["message"]
+    for rank, result in enumerate(ranks):
+        step = result["after_capture_refused" if scenario == "capture_refused" else "after_pending_refused"]
+        assert step["match"] == "ok" and step["key"] == uniform(4), f"rank {rank}: {step}"
+    assert [result["graphs_after_capture_refused"] for result in ranks] == [8, 8]
+    assert [result["pending_refused"]["graphs"] for result in ranks] == [1, 1]

@@ -2,8 +2,8 @@
 
 A 2-rank world runs a column/row-parallel MLP with every all-reduce spelling (`tp_group` = the
 world); replays are compared with the same network in one process. A 4-rank world lays out
-TP 2 x DP 2 with DP groups that report NCCL, so graphcap makes its gloo twins with local
-synchronisation.
+TP 2 x DP 2 with DP groups that report NCCL, so graphcap makes its gloo twins over each group's
+ranks alone.
 """
 
 from __future__ import annotations
